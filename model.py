@@ -1,0 +1,601 @@
+"""A Llama-style transformer that can predict several tokens per forward pass.
+
+Multi-token prediction (MTP) by self-distillation needs no new heads: one extra `<mask>`
+token is added to the vocabulary, and feeding `prefix <mask> <mask> ...` asks the unchanged
+network to fill in the next few tokens at once. So this file is an ordinary decoder-only
+transformer with three things MTP leans on:
+
+  * `forward` takes explicit position ids and an arbitrary boolean attention mask, because the
+    packed training layout (data.py) interleaves mask blocks with ground-truth tokens that keep
+    their original positions;
+  * a KV cache written at explicit slots that can be rolled back, because decoding
+    (confadapt.py) appends `accepted tokens + masks`, then drops the mask entries;
+  * `add_mask_token`, which grows (or reuses a spare row of) the embedding matrix.
+
+The same module loads real Llama-3.x and Qwen3 (and Qwen2) checkpoints in the Hugging Face
+layout and writes them back, so a model tuned here can be served by transformers, vLLM or
+SGLang. The block is the Llama one:
+
+    x = x + Attention(RMSNorm(x))      grouped-query attention, RoPE, optional per-head q/k norm
+    x = x + SwiGLU(RMSNorm(x))
+
+References: Llama 3 (arXiv 2407.21783), Qwen3 (arXiv 2505.09388), RoFormer (arXiv 2104.09864),
+GQA (arXiv 2305.13245), GLU variants (arXiv 2002.05202), Multi-Token Prediction via
+Self-Distillation (arXiv 2602.06019).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 512
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 4
+    head_dim: int | None = None        # None: dim // n_heads (Qwen3 sets it explicitly)
+    ffn_dim: int = 768
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None   # {"rope_type": "llama3", "factor", "low_freq_factor", ...}
+    qk_norm: bool = False              # Qwen3: RMSNorm over each head of q and k before RoPE
+    attn_bias: bool = False            # Qwen2: biases on the q/k/v projections
+    tie_embeddings: bool = False       # the output matrix is the embedding matrix
+    max_seq_len: int = 2048
+    model_type: str = "llama"          # "llama" | "qwen3" | "qwen2" (names the HF architecture)
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    mask_token_id: int | None = None   # set by add_mask_token
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            self.head_dim = self.dim // self.n_heads
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.model_type not in HF_ARCHITECTURES:
+            raise ValueError(f"unsupported model type {self.model_type!r}; supported: {', '.join(HF_ARCHITECTURES)}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Building blocks
+# ----------------------------------------------------------------------------------------------
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 and cast back before the weight (as Llama does)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Rotation frequency of each pair of channels, (head_dim // 2,), with optional llama3 scaling.
+
+    Llama 3.1 stretches long wavelengths to extend the context: wavelengths longer than
+    original_max / low_freq_factor are slowed down by `factor`, those shorter than
+    original_max / high_freq_factor are kept, and the band between is interpolated smoothly.
+    """
+    hd = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    scaling = cfg.rope_scaling
+    if not scaling:
+        return inv_freq.float()
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original_max = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    s = ((original_max / wavelen) - low) / (high - low)                     # 0 at long, 1 at short end
+    smoothed = (1 - s) * inv_freq / factor + s * inv_freq
+    scaled = torch.where(wavelen > original_max / low, inv_freq / factor, smoothed)
+    scaled = torch.where(wavelen < original_max / high, inv_freq, scaled)
+    return scaled.float()
+
+
+def rope_cos_sin(inv_freq, positions, dtype):
+    """cos and sin for the given position ids: (B, T) -> two (B, 1, T, head_dim) tensors."""
+    angles = positions[..., None].float() * inv_freq              # (B, T, head_dim/2)
+    angles = torch.cat([angles, angles], dim=-1)                   # (B, T, head_dim), half-split layout
+    return angles.cos()[:, None].to(dtype), angles.sin()[:, None].to(dtype)
+
+
+def apply_rope(x, cos, sin):
+    """Rotate channel i with channel i + head_dim/2 (the 'rotate_half' layout of HF checkpoints)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class KVCache(nn.Module):
+    """Keys and values of past tokens, written at explicit slots, one length per batch row.
+
+    Slot s of row b holds the token at position s of that row (during decoding the sequence has
+    no gaps, so slot == position). A forward pass writes its T new tokens at slots
+    lengths[b] .. lengths[b]+T-1 and advances `lengths` by T. MTP decoding then calls
+    `rollback` to forget the mask slots (and any right-padding): nothing is erased, the stale
+    entries are simply overwritten by the next pass and never attended before that, because
+    attention is causal by slot.
+    """
+
+    def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, device=None, dtype=None):
+        super().__init__()
+        shape = (cfg.n_layers, batch_size, cfg.n_kv_heads, max_len, cfg.head_dim)
+        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("lengths", torch.zeros(batch_size, dtype=torch.long, device=device), persistent=False)
+        self.max_len = max_len
+
+    def rollback(self, lengths):
+        """Forget everything at or after `lengths` (an int, or one length per row)."""
+        lengths = torch.as_tensor(lengths, dtype=torch.long, device=self.lengths.device).expand_as(self.lengths)
+        if (lengths > self.lengths).any() or (lengths < 0).any():
+            raise ValueError("rollback can only shorten the cache")
+        self.lengths.copy_(lengths)
+
+    def reset(self):
+        self.lengths.zero_()
+
+    def write(self, layer: int, slots, k, v):
+        """Store k, v of shape (B, T, n_kv_heads, head_dim) at slots (B, T); return the cache views."""
+        rows = torch.arange(slots.shape[0], device=slots.device)[:, None].expand_as(slots)
+        self.k[layer][rows, :, slots] = k.to(self.k.dtype)           # cache layer is (B, n_kv, S, hd)
+        self.v[layer][rows, :, slots] = v.to(self.v.dtype)
+        return self.k[layer], self.v[layer]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.attn_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.attn_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.attn_bias)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x, cos, sin, mask, cache=None, layer=0, slots=None):
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)       # (B, T, n_heads, hd)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)    # (B, T, n_kv_heads, hd)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:                                  # Qwen3: per-head norm before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, heads, T, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.write(layer, slots, k.transpose(1, 2), v.transpose(1, 2))
+            k, v = k[:, :, : mask.shape[-1]], v[:, :, : mask.shape[-1]]        # (B, n_kv, S, hd)
+        # Each group of n_heads / n_kv_heads query heads shares one key/value head (GQA).
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv_heads != self.n_heads)
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)   # (B, T, n_heads * hd)
+        return self.wo(y)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.up = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x, cos, sin, mask, cache=None, layer=0, slots=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache, layer, slots)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+# ----------------------------------------------------------------------------------------------
+# The model
+# ----------------------------------------------------------------------------------------------
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def new_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
+        p = self.tok_emb.weight
+        return KVCache(self.config, batch_size, max_len or self.config.max_seq_len, p.device, p.dtype)
+
+    def forward(self, tokens, positions=None, attn_mask=None, cache=None, output_index=None):
+        """Logits for `tokens` (B, T).
+
+        positions    (B, T) RoPE position ids. Default: 0..T-1, or continuing the cache.
+        attn_mask    bool, True = may attend; (T, T) or (B, T, T). Default: causal. Not with a cache.
+        cache        KVCache: the T tokens are written at slots cache.lengths[b] + t and attend
+                     causally by slot; cache.lengths advances by T (roll back masks yourself).
+        output_index (B, N) positions whose logits are wanted -> (B, N, V); default all (B, T, V).
+        """
+        B, T = tokens.shape
+        device = tokens.device
+        steps = torch.arange(T, device=device)
+        slots = None
+        if cache is not None:
+            if attn_mask is not None:
+                raise ValueError("attn_mask cannot be combined with a KV cache (attention is causal by slot)")
+            slots = cache.lengths[:, None] + steps                           # (B, T) where each token lands
+            S = int(slots.max()) + 1
+            if S > cache.max_len:
+                raise ValueError(f"KV cache overflow: {S} slots needed, cache holds {cache.max_len}")
+            key_slots = torch.arange(S, device=device)
+            attn_mask = key_slots[None, None, :] <= slots[:, :, None]        # (B, T, S)
+            if positions is None:
+                positions = slots
+        else:
+            if attn_mask is None:
+                attn_mask = steps[None, :] <= steps[:, None]                 # (T, T) causal
+            if positions is None:
+                positions = steps[None].expand(B, T)
+        mask = attn_mask[:, None] if attn_mask.dim() == 3 else attn_mask     # (B, 1, T, S): one mask for all heads
+        x = self.tok_emb(tokens)                                             # (B, T, dim)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, cache, i, slots)
+        if cache is not None:
+            cache.lengths += T
+        if output_index is not None:
+            x = x.gather(1, output_index[..., None].expand(-1, -1, x.shape[-1]))   # (B, N, dim)
+        return self.lm_head(self.norm(x))
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    # ------------------------------------------------------------------------------------------
+    # Hugging Face checkpoints
+    # ------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, path, device="cpu", dtype=torch.float32) -> "Transformer":
+        """Load a Hugging Face layout folder (config.json + safetensors) into a Transformer.
+
+        Tensor names and shapes are checked against what this config expects before anything is
+        copied, so a mismatched checkpoint fails loudly instead of producing a wrong model.
+        """
+        cfg = config_from_hf(read_json(os.path.join(path, "config.json"), "model config"))
+        tensors = read_safetensors(path)
+        expected = {hf: tuple(shape) for hf, shape in hf_shapes(cfg).items()}
+        check_tensor_names(expected, {name: tuple(t.shape) for name, t in tensors.items()}, path)
+        with torch.device("meta"):
+            model = cls(cfg)
+        ours = {hf_to_ours(name): t.to(device=device, dtype=dtype) for name, t in tensors.items()}
+        if cfg.tie_embeddings:
+            ours.pop("lm_head.weight", None)           # some exports write the tied copy anyway
+            ours["lm_head.weight"] = ours["tok_emb.weight"]
+        model.load_state_dict(ours, assign=True, strict=True)
+        if cfg.tie_embeddings:
+            model.lm_head.weight = model.tok_emb.weight
+        model.inv_freq = rope_inv_freq(cfg).to(device)
+        return model.eval()
+
+    def save_pretrained(self, path, max_shard_bytes: int = 5 * 2**30, dtype=None):
+        """Write config.json and safetensors (sharded past max_shard_bytes) in the HF layout."""
+        from safetensors.torch import save_file
+
+        os.makedirs(path, exist_ok=True)
+        state = {}
+        for name, t in self.state_dict().items():
+            if name == "lm_head.weight" and self.config.tie_embeddings:
+                continue
+            state[ours_to_hf(name)] = t.detach().to(dtype or t.dtype).contiguous().cpu()
+        shards, current, size = [], {}, 0
+        for name, t in state.items():
+            nbytes = t.numel() * t.element_size()
+            if current and size + nbytes > max_shard_bytes:
+                shards.append(current)
+                current, size = {}, 0
+            current[name] = t
+            size += nbytes
+        shards.append(current)
+        for stale in os.listdir(path):                 # leftovers of an earlier, differently sharded save
+            if stale.startswith("model") and (stale.endswith(".safetensors") or stale.endswith(".index.json")):
+                os.remove(os.path.join(path, stale))
+        if len(shards) == 1:
+            atomic_save(lambda p: save_file(shards[0], p, metadata={"format": "pt"}), os.path.join(path, "model.safetensors"))
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                atomic_save(lambda p, s=shard: save_file(s, p, metadata={"format": "pt"}), os.path.join(path, fname))
+                weight_map.update({name: fname for name in shard})
+            total = sum(t.numel() * t.element_size() for t in state.values())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            write_json(os.path.join(path, "model.safetensors.index.json"), index)
+        saved_dtype = next(iter(state.values())).dtype
+        write_json(os.path.join(path, "config.json"), config_to_hf(self.config, saved_dtype))
+
+
+# ----------------------------------------------------------------------------------------------
+# Adding <mask>
+# ----------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def add_mask_token(model: Transformer, tokenizer, text: str = "<mask>", seed: int = 0) -> int:
+    """Give model and tokenizer one new `<mask>` token; return its id.
+
+    The new embedding (and output row, when untied) is drawn from a normal distribution with the
+    per-dimension mean and standard deviation of the existing rows, so it starts as a typical,
+    uninformative token. Checkpoints whose matrices have spare rows beyond the tokenizer
+    (Qwen3-4B: 151936 rows for 151669 tokens) use the first spare row instead of growing.
+    Calling it again returns the existing id.
+    """
+    if text in tokenizer.special_tokens:
+        mask_id = tokenizer.special_tokens[text]
+        if mask_id >= model.config.vocab_size:
+            raise ValueError(f"tokenizer has {text} = {mask_id} but the model has only {model.config.vocab_size} rows")
+        model.config.mask_token_id = mask_id
+        return mask_id
+    n_used = tokenizer.n_vocab
+    mask_id = n_used
+    if mask_id >= model.config.vocab_size:                 # no spare row: grow both matrices by one
+        grow_vocab(model, mask_id + 1)
+    g = torch.Generator().manual_seed(seed)
+    matrices = [model.tok_emb.weight] + ([] if model.config.tie_embeddings else [model.lm_head.weight])
+    for w in matrices:
+        rows = w[:n_used].float()
+        mean, std = rows.mean(0), rows.std(0)
+        noise = torch.randn(w.shape[1], generator=g).to(w.device)
+        w[mask_id] = (mean + std * noise).to(w.dtype)
+    tokenizer.add_special_token(text, mask_id)
+    model.config.mask_token_id = mask_id
+    return mask_id
+
+
+def grow_vocab(model: Transformer, vocab_size: int):
+    """Append zero rows to the embedding (and untied output) matrix up to vocab_size rows."""
+    def grown(w):
+        extra = torch.zeros(vocab_size - w.shape[0], w.shape[1], dtype=w.dtype, device=w.device)
+        return nn.Parameter(torch.cat([w.detach(), extra]), requires_grad=w.requires_grad)
+
+    model.tok_emb.weight = grown(model.tok_emb.weight)
+    model.tok_emb.num_embeddings = vocab_size
+    if model.config.tie_embeddings:
+        model.lm_head.weight = model.tok_emb.weight
+    else:
+        model.lm_head.weight = grown(model.lm_head.weight)
+    model.lm_head.out_features = vocab_size
+    model.config.vocab_size = vocab_size
+
+
+# ----------------------------------------------------------------------------------------------
+# Hugging Face layout: config fields and tensor names
+# ----------------------------------------------------------------------------------------------
+
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+# Our parameter name -> Hugging Face tensor name. `{i}` is the layer index.
+HF_NAMES = {
+    "tok_emb.weight": "model.embed_tokens.weight",
+    "layers.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "layers.{i}.attn.wq.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "layers.{i}.attn.wk.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "layers.{i}.attn.wv.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "layers.{i}.attn.wq.bias": "model.layers.{i}.self_attn.q_proj.bias",      # qwen2 only
+    "layers.{i}.attn.wk.bias": "model.layers.{i}.self_attn.k_proj.bias",
+    "layers.{i}.attn.wv.bias": "model.layers.{i}.self_attn.v_proj.bias",
+    "layers.{i}.attn.wo.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "layers.{i}.attn.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",  # qwen3 only
+    "layers.{i}.attn.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
+    "layers.{i}.mlp_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "layers.{i}.mlp.gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "layers.{i}.mlp.up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "layers.{i}.mlp.down.weight": "model.layers.{i}.mlp.down_proj.weight",
+    "norm.weight": "model.norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+TO_HF = {re.compile("^" + re.escape(o).replace(r"\{i\}", r"(\d+)") + "$"): h for o, h in HF_NAMES.items()}
+TO_OURS = {re.compile("^" + re.escape(h).replace(r"\{i\}", r"(\d+)") + "$"): o for o, h in HF_NAMES.items()}
+
+
+def _rename(name, table):
+    for pattern, template in table.items():
+        m = pattern.match(name)
+        if m:
+            return template.replace("{i}", m.group(1)) if m.groups() else template
+    raise KeyError(f"no Hugging Face name known for tensor {name!r}")
+
+
+def ours_to_hf(name: str) -> str:
+    return _rename(name, TO_HF)
+
+
+def hf_to_ours(name: str) -> str:
+    return _rename(name, TO_OURS)
+
+
+def hf_shapes(cfg: ModelConfig) -> dict:
+    """The tensor names and shapes a checkpoint of this config must contain."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    return {ours_to_hf(n): tuple(t.shape) for n, t in model.state_dict().items()
+            if not (n == "lm_head.weight" and cfg.tie_embeddings)}
+
+
+def check_tensor_names(expected: dict, found: dict, path):
+    """Fail with one line naming what is missing, unexpected or mis-shaped."""
+    found = dict(found)
+    if "lm_head.weight" in found and "lm_head.weight" not in expected:
+        found.pop("lm_head.weight")                         # tied models may still carry the copy
+    missing = sorted(set(expected) - set(found))
+    extra = sorted(set(found) - set(expected))
+    wrong = sorted(n for n in set(expected) & set(found) if expected[n] != found[n])
+    problems = []
+    if missing:
+        problems.append(f"missing {_few(missing)}")
+    if extra:
+        problems.append(f"unexpected {_few(extra)}")
+    if wrong:
+        problems.append("wrong shape " + ", ".join(f"{n} {list(found[n])} (expected {list(expected[n])})" for n in wrong[:3]))
+    if problems:
+        raise ValueError(f"checkpoint {path} does not match its config: " + "; ".join(problems))
+
+
+def _few(names, n=3):
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    """Read a transformers config.json (older or newer style) into a ModelConfig."""
+    model_type = hf.get("model_type")
+    if model_type not in HF_ARCHITECTURES:
+        raise ValueError(f"unsupported model_type {model_type!r} in config.json; supported: {', '.join(HF_ARCHITECTURES)}")
+    if hf.get("mlp_bias"):
+        raise ValueError("unsupported config: mlp_bias=true")
+    # Newer transformers write rope_parameters {rope_theta, rope_type, ...}; older ones
+    # top-level rope_theta and rope_scaling {rope_type or type, ...}.
+    rope = dict(hf.get("rope_parameters") or {})
+    theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    if not rope and hf.get("rope_scaling"):
+        rope = dict(hf["rope_scaling"])
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, llama3")
+    scaling = None
+    if rope_type == "llama3":
+        scaling = {"rope_type": "llama3", **{k: rope[k] for k in
+                   ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}}
+    n_heads = hf["num_attention_heads"]
+    return ModelConfig(
+        vocab_size=hf["vocab_size"],
+        dim=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
+        ffn_dim=hf["intermediate_size"],
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=float(theta),
+        rope_scaling=scaling,
+        qk_norm=model_type == "qwen3",
+        attn_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_seq_len=hf.get("max_position_embeddings", 2048),
+        model_type=model_type,
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=hf.get("eos_token_id"),
+        mask_token_id=hf.get("mask_token_id"),
+    )
+
+
+def config_to_hf(cfg: ModelConfig, dtype=torch.float32) -> dict:
+    """The config.json transformers expects, in the older top-level style that both older and
+    newer transformers releases (and vLLM / SGLang through them) read."""
+    hf = {
+        "architectures": [HF_ARCHITECTURES[cfg.model_type]],
+        "model_type": cfg.model_type,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": dict(cfg.rope_scaling) if cfg.rope_scaling else None,
+        "attention_bias": cfg.attn_bias,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "max_position_embeddings": cfg.max_seq_len,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id,
+        "mask_token_id": cfg.mask_token_id,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    if cfg.model_type == "qwen2":
+        hf.pop("attention_bias")                         # Qwen2 always has q/k/v biases
+    return hf
+
+
+# ----------------------------------------------------------------------------------------------
+# Files
+# ----------------------------------------------------------------------------------------------
+
+def read_json(path, what="file") -> dict:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no {what} at {path}")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"malformed JSON in {path}: {e}") from None
+
+
+def write_json(path, obj):
+    atomic_save(lambda p: open(p, "w").write(json.dumps(obj, indent=2) + "\n"), path)
+
+
+def atomic_save(write, path):
+    """Call write(tmp_path), then rename over `path`: a crash never leaves a half-written file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def read_safetensors(path) -> dict:
+    """All tensors of a single-file or sharded safetensors checkpoint (never unpickles)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    single = os.path.join(path, "model.safetensors")
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(single):
+        files = [single]
+    elif os.path.isfile(index):
+        weight_map = read_json(index, "safetensors index").get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no weight_map")
+        files = [os.path.join(path, f) for f in sorted(set(weight_map.values()))]
+    else:
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+    tensors = {}
+    for f in files:
+        if not os.path.isfile(f):
+            raise FileNotFoundError(f"missing checkpoint shard {f}")
+        try:
+            tensors.update(load_file(f))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ValueError(f"cannot read {f} (truncated or corrupt safetensors file): {e}") from None
+    return tensors

@@ -1,0 +1,239 @@
+"""model.py against the transformers reference, on tiny random checkpoints the tests write.
+
+Nothing is downloaded: each test builds a random Llama-3-style or Qwen3-style model with
+transformers, saves it in the Hugging Face layout (single file or sharded), loads it with
+`Transformer.from_pretrained` and compares logits and greedy continuations.
+"""
+import json
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from model import KVCache, ModelConfig, Transformer, add_mask_token, config_from_hf  # noqa: E402
+
+LLAMA3 = dict(
+    model_type="llama", vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=512,
+    rope_theta=500000.0, tie_word_embeddings=False,
+    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 64},
+)
+QWEN3 = dict(
+    model_type="qwen3", vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=24, rms_norm_eps=1e-6, max_position_embeddings=512,
+    rope_theta=1000000.0, tie_word_embeddings=True,
+)
+QWEN2 = dict(
+    model_type="qwen2", vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=512,
+    rope_theta=1000000.0, tie_word_embeddings=False,
+)
+
+
+def hf_model(fields: dict, seed=0):
+    fields = dict(fields)
+    config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():                  # random non-trivial norms and biases, so they are tested too
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def greedy_ours(model, prompt, n):
+    """Plain k=1 greedy decoding with our KV cache (one token per forward pass)."""
+    cache = model.new_cache(1, prompt.shape[1] + n)
+    out, x = [], prompt
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = model(x, cache=cache)[:, -1].argmax(-1, keepdim=True)
+            out.append(nxt)
+            x = nxt
+    return torch.cat(out, 1)
+
+
+@pytest.mark.parametrize("fields", [LLAMA3, QWEN3, QWEN2], ids=["llama3", "qwen3", "qwen2"])
+@pytest.mark.parametrize("shard", [False, True], ids=["single", "sharded"])
+def test_logits_and_greedy_match_transformers(tmp_path, fields, shard):
+    ref = hf_model(fields)
+    ref.save_pretrained(tmp_path, max_shard_size="40KB" if shard else "5GB")
+    files = os.listdir(tmp_path)
+    assert ("model.safetensors.index.json" in files) == shard
+    ours = Transformer.from_pretrained(tmp_path)
+
+    # 200 positions: well past original_max_position_embeddings (64), where llama3 scaling acts.
+    tokens = torch.randint(0, fields["vocab_size"], (2, 200), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (ours(tokens) - ref(tokens).logits).abs().max().item()
+    assert diff <= 1e-4, diff
+
+    prompt = tokens[:1, :16]
+    hf_out = ref.generate(prompt, max_new_tokens=32, do_sample=False, min_new_tokens=32,
+                          pad_token_id=0, eos_token_id=None)[:, 16:]
+    assert torch.equal(greedy_ours(ours, prompt, 32), hf_out)
+
+
+def test_older_and_newer_config_styles_agree():
+    old = dict(LLAMA3, torch_dtype="bfloat16")
+    new = {k: v for k, v in LLAMA3.items() if k not in ("rope_theta", "rope_scaling")}
+    new.update(dtype="bfloat16", rope_parameters={**LLAMA3["rope_scaling"], "rope_theta": 500000.0})
+    assert config_from_hf(old) == config_from_hf(new)
+    assert config_from_hf(old).rope_scaling["factor"] == 8.0
+
+
+def test_kv_cache_matches_full_recompute():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=97, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96)).eval()
+    seq = torch.randint(0, 97, (2, 40))
+    with torch.no_grad():
+        full = model(seq)
+        # one token at a time
+        cache = model.new_cache(2, 64)
+        steps = torch.cat([model(seq[:, t:t + 1], cache=cache) for t in range(40)], 1)
+        assert torch.allclose(steps, full, atol=1e-5)
+        # several at a time, with rollbacks of junk "mask" entries in between (as MTP decoding does)
+        cache = model.new_cache(2, 64)
+        t = 0
+        for n in [5, 3, 1, 7, 4, 20]:
+            got = model(seq[:, t:t + n], cache=cache)
+            assert torch.allclose(got, full[:, t:t + n], atol=1e-5)
+            junk = torch.randint(0, 97, (2, 6))
+            model(junk, cache=cache)                      # pretend masks at positions t+n ..
+            cache.rollback(t + n)
+            t += n
+        # rows of different lengths: roll each row back to its own length
+        cache = model.new_cache(2, 64)
+        model(seq[:, :10], cache=cache)
+        cache.rollback(torch.tensor([10, 6]))
+        got = model(torch.stack([seq[0, 10:13], seq[1, 6:9]]), cache=cache)
+        assert torch.allclose(got[0], full[0, 10:13], atol=1e-5)
+        assert torch.allclose(got[1], full[1, 6:9], atol=1e-5)
+        assert cache.lengths.tolist() == [13, 9]
+
+
+def test_positions_and_mask_arguments():
+    """Explicit positions and masks: a shifted sequence with shifted positions gives the same logits
+    as the original, and a block mask hides what it should."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=64)).eval()
+    seq = torch.randint(0, 50, (1, 12))
+    with torch.no_grad():
+        full = model(seq)
+        # prepend junk that no token may attend to; positions continue as if it were absent
+        junk = torch.randint(0, 50, (1, 5))
+        x = torch.cat([junk, seq], 1)
+        pos = torch.cat([torch.zeros(1, 5, dtype=torch.long), torch.arange(12)[None]], 1)
+        i = torch.arange(17)
+        mask = (i[None, :] <= i[:, None]) & ((i[None, :] >= 5) | (i[:, None] < 5))
+        got = model(x, positions=pos, attn_mask=mask)[:, 5:]
+        assert torch.allclose(got, full, atol=1e-5)
+        idx = torch.tensor([[3, 7]])
+        assert torch.allclose(model(seq, output_index=idx), full[:, [3, 7]], atol=1e-6)
+
+
+class _Vocab:
+    """The bit of the tokenizer interface add_mask_token uses."""
+
+    def __init__(self, n):
+        self.n_vocab, self.special_tokens = n, {}
+
+    def add_special_token(self, text, token_id=None):
+        token_id = self.n_vocab if token_id is None else token_id
+        self.special_tokens[text] = token_id
+        self.n_vocab = max(self.n_vocab, token_id + 1)
+        return token_id
+
+
+@pytest.mark.parametrize("fields", [LLAMA3, QWEN3], ids=["llama3-grow", "qwen3-spare-row"])
+def test_export_with_mask_token_loads_in_transformers(tmp_path, fields):
+    ref = hf_model(fields)
+    ref.save_pretrained(tmp_path / "base")
+    ours = Transformer.from_pretrained(tmp_path / "base")
+    # Llama: the tokenizer fills the matrix, so the matrix grows. Qwen: spare rows beyond the
+    # tokenizer (like Qwen3-4B's 151669..151935) are reused.
+    vocab = _Vocab(320 if fields is LLAMA3 else 300)
+    mask_id = add_mask_token(ours, vocab)
+    assert mask_id == (320 if fields is LLAMA3 else 300)
+    assert ours.config.vocab_size == (321 if fields is LLAMA3 else 320)
+    row = ours.tok_emb.weight[mask_id]
+    emb = ours.tok_emb.weight[:mask_id]
+    assert torch.isfinite(row).all() and 0.3 < row.std() / emb.std() < 3
+    assert add_mask_token(ours, vocab) == mask_id                  # idempotent
+    ours.save_pretrained(tmp_path / "mtp")
+    assert json.load(open(tmp_path / "mtp" / "config.json"))["mask_token_id"] == mask_id
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "mtp").eval()
+    tokens = torch.tensor([[1, 2, 3, mask_id, mask_id, 7, 8, mask_id]])
+    with torch.no_grad():
+        assert (back(tokens).logits - ours(tokens)).abs().max() <= 1e-4
+    again = Transformer.from_pretrained(tmp_path / "mtp")
+    assert again.config.mask_token_id == mask_id
+
+
+# ---- bad input: one clear error, never a wrong model ----------------------------------------
+
+@pytest.fixture
+def llama_dir(tmp_path):
+    hf_model(LLAMA3).save_pretrained(tmp_path)
+    return tmp_path
+
+
+def test_missing_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no model config at"):
+        Transformer.from_pretrained(tmp_path)
+
+
+def test_unknown_model_type(llama_dir):
+    cfg = json.load(open(llama_dir / "config.json"))
+    cfg["model_type"] = "gpt2"
+    json.dump(cfg, open(llama_dir / "config.json", "w"))
+    with pytest.raises(ValueError, match="unsupported model_type 'gpt2'"):
+        Transformer.from_pretrained(llama_dir)
+
+
+def _rewrite_tensors(path, edit):
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(path / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, path / "model.safetensors")
+
+
+def test_missing_tensor(llama_dir):
+    _rewrite_tensors(llama_dir, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(ValueError, match=r"missing model\.layers\.1\.mlp\.up_proj\.weight"):
+        Transformer.from_pretrained(llama_dir)
+
+
+def test_misshaped_tensor(llama_dir):
+    def edit(t):
+        t["model.norm.weight"] = torch.ones(63)
+    _rewrite_tensors(llama_dir, edit)
+    with pytest.raises(ValueError, match=r"wrong shape model\.norm\.weight \[63\] \(expected \[64\]\)"):
+        Transformer.from_pretrained(llama_dir)
+
+
+def test_truncated_safetensors(llama_dir):
+    path = llama_dir / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        Transformer.from_pretrained(llama_dir)
+
+
+def test_error_messages_are_one_line(llama_dir):
+    (llama_dir / "config.json").write_text("{not json")
+    with pytest.raises(ValueError) as err:
+        Transformer.from_pretrained(llama_dir)
+    assert "\n" not in str(err.value)
+
+
+def test_cache_overflow_is_an_error():
+    model = Transformer(ModelConfig(vocab_size=20, dim=16, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=32))
+    cache = model.new_cache(1, 8)
+    with pytest.raises(ValueError, match="KV cache overflow"):
+        model(torch.zeros(1, 9, dtype=torch.long), cache=cache)
+    assert isinstance(cache, KVCache)
