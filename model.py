@@ -151,6 +151,12 @@ class KVCache(nn.Module):
     def reset(self):
         self.lengths.zero_()
 
+    def keep_rows(self, rows):
+        """Keep only these batch rows, in this order (finished sequences leave a batch)."""
+        idx = torch.as_tensor(rows, dtype=torch.long, device=self.lengths.device)
+        self.k, self.v = self.k.index_select(1, idx), self.v.index_select(1, idx)
+        self.lengths = self.lengths.index_select(0, idx)
+
     def write(self, layer: int, slots, k, v):
         """Store k, v of shape (B, T, n_kv_heads, head_dim) at slots (B, T); return the cache views."""
         rows = torch.arange(slots.shape[0], device=slots.device)[:, None].expand_as(slots)

@@ -1,0 +1,671 @@
+"""Decoding a multi-token model with a KV cache: static k, ConfAdapt, a lossless mode, batching.
+
+An MTP model (model.py, trained by distill.py) predicts several tokens in one forward pass:
+feed the text so far followed by k-1 `<mask>` tokens, and the logits at the last real token and
+at the k-1 masks are k predictions. This file turns that into generation:
+
+    static k          keep all k predictions of every pass.
+    ConfAdapt(tau, k) keep the longest leading run of predictions whose top-1 probability is at
+                      least tau, never fewer than one (the paper's main decoding rule).
+    lossless          keep nothing unverified: mask predictions are only *drafts*, checked by
+                      the model's own next-token prediction in the following pass, so the output
+                      is exactly plain greedy decoding, with fewer forward passes (beyond the
+                      paper: blockwise parallel decoding, Stern et al. 2018, with mask drafts).
+    greedy            one token per pass: static k = 1.
+
+Every pass goes through the KV cache (model.KVCache). The cache holds the K/V of every accepted
+token except the `pending` ones (accepted by the last pass but never fed), which the next pass feeds:
+
+    pass input   = pending tokens + (lossless: drafts) + masks          (right-padded in a batch)
+    predictions  = logits at the last pending token and at every draft / mask after it
+    after        = roll the cache back to drop masks, padding and rejected drafts
+
+Batching: each row accepts its own number of tokens per pass, so each row keeps its own cache
+length (and thus its own positions); rows that finish leave the batch. A row's output is the
+same as decoding it alone. (Exactly so in arithmetic; in floating point a batched matmul may
+round differently in the last bit, which could flip an argmax between two logits tied to ~1e-6,
+or a confidence sitting on tau. The same caveat applies to "lossless == greedy".)
+
+Statistics: "effective k" = generated tokens / forward passes. It is not a wall-clock speed-up,
+because a pass that reads 2k-1 tokens costs more than one that reads 1; `bench` measures both.
+
+Run:  python confadapt.py --model DIR --prompt "1 2 3" [--tau 0.9 --k-max 16 | --static-k 4 | --lossless]
+      python confadapt.py bench --model DIR --prompt "..." [--json]
+
+Reference: Multi-Token Prediction via Self-Distillation (arXiv 2602.06019), section 5 of
+docs/METHOD.md; Blockwise Parallel Decoding for Deep Autoregressive Models (arXiv 1811.03115).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+MODES = ("greedy", "static", "confadapt", "lossless")
+
+
+# ----------------------------------------------------------------------------------------------
+# Settings and results
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class DecodeConfig:
+    """Which decoding rule to use and how many predictions one pass may make."""
+    kind: str = "confadapt"   # "greedy" | "static" | "confadapt" | "lossless"
+    k: int = 4                # static: tokens per pass; lossless: most tokens per pass (1 + k-1 drafts)
+    tau: float = 0.9          # confadapt: confidence threshold, in (0, 1]
+    k_max: int = 16           # confadapt: most tokens per pass
+
+    @property
+    def block(self) -> int:
+        """Predictions per pass: one at the last real token plus block-1 at masks (or drafts)."""
+        return {"greedy": 1, "static": self.k, "confadapt": self.k_max, "lossless": self.k}[self.kind]
+
+    def validate(self):
+        if self.kind not in MODES:
+            raise ValueError(f"unknown decoding mode {self.kind!r}; choose one of {', '.join(MODES)}")
+        if not 0.0 < self.tau <= 1.0:
+            raise ValueError(f"threshold tau must be in (0, 1], got {self.tau}")
+        if self.k < 1 or self.k_max < 1:
+            raise ValueError(f"k must be at least 1, got k={self.k}, k_max={self.k_max}")
+
+    def describe(self) -> str:
+        return {"greedy": "greedy", "static": f"static k={self.k}", "lossless": f"lossless k={self.k}",
+                "confadapt": f"confadapt tau={self.tau:g} k_max={self.k_max}"}[self.kind]
+
+
+@dataclass
+class Generation:
+    """What one prompt produced."""
+    tokens: list[int]          # the new tokens (prompt excluded), cut after the first stop token
+    chunk_sizes: list[int]     # tokens emitted by each forward pass of this row; sum == len(tokens)
+    stopped: bool              # True: ended on a stop token; False: max_new_tokens or context end
+
+    @property
+    def forward_passes(self) -> int:
+        return len(self.chunk_sizes)
+
+    @property
+    def effective_k(self) -> float:
+        return len(self.tokens) / max(1, self.forward_passes)
+
+    @property
+    def boundaries(self) -> list[int]:
+        """End index (into `tokens`) of each chunk: [3, 4, 9] means tokens[0:3], [3:4], [4:9]."""
+        ends, total = [], 0
+        for n in self.chunk_sizes:
+            total += n
+            ends.append(total)
+        return ends
+
+
+@dataclass
+class DecodeStats:
+    """One `generate` call. Passes count the decoding loop only; the prefill is timed apart."""
+    mode: str
+    batch_size: int
+    forward_passes: int         # model calls in the decoding loop (one batched call = one pass)
+    row_passes: int             # passes summed over rows (== forward_passes at batch size 1)
+    tokens: int                 # new tokens over all rows
+    effective_k: float          # tokens / row_passes: tokens one row gains per pass
+    accept_hist: dict           # chunk size -> how many passes emitted that many tokens (all rows)
+    seconds: float              # wall time of the whole call, prefill included
+    prefill_seconds: float
+    tokens_per_second: float    # tokens / decoding seconds (prefill excluded, like effective_k)
+
+
+# ----------------------------------------------------------------------------------------------
+# The accept rules: how many of a pass's predictions to keep
+# ----------------------------------------------------------------------------------------------
+
+def accept_confadapt(confidences: list[float], tau: float) -> int:
+    """ConfAdapt: the longest leading run of predictions with top-1 probability >= tau, at least 1.
+
+    The first prediction comes from the last real token, so it is the ordinary next-token
+    prediction and always safe to keep; the later ones were made at mask positions, i.e. without
+    seeing the tokens just before them, and are kept only while the model is confident. The run
+    starts at the first prediction: once any position is unsure, everything after it is dropped.
+
+    tau = 1.0 keeps only the first prediction (plain greedy). A true softmax probability is
+    never exactly 1, but a float32 softmax rounds anything within ~6e-8 of 1 to exactly 1.0,
+    which a well-trained model reaches easily; read literally, `>= 1.0` would then accept such
+    mask guesses, which are not guaranteed to be what greedy decoding would produce.
+    """
+    if tau >= 1.0:
+        return 1
+    n = 0
+    while n < len(confidences) and confidences[n] >= tau:
+        n += 1
+    return max(n, 1)
+
+
+def verify_drafts(drafts: list[int], predictions: list[int]) -> int:
+    """Lossless: how many leading drafts equal the model's own greedy prediction at their place.
+
+    predictions[i] is the argmax of the logits just before drafts[i] (at the last real token for
+    i = 0, at drafts[i-1] after it). Draft i is the greedy token iff all drafts before it were
+    (so its context is the greedy text) and it equals predictions[i].
+    """
+    n = 0
+    while n < len(drafts) and drafts[n] == predictions[n]:
+        n += 1
+    return n
+
+
+# ----------------------------------------------------------------------------------------------
+# One row of the batch
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class Row:
+    """Decoding state of one prompt."""
+    prompt: list[int]
+    budget: int                                         # most new tokens (max_new_tokens, capped by context)
+    tokens: list[int] = field(default_factory=list)     # accepted so far
+    chunk_sizes: list[int] = field(default_factory=list)
+    pending: list[int] = field(default_factory=list)    # accepted, K/V not in the cache yet: fed next pass
+    drafts: list[int] = field(default_factory=list)     # lossless: guesses for the tokens after `pending`
+    stopped: bool = False
+    done: bool = False
+
+    @property
+    def cache_length(self) -> int:
+        """The cache holds every token of prompt + output except the pending ones."""
+        return len(self.prompt) + len(self.tokens) - len(self.pending)
+
+
+def plan_pass(row: Row, mode: DecodeConfig, mask_id: int | None) -> tuple[list[int], int]:
+    """The tokens this row feeds next, and how many predictions it reads (from index len(pending)-1).
+
+    The number of predictions never exceeds the tokens still wanted, so no pass predicts past
+    max_new_tokens or past the end of the context.
+    """
+    remaining = row.budget - len(row.tokens)
+    if mode.kind == "lossless":
+        row.drafts = row.drafts[: remaining - 1]                 # pending is one token here
+        n_masks = max(0, min(mode.k - 1, remaining - 1 - len(row.drafts)))
+        return row.pending + row.drafts + [mask_id] * n_masks, 1 + len(row.drafts) + n_masks
+    n = min(mode.block, remaining)
+    return row.pending + [mask_id] * (n - 1), n
+
+
+def take_pass(row: Row, mode: DecodeConfig, preds: list[int], confs: list[float] | None, stop_ids: set):
+    """Apply the accept rule to this row's predictions of one pass and update its state."""
+    in_cache = 0                                   # accepted tokens whose K/V this pass already wrote
+    if mode.kind in ("greedy", "static"):
+        accepted = preds
+    elif mode.kind == "confadapt":
+        accepted = preds[: accept_confadapt(confs, mode.tau)]
+    else:
+        # Lossless. The input was [last token, d_1..d_m, masks]; preds[i] is the model's greedy
+        # token after the verified text plus d_1..d_i. Every kept token is therefore the argmax
+        # of the next-token logits given a context made only of greedy tokens: exactly what
+        # plain greedy decoding emits. Verified drafts d_1..d_a were fed as themselves (not as
+        # masks), so their K/V is already correct and stays in the cache; preds[a] (the "bonus"
+        # token after them) is new and becomes the pending token. The mask predictions are the
+        # next drafts only if every draft was accepted: otherwise they were made after a wrong
+        # token and are discarded (and a rejected draft's K/V is rolled back, never attended).
+        m = len(row.drafts)
+        a = verify_drafts(row.drafts, preds[:m])
+        accepted, in_cache = preds[: a + 1], a
+        row.drafts = preds[m + 1:] if a == m else []
+    for i, t in enumerate(accepted):               # a stop token anywhere ends the row, cut after it
+        if t in stop_ids:
+            accepted, row.stopped = accepted[: i + 1], True
+            break
+    row.tokens += accepted
+    row.chunk_sizes.append(len(accepted))
+    row.pending = accepted[in_cache:]
+    row.done = row.stopped or len(row.tokens) >= row.budget
+
+
+# ----------------------------------------------------------------------------------------------
+# Passes over the cache
+# ----------------------------------------------------------------------------------------------
+
+def prefill(model, cache, prompts: list[list[int]], pad_id: int):
+    """Write every prompt except its last token into the cache (that token is the first pending one)."""
+    heads = [p[:-1] for p in prompts]
+    T = max(len(h) for h in heads)
+    if T == 0:
+        return
+    device = cache.lengths.device
+    tokens = torch.tensor([h + [pad_id] * (T - len(h)) for h in heads], device=device)    # (B, T)
+    model(tokens, cache=cache, output_index=torch.zeros(len(heads), 1, dtype=torch.long, device=device))
+    cache.rollback(torch.tensor([len(h) for h in heads], device=device))     # drop the padding
+
+
+def decode_pass(model, cache, inputs: list[list[int]], firsts: list[int], n_preds: list[int], pad_id: int):
+    """One forward pass of every row; logits (B, N, V) at each row's predicting positions.
+
+    Row b feeds inputs[b] (right-padded to the longest row) at its own cache slots; its
+    predictions are the logits at input index firsts[b] .. firsts[b] + n_preds[b] - 1. Rows with
+    fewer predictions repeat their last index up to N = max(n_preds). The caller rolls back.
+    """
+    device = cache.lengths.device
+    T, N = max(len(x) for x in inputs), max(n_preds)
+    tokens = torch.tensor([x + [pad_id] * (T - len(x)) for x in inputs], device=device)       # (B, T)
+    index = torch.tensor([[f + min(j, n - 1) for j in range(N)] for f, n in zip(firsts, n_preds)],
+                         device=device)                                                       # (B, N)
+    return model(tokens, cache=cache, output_index=index)                                    # (B, N, V)
+
+
+# ----------------------------------------------------------------------------------------------
+# Generation
+# ----------------------------------------------------------------------------------------------
+
+def _sync(device):
+    """Wait for queued GPU work, so that a timer reads finished work (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def generate(model, prompts: list[list[int]], max_new_tokens: int, mode: DecodeConfig | None = None,
+             mask_id: int | None = None, stop_ids=()) -> tuple[list[Generation], DecodeStats]:
+    """Continue every prompt (token ids) by up to max_new_tokens tokens; one Generation per prompt.
+
+    mask_id defaults to model.config.mask_token_id (needed by every mode except greedy).
+    stop_ids: generation of a row ends at the first of these tokens, which is kept.
+    """
+    mode = mode or DecodeConfig()
+    mode.validate()
+    mask_id = model.config.mask_token_id if mask_id is None else mask_id
+    if mode.block > 1 and mask_id is None:
+        raise ValueError(f"{mode.describe()} needs a <mask> token, and the model has none (only greedy works)")
+    context = model.config.max_seq_len
+    for p in prompts:
+        if not p:
+            raise ValueError("empty prompt: give at least one token (e.g. BOS)")
+        if len(p) >= context:
+            raise ValueError(f"prompt of {len(p)} tokens does not fit the context of {context} tokens")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    stop_ids = set(stop_ids)
+    pad_id = 0 if mask_id is None else mask_id       # padded slots are rolled back: any id will do
+
+    start = time.perf_counter()
+    rows = [Row(list(p), budget=min(max_new_tokens, context - len(p)), pending=[p[-1]]) for p in prompts]
+    # Slots needed: prompt + output, plus one pass of up to 2*block - 1 tokens on top.
+    cache = model.new_cache(len(rows), max(len(r.prompt) + r.budget for r in rows) + 2 * mode.block)
+    prefill(model, cache, [r.prompt for r in rows], pad_id)
+    _sync(cache.lengths.device)
+    prefill_seconds = time.perf_counter() - start
+
+    active = list(range(len(rows)))                # batch row b of the cache is rows[active[b]]
+    passes = 0
+    while active:
+        batch = [rows[i] for i in active]
+        plans = [plan_pass(r, mode, mask_id) for r in batch]
+        logits = decode_pass(model, cache, [x for x, _ in plans], [len(r.pending) - 1 for r in batch],
+                             [n for _, n in plans], pad_id).float()                  # (B, N, V)
+        passes += 1
+        if mode.kind == "confadapt":
+            confs, preds = logits.softmax(-1).max(-1)                                 # (B, N) each
+            confs = confs.tolist()
+        else:
+            preds, confs = logits.argmax(-1), None
+        preds = preds.tolist()
+        for b, (r, (_, n)) in enumerate(zip(batch, plans)):
+            take_pass(r, mode, preds[b][:n], confs[b][:n] if confs else None, stop_ids)
+        # Keep exactly the accepted tokens that were fed; drop masks, padding, rejected drafts.
+        cache.rollback(torch.tensor([r.cache_length for r in batch], device=cache.lengths.device))
+        still = [b for b, r in enumerate(batch) if not r.done]
+        if len(still) < len(batch) and still:
+            cache.keep_rows(still)
+        active = [active[b] for b in still]
+    seconds = time.perf_counter() - start
+
+    gens = [Generation(r.tokens, r.chunk_sizes, r.stopped) for r in rows]
+    n_tokens = sum(len(g.tokens) for g in gens)
+    row_passes = sum(g.forward_passes for g in gens)
+    hist = Counter(n for g in gens for n in g.chunk_sizes)
+    stats = DecodeStats(mode=mode.describe(), batch_size=len(rows), forward_passes=passes, row_passes=row_passes,
+                        tokens=n_tokens, effective_k=n_tokens / max(1, row_passes),
+                        accept_hist=dict(sorted(hist.items())),
+                        seconds=seconds, prefill_seconds=prefill_seconds,
+                        tokens_per_second=n_tokens / max(seconds - prefill_seconds, 1e-9))
+    return gens, stats
+
+
+# ----------------------------------------------------------------------------------------------
+# Showing the chunks (the paper's Figure 1): one colour run per forward pass
+# ----------------------------------------------------------------------------------------------
+
+def chunk_texts(tokenizer, tokens: list[int], chunk_sizes: list[int]) -> list[str]:
+    """The text of each chunk. Decoded as prefixes, so a character split across chunks lands whole
+    in the chunk that completes it."""
+    texts, done, end = [], "", 0
+    for n in chunk_sizes:
+        end += n
+        full = tokenizer.decode(tokens[:end])
+        texts.append(full[len(done):] if full.startswith(done) else tokenizer.decode(tokens[end - n:end]))
+        done = full
+    return texts
+
+
+SUBSCRIPT = str.maketrans("0123456789", "₀₁₂₃₄₅₆₇₈₉")
+BACKGROUNDS = ("\x1b[30;48;5;153m", "\x1b[30;48;5;223m")          # light blue, light orange
+PNG_COLOURS = ("#b9d9f5", "#fbd8a8")
+
+
+def render_chunks(prompt_text: str, texts: list[str], sizes: list[int], colour: bool = True) -> str:
+    """Prompt, then each chunk on an alternating background followed by its size as a dim
+    subscript (the number of tokens that pass emitted). Without colour, chunks are bracketed."""
+    out = [prompt_text]
+    for i, (text, n) in enumerate(zip(texts, sizes)):
+        sub = str(n).translate(SUBSCRIPT)
+        if colour:
+            on = BACKGROUNDS[i % 2]
+            body = "\n".join(f"{on}{line}\x1b[0m" if line else "" for line in text.split("\n"))
+            out.append(f"{body}\x1b[2m{sub}\x1b[0m")
+        else:
+            out.append(f"[{text}]{sub}")
+    return "".join(out)
+
+
+def save_chunks_png(path: str, prompt_text: str, texts: list[str], sizes: list[int], title: str = "",
+                    width: int = 80):
+    """The same picture as a PNG: monospace text on a character grid, each chunk on its own
+    alternating background, its size written small above its first character."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells, row, col = [], 0, 0                     # (row, col, char, chunk index or -1 for prompt)
+    for chunk, text in [(-1, prompt_text)] + list(enumerate(texts)):
+        for ch in text.replace("\t", "    "):
+            if ch == "\n" or col >= width:
+                row, col = row + 1, 0
+                if ch == "\n":
+                    continue
+            cells.append((row, col, ch, chunk))
+            col += 1
+    n_rows = row + 1
+    n_cols = max((c for _, c, _, _ in cells), default=0) + 1
+    fig, ax = plt.subplots(figsize=(n_cols * 0.11 + 0.4, n_rows * 0.26 + 0.6))
+    line_h = 1.6
+    for r, c, ch, chunk in cells:
+        y = -r * line_h
+        if chunk >= 0:
+            ax.add_patch(plt.Rectangle((c, y - 0.55), 1, 1.3, color=PNG_COLOURS[chunk % 2], lw=0))
+        ax.text(c + 0.5, y, ch, ha="center", va="center", family="monospace", fontsize=9, parse_math=False,
+                color="#666666" if chunk < 0 else "black")
+    starts = {}
+    for r, c, _, chunk in cells:
+        if chunk >= 0 and chunk not in starts:
+            starts[chunk] = (r, c)
+    for chunk, (r, c) in starts.items():
+        ax.text(c + 0.1, -r * line_h + 0.75, str(sizes[chunk]), fontsize=4.5, color="#444444", va="bottom")
+    ax.set_xlim(-0.5, n_cols + 0.5)
+    ax.set_ylim(-(n_rows - 1) * line_h - 1.2, 1.4)
+    ax.axis("off")
+    if title:
+        ax.set_title(title, fontsize=9, loc="left")
+    fig.savefig(path, dpi=150, bbox_inches="tight")
+    plt.close(fig)
+
+
+def format_stats(stats: DecodeStats, gen: Generation | None = None) -> str:
+    hist = " ".join(f"{n}:{c}" for n, c in stats.accept_hist.items())
+    lines = [f"mode            {stats.mode}",
+             f"tokens          {stats.tokens}",
+             f"forward passes  {stats.forward_passes} (the prefill not counted)",
+             f"effective k     {stats.effective_k:.2f} tokens/pass",
+             f"accepted/pass   {hist}",
+             f"wall time       {stats.seconds:.3f} s (prefill {stats.prefill_seconds:.3f} s)",
+             f"tokens/second   {stats.tokens_per_second:.1f} (decoding)"]
+    if gen is not None:
+        lines.append(f"chunk ends      {gen.boundaries}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Benchmark: every mode on the same model and prompts, at several batch sizes
+# ----------------------------------------------------------------------------------------------
+
+@torch.inference_mode()
+def forward_latency(model, batch_size: int, context: int, sizes, repeats: int = 5) -> dict:
+    """Median seconds of one cached pass of T new tokens per row, on top of `context` cached tokens.
+
+    This is the price list of multi-token decoding: if a 31-token pass costs about what a 1-token
+    pass costs (memory-bound decoding), effective k turns into wall-clock speed-up almost 1:1.
+    """
+    device = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    cache = model.new_cache(batch_size, context + max(sizes))
+    filler = torch.arange(batch_size * context, device=device).view(batch_size, context) % vocab  # (B, context)
+    model(filler, cache=cache, output_index=torch.zeros(batch_size, 1, dtype=torch.long, device=device))
+    out = {}
+    for T in sizes:
+        tokens = torch.arange(T, device=device).expand(batch_size, T) % vocab        # (B, T)
+        times = []
+        for i in range(repeats + 1):                                                  # run 0 warms up
+            _sync(device)
+            t0 = time.perf_counter()
+            model(tokens, cache=cache, output_index=tokens.new_tensor(range(T)).expand(batch_size, T))
+            _sync(device)
+            if i > 0:
+                times.append(time.perf_counter() - t0)
+            cache.rollback(context)
+        out[T] = statistics.median(times)
+    return out
+
+
+def bench(model, prompts: list[list[int]], max_new_tokens: int, modes: list[DecodeConfig],
+          batch_sizes=(1, 4, 16), mask_id=None, stop_ids=(), repeats: int = 3, latency_sizes=range(1, 33)) -> dict:
+    """Time every mode at every batch size (batch b takes prompts[0..b-1], cycling).
+
+    Each configuration runs `repeats` times and keeps the fastest run (decoding is deterministic,
+    so only the time varies). Speed-up is tokens/second over greedy at the same batch size;
+    efficiency = speed-up / effective k, the share of the saved passes that became saved time.
+    """
+    results, latency = [], {}
+    for bs in batch_sizes:
+        batch = [prompts[i % len(prompts)] for i in range(bs)]
+        for mode in modes[:1] + modes[-1:]:                       # warm-up (allocator, kernels)
+            generate(model, batch, min(8, max_new_tokens), mode, mask_id, stop_ids)
+        greedy_tps = None
+        for mode in modes:
+            runs = [generate(model, batch, max_new_tokens, mode, mask_id, stop_ids)[1] for _ in range(repeats)]
+            best = max(runs, key=lambda s: s.tokens_per_second)
+            if mode.kind == "greedy":
+                greedy_tps = best.tokens_per_second
+            speedup = best.tokens_per_second / greedy_tps if greedy_tps else float("nan")
+            results.append({"batch_size": bs, "mode": mode.describe(), "kind": mode.kind, "tokens": best.tokens,
+                            "forward_passes": best.forward_passes, "effective_k": best.effective_k,
+                            "tokens_per_second": best.tokens_per_second, "seconds": best.seconds,
+                            "speedup": speedup, "efficiency": speedup / best.effective_k,
+                            "accept_hist": best.accept_hist})
+        context = max(len(p) for p in batch) + max_new_tokens // 2
+        latency[bs] = forward_latency(model, bs, context, list(latency_sizes))
+    return {"results": results, "latency_seconds": latency}
+
+
+def format_bench(report: dict) -> str:
+    lines = [f"{'batch':>5}  {'mode':<28} {'tokens/s':>10} {'eff. k':>7} {'speed-up':>9} "
+             f"{'efficiency':>10} {'passes':>7}"]
+    for r in report["results"]:
+        lines.append(f"{r['batch_size']:>5}  {r['mode']:<28} {r['tokens_per_second']:>10.1f} {r['effective_k']:>7.2f} "
+                     f"{r['speedup']:>8.2f}x {r['efficiency']:>10.2f} {r['forward_passes']:>7}")
+    lines.append("")
+    lines.append("forward-pass latency (ms) for T new tokens per row on a filled cache; ratio to T = 1")
+    for bs, curve in report["latency_seconds"].items():
+        base = curve[min(curve)]
+        cells = "  ".join(f"T={T}: {s * 1e3:.2f} ({s / base:.2f}x)" for T, s in curve.items()
+                          if T in (1, 2, 4, 8, 16, 24, 32) or T == max(curve))
+        lines.append(f"batch {bs:>3}: {cells}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------------
+
+class CliError(Exception):
+    pass
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):             # one line, no usage dump; main() prints it and exits 2
+        raise CliError(message)
+
+
+def add_model_args(p):
+    g = p.add_argument_group("model")
+    g.add_argument("--model", required=True,
+                   help="Hugging Face layout folder (config.json, safetensors, tokenizer.json)")
+    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--no-bos", action="store_true", help="do not prepend the model's BOS token to the prompt")
+    g.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch (small models on a busy machine: 1 is fastest and steadiest)")
+
+
+def load(args):
+    """Model, tokenizer, mask id and stop ids from a model folder; errors as ValueError."""
+    from data import Tokenizer
+    from model import Transformer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = Transformer.from_pretrained(args.model, device=args.device, dtype=getattr(torch, args.dtype))
+    tokenizer = Tokenizer.from_pretrained(args.model)
+    cfg = model.config
+    mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else tokenizer.mask_id
+    if mask_id is not None and not 0 <= mask_id < cfg.vocab_size:
+        raise ValueError(f"mask token id {mask_id} is outside the model's vocabulary of {cfg.vocab_size}")
+    eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
+    stop_ids = {t for t in eos if t is not None} | set(tokenizer.stop_ids)
+    return model, tokenizer, mask_id, stop_ids
+
+
+def encode_prompt(tokenizer, model, text: str, no_bos: bool) -> list[int]:
+    bos = model.config.bos_token_id
+    return ([] if no_bos or bos is None else [bos]) + tokenizer.encode(text)
+
+
+def require_mask(mode: DecodeConfig, mask_id, path):
+    if mode.block > 1 and mask_id is None:
+        raise ValueError(f"model {path} has no mask token (no mask_token_id in config.json, no <mask> in the "
+                         f"tokenizer): only --greedy works; add one with model.add_mask_token and fine-tune")
+
+
+def generate_main(argv) -> int:
+    p = Parser(prog="confadapt.py", description="Multi-token decoding of an MTP model with a KV cache.")
+    add_model_args(p)
+    d = p.add_argument_group("decoding (default: ConfAdapt tau=0.9, k_max=16)")
+    d.add_argument("--prompt", required=True)
+    d.add_argument("--max-new-tokens", type=int, default=128)
+    d.add_argument("--tau", type=float, default=None, help="ConfAdapt confidence threshold in (0, 1] (default 0.9)")
+    d.add_argument("--k-max", type=int, default=None, help="ConfAdapt / lossless: most tokens per pass (default 16)")
+    one = d.add_mutually_exclusive_group()
+    one.add_argument("--static-k", type=int, default=None, help="static k: keep all k predictions of every pass")
+    one.add_argument("--lossless", action="store_true", help="verify mask drafts: output == plain greedy")
+    one.add_argument("--greedy", action="store_true", help="plain greedy, one token per pass")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    o.add_argument("--png", default=None, help="also draw the chunks into this PNG file")
+    o.add_argument("--color", default="auto", choices=["auto", "always", "never"])
+    args = p.parse_args(argv)
+
+    if args.static_k is not None or args.greedy or args.lossless:
+        if args.tau is not None:
+            raise CliError("--tau applies to ConfAdapt only (not with --static-k, --lossless or --greedy)")
+        if args.k_max is not None and not args.lossless:
+            raise CliError("--k-max applies to ConfAdapt and --lossless only")
+    k_max = 16 if args.k_max is None else args.k_max
+    if args.greedy:
+        mode = DecodeConfig("greedy")
+    elif args.static_k is not None:
+        mode = DecodeConfig("static", k=args.static_k)
+    elif args.lossless:
+        mode = DecodeConfig("lossless", k=k_max)
+    else:
+        mode = DecodeConfig("confadapt", tau=0.9 if args.tau is None else args.tau, k_max=k_max)
+    mode.validate()                                              # bad tau / k before loading anything
+
+    model, tokenizer, mask_id, stop_ids = load(args)
+    require_mask(mode, mask_id, args.model)
+    prompt = encode_prompt(tokenizer, model, args.prompt, args.no_bos)
+    generate(model, [prompt[-8:]], 2, mode, mask_id)            # untimed warm-up: first calls are slow
+    [gen], stats = generate(model, [prompt], args.max_new_tokens, mode, mask_id, stop_ids)
+    texts = chunk_texts(tokenizer, gen.tokens, gen.chunk_sizes)
+
+    if args.json:
+        print(json.dumps({"text": "".join(texts), "tokens": gen.tokens, "prompt_tokens": len(prompt),
+                          "mode": stats.mode, "forward_passes": stats.forward_passes,
+                          "effective_k": stats.effective_k, "seconds": stats.seconds,
+                          "prefill_seconds": stats.prefill_seconds, "tokens_per_second": stats.tokens_per_second,
+                          "accept_hist": stats.accept_hist, "chunk_sizes": gen.chunk_sizes,
+                          "chunk_ends": gen.boundaries, "chunks": texts, "stopped": gen.stopped}))
+    else:
+        colour = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
+        print(render_chunks(args.prompt, texts, gen.chunk_sizes, colour))
+        print()
+        print(format_stats(stats, gen))
+    if args.png:
+        save_chunks_png(args.png, args.prompt, texts, gen.chunk_sizes,
+                        title=f"{stats.mode}: {stats.tokens} tokens in {stats.forward_passes} passes "
+                              f"(effective k {stats.effective_k:.2f})")
+    return 0
+
+
+def bench_main(argv) -> int:
+    p = Parser(prog="confadapt.py bench", description="Time greedy, static k, ConfAdapt and lossless decoding.")
+    add_model_args(p)
+    b = p.add_argument_group("benchmark")
+    b.add_argument("--prompt", action="append", required=True,
+                   help="a prompt (repeat for several; batches cycle through them)")
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
+    b.add_argument("--static-k", type=int, default=4)
+    b.add_argument("--taus", type=float, nargs="+", default=[0.5, 0.7, 0.8, 0.9, 0.95, 0.99])
+    b.add_argument("--k-max", type=int, nargs="+", default=[16],
+                   help="ConfAdapt: most tokens per pass (several: a sweep)")
+    b.add_argument("--lossless-k", type=int, default=None,
+                   help="lossless: most tokens per pass (default: the largest --k-max)")
+    b.add_argument("--repeats", type=int, default=3, help="runs per configuration; the fastest is kept")
+    b.add_argument("--latency-max", type=int, default=32, help="latency curve for 1..N new tokens per pass")
+    b.add_argument("--ignore-stop", action="store_true", help="always generate --max-new-tokens tokens")
+    b.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+
+    modes = [DecodeConfig("greedy"), DecodeConfig("static", k=args.static_k)]
+    modes += [DecodeConfig("confadapt", tau=t, k_max=k) for k in args.k_max for t in args.taus]
+    modes += [DecodeConfig("lossless", k=args.lossless_k or max(args.k_max))]
+    for m in modes:
+        m.validate()
+    if min(args.batch_sizes) < 1 or args.repeats < 1 or args.latency_max < 1:
+        raise CliError("batch sizes, --repeats and --latency-max must be at least 1")
+    model, tokenizer, mask_id, stop_ids = load(args)
+    require_mask(modes[1], mask_id, args.model)
+    prompts = [encode_prompt(tokenizer, model, t, args.no_bos) for t in args.prompt]
+    report = bench(model, prompts, args.max_new_tokens, modes, args.batch_sizes, mask_id,
+                   () if args.ignore_stop else stop_ids, args.repeats, range(1, args.latency_max + 1))
+    report.update(model=args.model, device=args.device, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
+                  prompt_tokens=[len(x) for x in prompts])
+    print(json.dumps(report) if args.json else format_bench(report))
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        if argv[:1] == ["bench"]:
+            return bench_main(argv[1:])
+        return generate_main(argv)
+    except (CliError, ValueError, FileNotFoundError) as e:
+        print(f"confadapt.py: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,403 @@
+"""confadapt.py: every decoding mode against plain greedy or an uncached reference.
+
+Two tiny models: a random one (weights scaled up so its argmaxes are well separated) and a toy
+MTP model trained here for a few seconds on arithmetic sequences (step 1 or 3, mod 16), so its
+mask predictions are often, but not always, right and confident: drafts get accepted and
+rejected, and ConfAdapt accepts chunks of varying size.
+"""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import confadapt
+from confadapt import DecodeConfig, accept_confadapt, decode_pass, generate, prefill, verify_drafts
+from model import ModelConfig, Transformer
+
+MASK = 31
+PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13], [4], [20, 21]]     # different lengths on purpose
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls: one thread is as fast, and much faster when other jobs share the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def random_model():
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=32, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=96,
+                      mask_token_id=MASK)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.3)
+    return model
+
+
+TOY_V, TOY_MASK = 16, 16
+
+
+@pytest.fixture(scope="module")
+def toy_model():
+    """Train a tiny MTP model on x_t = (start + step * t) mod 16, step 1 or 3: the prefix (when it
+    has two tokens) determines the future, so mask predictions can be learned; with GT targets
+    since the continuation is deterministic."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=TOY_V + 1, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
+                      max_seq_len=64, mask_token_id=TOY_MASK)
+    model = Transformer(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.0)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        start = torch.randint(0, TOY_V, (32, 1), generator=g)
+        step = 1 + 2 * torch.randint(0, 2, (32, 1), generator=g)
+        seq = (start + step * torch.arange(32)) % TOY_V                           # (32, 32)
+        i, k = int(torch.randint(1, 24, (1,), generator=g)), int(torch.randint(1, 9, (1,), generator=g))
+        x = torch.cat([seq[:, :i], torch.full((32, k - 1), TOY_MASK)], 1)        # prefix + k-1 masks
+        loss = F.cross_entropy(model(x).flatten(0, 1), seq[:, 1:i + k].flatten())  # next token everywhere
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+TOY_PROMPTS = [[3, 4, 5], [9], [0, 3, 6, 9], [5, 6], [7, 10, 13, 0, 3, 6, 9, 12, 15]]
+
+
+@torch.no_grad()
+def uncached(model, prompt, n, k=1, tau=None, mask_id=None, stop_ids=()):
+    """The definition, without a cache: every pass recomputes prompt + output + k-1 masks."""
+    mask_id = model.config.mask_token_id if mask_id is None else mask_id
+    seq, out, chunks = list(prompt), [], []
+    while len(out) < n:
+        kk = min(k, n - len(out))
+        logits = model(torch.tensor([seq + [mask_id] * (kk - 1)]))[0, len(seq) - 1:].float()   # (kk, V)
+        conf, pred = logits.softmax(-1).max(-1)
+        new = pred[: kk if tau is None else accept_confadapt(conf.tolist(), tau)].tolist()
+        for i, t in enumerate(new):
+            if t in stop_ids:
+                new = new[: i + 1]
+                break
+        out, seq = out + new, seq + new
+        chunks.append(len(new))
+        if new[-1] in stop_ids:
+            break
+    return out, chunks
+
+
+def tokens(model, prompts, n, mode, **kw):
+    gens, _ = generate(model, prompts, n, mode, **kw)
+    return [g.tokens for g in gens]
+
+
+# ----------------------------------------------------------------------------------------------
+# The rules
+# ----------------------------------------------------------------------------------------------
+
+def test_confadapt_rule():
+    assert accept_confadapt([0.95, 0.99, 0.5, 0.99], 0.9) == 2       # leading run only
+    assert accept_confadapt([0.2, 0.99, 0.99], 0.9) == 1             # never fewer than one
+    assert accept_confadapt([0.9, 0.9], 0.9) == 2                    # "at least tau"
+    assert accept_confadapt([0.5, 0.5, 0.5], 0.4) == 3
+    # A saturated float32 softmax gives exactly 1.0; tau = 1.0 must still be plain greedy.
+    probs = torch.tensor([[0.0, 40.0, 0.0], [0.0, 0.0, 60.0]]).softmax(-1).max(-1).values
+    assert probs.tolist() == [1.0, 1.0]
+    assert accept_confadapt(probs.tolist(), 1.0) == 1
+    assert accept_confadapt(probs.tolist(), 0.999) == 2
+
+
+def test_verify_drafts():
+    assert verify_drafts([4, 5, 6], [4, 5, 6]) == 3
+    assert verify_drafts([4, 9, 6], [4, 5, 6]) == 1                  # everything after a miss is dropped
+    assert verify_drafts([9, 5], [4, 5]) == 0
+    assert verify_drafts([], []) == 0
+
+
+@pytest.mark.parametrize("bad", [DecodeConfig(tau=0.0), DecodeConfig(tau=1.5), DecodeConfig("static", k=0),
+                                 DecodeConfig(k_max=0), DecodeConfig("beam")])
+def test_bad_settings(random_model, bad):
+    with pytest.raises(ValueError):
+        generate(random_model, [[1, 2]], 4, bad)
+
+
+def test_bad_inputs(random_model):
+    with pytest.raises(ValueError, match="mask"):
+        generate(_without_mask(random_model), [[1, 2]], 4, DecodeConfig("static", k=2))
+    assert tokens(_without_mask(random_model), [[1, 2]], 4, DecodeConfig("greedy"))     # greedy needs none
+    with pytest.raises(ValueError, match="context"):
+        generate(random_model, [[1] * 96], 4, DecodeConfig("greedy"))
+    with pytest.raises(ValueError, match="empty"):
+        generate(random_model, [[]], 4, DecodeConfig("greedy"))
+
+
+def _without_mask(model):
+    clone = Transformer(ModelConfig(**{**model.config.__dict__, "mask_token_id": None})).eval()
+    clone.load_state_dict(model.state_dict())
+    return clone
+
+
+# ----------------------------------------------------------------------------------------------
+# Every mode against its definition
+# ----------------------------------------------------------------------------------------------
+
+def test_greedy_matches_uncached_recompute(random_model):
+    for p in PROMPTS:
+        assert tokens(random_model, [p], 20, DecodeConfig("greedy")) == [uncached(random_model, p, 20)[0]]
+
+
+@pytest.mark.parametrize("fixture", ["random_model", "toy_model"])
+def test_tau_one_and_k_max_one_are_greedy(request, fixture):
+    model = request.getfixturevalue(fixture)
+    prompts = PROMPTS if fixture == "random_model" else TOY_PROMPTS
+    greedy = tokens(model, prompts, 24, DecodeConfig("greedy"))
+    for mode in [DecodeConfig("confadapt", tau=1.0, k_max=8), DecodeConfig("confadapt", tau=0.1, k_max=1)]:
+        for p, want in zip(prompts, greedy):
+            [gen], stats = generate(model, [p], 24, mode)
+            assert gen.tokens == want
+            assert stats.forward_passes == len(want)
+
+
+@pytest.mark.parametrize("k", [2, 3, 5])
+def test_static_k_matches_uncached_recompute(random_model, k):
+    for p in PROMPTS:
+        [gen], stats = generate(random_model, [p], 17, DecodeConfig("static", k=k))
+        want, chunks = uncached(random_model, p, 17, k=k)
+        assert gen.tokens == want and gen.chunk_sizes == chunks
+        assert stats.forward_passes == -(-17 // k)
+
+
+def test_confadapt_matches_uncached_recompute(toy_model):
+    for p in TOY_PROMPTS:
+        [gen], _ = generate(toy_model, [p], 30, DecodeConfig("confadapt", tau=0.9, k_max=8))
+        assert (gen.tokens, gen.chunk_sizes) == uncached(toy_model, p, 30, k=8, tau=0.9)
+    _, stats = generate(toy_model, TOY_PROMPTS, 30, DecodeConfig("confadapt", tau=0.9, k_max=8))
+    assert stats.effective_k > 1.5
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_lossless_is_greedy_on_random_models(random_model, seed, k):
+    torch.manual_seed(seed)
+    prompts = [torch.randint(0, 30, (n,)).tolist() for n in (1, 3, 6)]
+    for p in prompts:
+        [gen], stats = generate(random_model, [p], 20, DecodeConfig("lossless", k=k))
+        assert gen.tokens == uncached(random_model, p, 20)[0]
+        assert stats.forward_passes <= 20
+
+
+def test_lossless_is_greedy_and_faster_on_a_trained_toy(toy_model):
+    n = 40
+    greedy, _ = generate(toy_model, TOY_PROMPTS, n, DecodeConfig("greedy"))
+    for k in (4, 8):
+        gens, stats = generate(toy_model, TOY_PROMPTS, n, DecodeConfig("lossless", k=k))
+        assert [g.tokens for g in gens] == [g.tokens for g in greedy]
+        assert [g.tokens for g in greedy] == [uncached(toy_model, p, n)[0] for p in TOY_PROMPTS]
+        assert stats.row_passes < 0.7 * stats.tokens                      # fewer passes than greedy
+        assert any(1 < size < k for size in stats.accept_hist)            # partial acceptances happened
+
+
+# ----------------------------------------------------------------------------------------------
+# The cache, stop tokens, batching, statistics
+# ----------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def test_cache_after_rollbacks_matches_full_recompute(random_model):
+    """Two rows of different lengths: passes with masks, rolled back to different lengths per row,
+    then the cached logits of the real continuation equal a full recompute."""
+    seqs = [torch.randint(0, 30, (40,), generator=torch.Generator().manual_seed(s)).tolist() for s in (1, 2)]
+    cache = random_model.new_cache(2, 96)
+    prefill(random_model, cache, [seqs[0][:8], seqs[1][:3]], MASK)                # caches 7 and 2 tokens
+    assert cache.lengths.tolist() == [7, 2]
+    done = [7, 2]
+    for step in [(3, 5), (1, 6), (6, 2)]:                                          # tokens fed per row
+        inputs = [seqs[b][done[b]:done[b] + step[b]] + [MASK] * 4 for b in range(2)]
+        decode_pass(random_model, cache, inputs, [0, 0], [1, 1], MASK)
+        done = [done[b] + step[b] for b in range(2)]
+        cache.rollback(torch.tensor(done))                                         # drop masks and padding
+    inputs = [seqs[b][done[b]:done[b] + 5] for b in range(2)]
+    got = decode_pass(random_model, cache, inputs, [0, 0], [5, 5], MASK)           # (2, 5, V)
+    for b in range(2):
+        full = random_model(torch.tensor([seqs[b][:done[b] + 5]]))[0, done[b]:]
+        assert torch.allclose(got[b], full, atol=1e-5)
+
+
+def test_stop_token_in_the_middle_of_a_chunk(random_model):
+    mode = DecodeConfig("static", k=4)
+    [gen], _ = generate(random_model, [PROMPTS[0]], 24, mode)
+    # a token strictly inside a chunk (not its first or last) that does not occur before it
+    ends = gen.boundaries
+    cut, c = next((i, c) for c in range(1, len(ends)) for i in range(ends[c - 1] + 1, ends[c] - 1)
+                  if gen.tokens[i] not in gen.tokens[:i])
+    stop = gen.tokens[cut]
+    [stopped], stats = generate(random_model, [PROMPTS[0]], 24, mode, stop_ids={stop})
+    assert stopped.tokens == gen.tokens[:cut + 1] and stopped.stopped and not gen.stopped
+    assert stopped.chunk_sizes == gen.chunk_sizes[:c] + [cut + 1 - ends[c - 1]]     # last chunk cut short
+    assert stats.tokens == cut + 1
+    assert (stopped.tokens, stopped.chunk_sizes) == uncached(random_model, PROMPTS[0], 24, k=4, stop_ids={stop})
+
+
+MODES = [DecodeConfig("greedy"), DecodeConfig("static", k=3), DecodeConfig("confadapt", tau=0.5, k_max=6),
+         DecodeConfig("lossless", k=4)]
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.describe())
+def test_batched_equals_one_at_a_time(random_model, toy_model, mode):
+    for model, prompts in [(random_model, PROMPTS), (toy_model, TOY_PROMPTS)]:
+        stop_ids = {prompts[0][0]}                       # some rows stop early: the batch shrinks
+        batched, stats = generate(model, prompts, 25, mode, stop_ids=stop_ids)
+        for p, gen in zip(prompts, batched):
+            [alone], _ = generate(model, [p], 25, mode, stop_ids=stop_ids)
+            assert (gen.tokens, gen.chunk_sizes, gen.stopped) == (alone.tokens, alone.chunk_sizes, alone.stopped)
+        assert stats.batch_size == len(prompts)
+        assert stats.forward_passes == max(g.forward_passes for g in batched)
+
+
+def test_statistics_add_up(toy_model):
+    gens, stats = generate(toy_model, TOY_PROMPTS, 30, DecodeConfig("confadapt", tau=0.9, k_max=8))
+    assert stats.tokens == sum(len(g.tokens) for g in gens)
+    assert stats.row_passes == sum(g.forward_passes for g in gens) == sum(stats.accept_hist.values())
+    assert sum(n * c for n, c in stats.accept_hist.items()) == stats.tokens
+    assert stats.effective_k == pytest.approx(stats.tokens / stats.row_passes)
+    assert stats.seconds > stats.prefill_seconds > 0 and stats.tokens_per_second > 0
+    for g in gens:
+        assert len(g.tokens) == 30 and g.boundaries[-1] == 30 and sum(g.chunk_sizes) == 30
+        assert max(g.chunk_sizes) <= 8
+
+
+def test_generation_stops_at_the_end_of_the_context(random_model):
+    prompt = [1] * 90                                          # max_seq_len is 96
+    for mode in MODES:
+        [gen], _ = generate(random_model, [prompt], 50, mode)
+        assert len(gen.tokens) == 6
+
+
+# ----------------------------------------------------------------------------------------------
+# Showing the chunks, the benchmark, the command line
+# ----------------------------------------------------------------------------------------------
+
+class CharTokenizer:
+    """Token i is the letter chr(97 + i % 26) (enough to render chunks)."""
+
+    def decode(self, ids):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def test_chunk_rendering(tmp_path):
+    texts = confadapt.chunk_texts(CharTokenizer(), [0, 1, 2, 3, 4, 5], [3, 1, 2])
+    assert texts == ["abc", "d", "ef"]
+    plain = confadapt.render_chunks("> ", texts, [3, 1, 2], colour=False)
+    assert plain == "> [abc]₃[d]₁[ef]₂"
+    coloured = confadapt.render_chunks("> ", texts, [3, 1, 2], colour=True)
+    assert coloured.count("\x1b[0m") == 6 and "abc" in coloured
+    path = tmp_path / "chunks.png"
+    confadapt.save_chunks_png(str(path), "> ", texts + ["line\nbreak"], [3, 1, 2, 4], title="test")
+    assert path.stat().st_size > 1000
+
+
+def test_bench_smoke(toy_model):
+    modes = [DecodeConfig("greedy"), DecodeConfig("confadapt", tau=0.9, k_max=8), DecodeConfig("lossless", k=4)]
+    report = confadapt.bench(toy_model, TOY_PROMPTS, 12, modes, batch_sizes=(1, 2), repeats=1,
+                             latency_sizes=range(1, 4))
+    rows = report["results"]
+    assert len(rows) == 6 and {r["batch_size"] for r in rows} == {1, 2}
+    assert all(r["speedup"] == 1.0 for r in rows if r["kind"] == "greedy")
+    assert set(report["latency_seconds"][2]) == {1, 2, 3}
+    assert "speed-up" in confadapt.format_bench(report)
+    json.dumps(report)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tau", "1.5"], "tau"),
+    (["--tau", "0"], "tau"),
+    (["--static-k", "0"], "k must be at least 1"),
+    (["--k-max", "0"], "k must be at least 1"),
+    (["--static-k", "2", "--lossless"], "not allowed with"),
+    (["--static-k", "2", "--tau", "0.5"], "ConfAdapt only"),
+])
+def test_cli_bad_arguments(capsys, argv, message):
+    assert confadapt.main(["--model", "/nonexistent", "--prompt", "x"] + argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_cli_missing_model(capsys):
+    assert confadapt.main(["--model", "/nonexistent", "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("confadapt.py: error:") and err.count("\n") == 1
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """A tiny random model with the toy tokenizer, saved with and without a <mask> token."""
+    from data import toy_tokenizer
+    from model import add_mask_token
+
+    dirs = {}
+    for name in ("plain", "mtp"):
+        tok = toy_tokenizer()
+        torch.manual_seed(0)
+        model = Transformer(ModelConfig(vocab_size=tok.n_vocab, dim=16, n_layers=1, n_heads=2, n_kv_heads=1,
+                                        ffn_dim=32, max_seq_len=48, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id))
+        if name == "mtp":
+            add_mask_token(model, tok)
+        path = tmp_path_factory.mktemp(name)
+        model.save_pretrained(path)
+        tok.save_pretrained(path)
+        dirs[name] = str(path)
+    return dirs
+
+
+def test_cli_json_matches_generate(model_dirs, capsys):
+    from data import Tokenizer
+
+    path = model_dirs["mtp"]
+    for flags, mode in [([], DecodeConfig("confadapt", tau=0.9, k_max=16)),
+                        (["--static-k", "3"], DecodeConfig("static", k=3)),
+                        (["--lossless", "--k-max", "4"], DecodeConfig("lossless", k=4)),
+                        (["--greedy"], DecodeConfig("greedy"))]:
+        assert confadapt.main(["--model", path, "--prompt", "1 2 3", "--max-new-tokens", "9", "--json"] + flags) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert {"text", "tokens", "forward_passes", "effective_k", "seconds"} <= set(out)
+        model, tok = Transformer.from_pretrained(path), Tokenizer.from_pretrained(path)
+        prompt = [tok.bos_id] + tok.encode("1 2 3")
+        [gen], _ = generate(model, [prompt], 9, mode, stop_ids=tok.stop_ids)
+        assert out["tokens"] == gen.tokens and out["text"] == tok.decode(gen.tokens)
+        assert out["forward_passes"] == gen.forward_passes and out["mode"] == mode.describe()
+
+
+def test_cli_text_output_and_png(model_dirs, capsys, tmp_path):
+    png = tmp_path / "chunks.png"
+    assert confadapt.main(["--model", model_dirs["mtp"], "--prompt", "1 2", "--max-new-tokens", "5",
+                           "--static-k", "2", "--color", "never", "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("1 2[") and "effective k" in out and "forward passes  3" in out
+    assert png.stat().st_size > 1000
+
+
+def test_cli_errors_from_the_model(model_dirs, capsys):
+    assert confadapt.main(["--model", model_dirs["plain"], "--prompt", "1 2"]) == 2
+    assert "no mask token" in capsys.readouterr().err
+    assert confadapt.main(["--model", model_dirs["plain"], "--prompt", "1 2", "--greedy", "--json",
+                           "--max-new-tokens", "3"]) == 0                     # greedy needs no mask
+    assert json.loads(capsys.readouterr().out)["forward_passes"] <= 3
+    assert confadapt.main(["--model", model_dirs["mtp"], "--prompt", " ".join(["7"] * 60)]) == 2
+    err = capsys.readouterr().err
+    assert "does not fit the context" in err and err.count("\n") == 1
+
+
+def test_cli_bench_json(model_dirs, capsys):
+    assert confadapt.main(["bench", "--model", model_dirs["mtp"], "--prompt", "1 2 3", "--prompt", "4",
+                           "--max-new-tokens", "6", "--batch-sizes", "1", "2", "--taus", "0.5", "0.9",
+                           "--repeats", "1", "--latency-max", "3", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    modes = {r["mode"] for r in report["results"]}
+    assert modes == {"greedy", "static k=4", "confadapt tau=0.5 k_max=16", "confadapt tau=0.9 k_max=16",
+                     "lossless k=16"}
+    assert len(report["results"]) == 10 and set(report["latency_seconds"]) == {"1", "2"}
