@@ -354,22 +354,25 @@ def toy_tokenizer() -> Tokenizer:
 # <|eos|>; a sequence is <|bos|> prompt answer <|eos|>.
 #
 #   task        prompt                           answer (one valid continuation)
-#   count       count up from 17 :               17 18 19 ... 28                 determined
-#               count down from 40 :             40 39 38 ... 29                 determined
+#   count       count up from 17                 18 19 20 ... 29                 determined
 #   repeat      repeat cat red pie :             cat red pie cat red pie ...     determined
-#   count_free  count from 17 :                  17 18 19 ...  or  17 16 15 ...  BRANCHING
-#   pair        repeat cat and dog | pig | hen :  cat pig cat ...  or  hen cat hen ...  BRANCHING
+#   count_free  count from 17                    18 19 20 ...  or  16 15 14 ...  BRANCHING
+#   pair        repeat cat and dog | pig :       cat pig cat pig ...  or  dog cat dog cat ...  BRANCHING
+#
+# The counts carry on from the prompt's last token, so "count up from 17 18 19" reads as one
+# count and the first answer token is the same step (17 -> 18) as every later one: a model that
+# can count can start from a number it never saw in a prompt.
 #
 # The two branching tasks are the two failures of naive multi-token prediction (METHOD.md
 # section 2), built in on purpose:
 #   count_free  the direction is free (up or down, equally likely) but once chosen it must be
 #               kept. Trained on ground truth, the prediction j ahead is a 50/50 mixture of
 #               a+j and a-j, so the argmax at each position picks a branch on its own, e.g.
-#               "17 18 15 20": an incoherent mixture.
+#               "18 15 20 13": an incoherent mixture.
 #   pair        alternate the first listed word with ONE of the alternatives after "and", in
 #               either order. Every position holds the first word half the time and each
-#               alternative a sixth, so the ground-truth marginal's argmax is the first word at
-#               EVERY position: "cat cat cat cat": far-future collapse onto the most frequent
+#               alternative a quarter, so the ground-truth marginal's argmax is the first word
+#               at EVERY position: "cat cat cat cat": far-future collapse onto the most frequent
 #               token.
 # A teacher decoding one token at a time never mixes branches: after "17 16" it counts down.
 #
@@ -384,17 +387,18 @@ def toy_tokenizer() -> Tokenizer:
 TOY_TASKS = ("count", "repeat", "count_free", "pair")
 BRANCHING_TASKS = ("count_free", "pair")
 NUM_ITEMS = 12                               # items in every answer
-COUNT_STARTS = range(11, 89)                 # start numbers: every count stays within 0..99
-DIRECTIONS = {"up": 1, "down": -1}           # count: the prompt says which; count_free: either
-REPEAT_GROUP = (2, 3, 4)                     # repeat: words in the repeated group
-PAIR_CHOICES = 3                             # pair: alternatives after "and"
+COUNT_STARTS = range(12, 150)                # start numbers: every count stays within 0..161
+DIRECTIONS = {"up": 1, "down": -1}           # count_free: either way, equally likely
+REPEAT_GROUP = (2, 3)                        # repeat: words in the repeated group
+PAIR_CHOICES = 2                             # pair: alternatives after "and"
 DEGENERATE_RUN = 3                           # "the the the": this many equal items in a row
 TOY_CONTENT_WORDS = TOY_WORDS[TOY_WORDS.index("cat"):]   # animals, colours, foods, objects
 
 
-def count_start_heldout(start: int) -> bool:
-    """Start numbers 12, 17, 22, ... (one in five) appear only in evaluation prompts."""
-    return start % 5 == 2
+def start_heldout(task: str, start: int) -> bool:
+    """One start number in five is held out: 13, 18, 23, ... for count, 15, 20, 25, ... for
+    count_free. Every step a held-out count needs (13 -> 14 -> ...) is trained elsewhere."""
+    return start % 5 == (3 if task == "count" else 0)
 
 
 def words_heldout(words: tuple) -> bool:
@@ -405,15 +409,13 @@ def words_heldout(words: tuple) -> bool:
 def is_heldout(task: str, key: tuple) -> bool:
     """Whether a prompt's parameters belong to the evaluation split."""
     if task in ("count", "count_free"):
-        return count_start_heldout(key[0])
+        return start_heldout(task, key[0])
     return words_heldout(key)
 
 
 def sample_key(task: str, rng: random.Random) -> tuple:
-    """Random prompt parameters: count (start, "up" | "down"), count_free (start,), repeat / pair (words...)."""
-    if task == "count":
-        return rng.choice(COUNT_STARTS), rng.choice(list(DIRECTIONS))
-    if task == "count_free":
+    """Random prompt parameters: count / count_free (start,), repeat / pair (the listed words)."""
+    if task in ("count", "count_free"):
         return (rng.choice(COUNT_STARTS),)
     if task == "repeat":
         return tuple(rng.sample(TOY_CONTENT_WORDS, rng.choice(REPEAT_GROUP)))
@@ -424,9 +426,9 @@ def sample_key(task: str, rng: random.Random) -> tuple:
 
 def toy_prompt(task: str, key: tuple) -> str:
     if task == "count":
-        return f"count {key[1]} from {key[0]} :"
+        return f"count up from {key[0]}"
     if task == "count_free":
-        return f"count from {key[0]} :"
+        return f"count from {key[0]}"
     if task == "repeat":
         return "repeat " + " ".join(key) + " :"
     if task == "pair":
@@ -435,14 +437,14 @@ def toy_prompt(task: str, key: tuple) -> str:
 
 
 def counting(start: int, step: int, n: int = NUM_ITEMS) -> list[str]:
-    """start, start + step, ... as NUM_ITEMS items."""
-    return [str(start + i * step) for i in range(n)]
+    """The n numbers after start, one step apart: start + step, start + 2 step, ..."""
+    return [str(start + i * step) for i in range(1, n + 1)]
 
 
 def toy_answer(task: str, key: tuple, rng: random.Random) -> list[str]:
     """One valid answer, as items; for a branching task the branch is drawn with rng."""
     if task == "count":
-        return counting(key[0], DIRECTIONS[key[1]])
+        return counting(key[0], 1)
     if task == "count_free":
         return counting(key[0], rng.choice(list(DIRECTIONS.values())))
     if task == "repeat":
@@ -458,8 +460,8 @@ def toy_answer(task: str, key: tuple, rng: random.Random) -> list[str]:
 class ToyExample:
     task: str
     key: tuple          # the prompt's parameters (what the held-out split is about)
-    prompt: str         # e.g. "count up from 17 :"
-    answer: str         # e.g. " 17 18 19 ..." (items with leading spaces)
+    prompt: str         # e.g. "count up from 17"
+    answer: str         # e.g. " 18 19 20 ..." (items with leading spaces)
 
 
 def toy_example(task: str, rng: random.Random, split: str = "train") -> ToyExample:
@@ -478,18 +480,20 @@ def encode_example(tokenizer, ex: ToyExample) -> tuple[list[int], list[int]]:
 
 
 def toy_batch(tokenizer, rng: random.Random, batch_size: int, tasks=TOY_TASKS, seq_len: int | None = None,
-              split: str = "train") -> torch.Tensor:
-    """A (B, N) batch of whole training sequences, tasks mixed uniformly, right-padded with <|pad|>.
+              split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of whole training sequences, tasks mixed uniformly, right-padded with <|pad|>.
 
+    Returns (seqs (B, N) long, answer (B, N) bool: True on answer tokens, <|eos|> included).
     N = seq_len (sequences must fit) or the longest sequence in the batch."""
-    seqs = []
-    for _ in range(batch_size):
-        prompt, answer = encode_example(tokenizer, toy_example(rng.choice(tasks), rng, split))
-        seqs.append(prompt + answer)
-    N = seq_len or max(len(s) for s in seqs)
-    if max(len(s) for s in seqs) > N:
-        raise ValueError(f"a toy sequence of {max(len(s) for s in seqs)} tokens does not fit seq_len={N}")
-    return torch.tensor([s + [tokenizer.pad_id] * (N - len(s)) for s in seqs])   # (B, N)
+    pairs = [encode_example(tokenizer, toy_example(rng.choice(tasks), rng, split)) for _ in range(batch_size)]
+    longest = max(len(p) + len(a) for p, a in pairs)
+    N = seq_len or longest
+    if longest > N:
+        raise ValueError(f"a toy sequence of {longest} tokens does not fit seq_len={N}")
+    pad = [[tokenizer.pad_id] * (N - len(p) - len(a)) for p, a in pairs]
+    seqs = torch.tensor([p + a + z for (p, a), z in zip(pairs, pad)])                       # (B, N)
+    answer = torch.tensor([[False] * len(p) + [True] * len(a) + [False] * len(z) for (p, a), z in zip(pairs, pad)])
+    return seqs, answer
 
 
 def heldout_examples(task: str, n: int, seed: int = 1234) -> list[ToyExample]:
@@ -534,10 +538,10 @@ def follows_rule(task: str, key: tuple, items: list[str]) -> bool:
         return False
     if task in ("count", "count_free"):
         nums = as_numbers(items)
-        if nums is None or nums[0] != key[0]:
+        if nums is None:
             return False
-        step = DIRECTIONS[key[1]] if task == "count" else nums[1] - nums[0]
-        return step in DIRECTIONS.values() and all(b - a == step for a, b in zip(nums, nums[1:]))
+        step = 1 if task == "count" else nums[0] - key[0]
+        return step in DIRECTIONS.values() and all(b - a == step for a, b in zip([key[0]] + nums, nums))
     if task == "repeat":
         return all(item == key[i % len(key)] for i, item in enumerate(items))
     if task == "pair":
@@ -830,7 +834,9 @@ def plot_attention_mask(batch: MTPBatch, path, row: int = 0, token_str=str):
 #                               "12 + 7 = <<12+7=19>>19" and a last line "#### N".
 #
 # Reasoning is a list of text pieces and Equation(a, op, b); only the rendering differs between
-# the two formats. Numbers stay small (results below 60, one-digit factors) so a model of a
+# the two formats. Each template has three phrasings of its solution, drawn at random, so a
+# question has several correct continuations: the branch points where naive ground-truth MTP
+# learns a mixture and self-distillation follows the teacher's one choice (METHOD.md section 2). Numbers stay small (results below 60, one-digit factors) so a model of a
 # million parameters learns the arithmetic in minutes.
 
 import regex  # noqa: E402  (tiktoken's dependency; splits text as the tokenizer does)
@@ -863,7 +869,9 @@ def _gets_more(rng) -> WordProblem:
     eq = Equation(a, "+", b)
     return WordProblem(
         f"{name} has {a} {item}. {other} gives {name} {b} more {item}. How many {item} does {name} have now?",
-        [f"{name} starts with {a} {item} and gets {b} more, so {name} has ", eq, f" {item}."], eq.value)
+        rng.choice([[f"{name} starts with {a} {item} and gets {b} more, so {name} has ", eq, f" {item}."],
+                    [f"{other} gives {name} {b} {item}. Now {name} has ", eq, f" {item}."],
+                    [f"{name} had {a} {item} and {b} more were added: ", eq, "."]]), eq.value)
 
 
 def _gives_away(rng) -> WordProblem:
@@ -873,7 +881,9 @@ def _gives_away(rng) -> WordProblem:
     eq = Equation(a, "-", b)
     return WordProblem(
         f"{name} has {a} {item}. {name} gives {b} {item} to {other}. How many {item} does {name} have left?",
-        [f"{name} starts with {a} {item} and gives away {b}, so {name} has ", eq, f" {item} left."], eq.value)
+        rng.choice([[f"{name} starts with {a} {item} and gives away {b}, so {name} has ", eq, f" {item} left."],
+                    [f"After giving {b} {item} to {other}, {name} has ", eq, f" {item}."],
+                    [f"{name} keeps ", eq, f" of the {a} {item}."]]), eq.value)
 
 
 def _boxes(rng) -> WordProblem:
@@ -882,7 +892,9 @@ def _boxes(rng) -> WordProblem:
     eq = Equation(a, "*", b)
     return WordProblem(
         f"{name} buys {a} boxes of {item}. Each box holds {b} {item}. How many {item} does {name} buy?",
-        [f"Each of the {a} boxes holds {b} {item}, so {name} buys ", eq, f" {item}."], eq.value)
+        rng.choice([[f"Each of the {a} boxes holds {b} {item}, so {name} buys ", eq, f" {item}."],
+                    [f"{a} boxes with {b} {item} each make ", eq, f" {item}."],
+                    [f"{name} gets {b} {item} per box, and ", eq, "."]]), eq.value)
 
 
 def _buys_then_gives(rng) -> WordProblem:
@@ -894,8 +906,11 @@ def _buys_then_gives(rng) -> WordProblem:
     return WordProblem(
         f"{name} has {a} {item}. {name} buys {b} more {item} and then gives {c} {item} to {other}. "
         f"How many {item} does {name} have now?",
-        [f"After buying {b} more, {name} has ", first, f" {item}. After giving {c} to {other}, {name} has ",
-         second, f" {item}."], second.value)
+        rng.choice([[f"After buying {b} more, {name} has ", first, f" {item}. After giving {c} to {other}, "
+                     f"{name} has ", second, f" {item}."],
+                    [f"{name} first has ", first, f" {item}, then gives {c} away and keeps ", second, "."],
+                    ["Buying more makes ", first, f" {item}. Giving {c} to {other} leaves ", second, f" {item}."]]),
+        second.value)
 
 
 def _money_left(rng) -> WordProblem:
@@ -906,7 +921,9 @@ def _money_left(rng) -> WordProblem:
     left = Equation(money, "-", cost.value)
     return WordProblem(
         f"{name} has ${money}. {name} buys {n} {item} for ${price} each. How much money does {name} have left?",
-        [f"The {item} cost ", cost, f" dollars. {name} has ", left, " dollars left."], left.value)
+        rng.choice([[f"The {item} cost ", cost, f" dollars. {name} has ", left, " dollars left."],
+                    [f"{name} spends ", cost, f" dollars on {item}, so {name} keeps ", left, " dollars."],
+                    [f"{n} {item} at ${price} each cost ", cost, ". Then ", left, " dollars remain."]]), left.value)
 
 
 WP_TEMPLATES = [_gets_more, _gives_away, _boxes, _buys_then_gives, _money_left]

@@ -37,13 +37,16 @@ def greedy_hf(model, prompt, n):
                           pad_token_id=0, eos_token_id=None)[:, prompt.shape[1]:]
 
 
-def timed(fn, repeats):
-    times, out = [], None
+def timed_pair(fn_a, fn_b, repeats):
+    """Median wall time of each function, runs interleaved (a, b, a, b, ...) so that a change in
+    machine load during the run hits both alike."""
+    times, outs = ([], []), [None, None]
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
+        for i, fn in enumerate((fn_a, fn_b)):
+            t0 = time.perf_counter()
+            outs[i] = fn()
+            times[i].append(time.perf_counter() - t0)
+    return statistics.median(times[0]), outs[0], statistics.median(times[1]), outs[1]
 
 
 def main():
@@ -51,7 +54,7 @@ def main():
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
@@ -69,8 +72,8 @@ def main():
     prompt = torch.randint(0, cfg.vocab_size, (args.batch, args.prompt_len), generator=torch.Generator().manual_seed(1))
     n = args.new_tokens
     greedy_ours(ours, prompt, 4), greedy_hf(hf, prompt, 4)                     # warm up both
-    t_hf, out_hf = timed(lambda: greedy_hf(hf, prompt, n), args.repeats)
-    t_ours, out_ours = timed(lambda: greedy_ours(ours, prompt, n), args.repeats)
+    t_hf, out_hf, t_ours, out_ours = timed_pair(lambda: greedy_hf(hf, prompt, n),
+                                                lambda: greedy_ours(ours, prompt, n), args.repeats)
     result = {
         "params_millions": round(ours.num_params() / 1e6, 1),
         "batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": n, "threads": args.threads,

@@ -1,0 +1,1228 @@
+"""Fine-tune a Hugging Face Llama / Qwen checkpoint into a multi-token predictor, then measure it.
+
+The recipe of "Multi-Token Prediction via Self-Distillation" (arXiv 2602.06019; docs/METHOD.md
+sections 3-8) at full scale, and the same code on a miniature that a CPU finishes in minutes:
+
+    analyze   before tuning: how confident is the model along its own greedy answers to the
+              domain's prompts, and what acceleration could ConfAdapt reach from that?
+    train     add <mask>, keep a frozen teacher copy, and train the student on the packed MTP
+              layout (data.mtp_layout) with the student-forced distillation loss
+              (distill.mtp_loss) -- the same two functions train_toy.py uses. Checkpoints are
+              written atomically every N steps; --resume continues bit-for-bit. Under
+              `torchrun --nproc_per_node N` student and teacher are sharded with FSDP2.
+    export    the tuned model as a Hugging Face folder (mask token in tokenizer and config)
+              with a short model card; `train` does this at the end by itself.
+    eval      GSM8K as lm-evaluation-harness's `gsm8k_cot` task runs it (8-shot chain of
+              thought, its stop strings, flexible-extract and strict-match scoring), swept
+              over static k and ConfAdapt thresholds: the paper's table, plus tokens/second,
+              as JSON and Markdown, and the accuracy-vs-effective-k Pareto plot.
+    pretrain  (miniature only) a small Llama-layout base model trained from scratch with
+              next-token prediction, e.g. on data.write_word_problems' rows.
+    word-problems  write the miniature's data: MetaMathQA-format training rows and
+              GSM8K-format test rows (data.py, "Word problems").
+
+Run `python finetune_hf.py COMMAND --help` for the options; the README has the full-scale and
+the miniature commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import statistics
+import sys
+import time
+import warnings
+from contextlib import nullcontext
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from confadapt import DecodeConfig, generate
+from data import (Tokenizer, default_n_regions, mtp_layout, sample_k_and_offset, word_problem_tokenizer,
+                  write_word_problems)
+from distill import MODES, cross_entropy, frozen_teacher, masked_mean, mtp_loss
+from model import (ModelConfig, Transformer, add_mask_token, atomic_save, config_from_hf, read_json,
+                   rope_inv_freq, write_json)
+
+# ==============================================================================================
+# Data: rows, prompt formats, training sequences
+# ==============================================================================================
+#
+# Training data is a list of (prompt, response) pairs: MetaMathQA as distributed (one JSON array
+# of {"query", "response", ...}) or any JSON-lines file of {"prompt", "response"}. A format turns
+# a pair into token ids:
+#
+#   llama3-chat  <|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n{prompt}<|eot_id|>
+#                <|start_header_id|>assistant<|end_header_id|>\n\n{response}<|eot_id|>
+#                (Llama-3's template without a system turn; Llama-Magpie in the paper)
+#   qwen         <|endoftext|>{prompt}\n\n{response}<eos>   (the paper's Qwen recipe: prompt and
+#                response joined with "\n\n", token 151643 = <|endoftext|> prepended)
+#   plain        <bos>{prompt}\n\n{response}<eos>             (small models with no chat tokens)
+#
+# The prompt part and the response part are tokenized separately, so a prompt formatted for
+# generation (eval --prompt-style zeroshot, analyze) is token for token the prefix seen in
+# training. Sequences are cut to --seq-len tokens and padded with `padding_token`: everything
+# from its first occurrence on is padding for the layout (data.mtp_layout's EOS rule).
+
+FORMATS = ("llama3-chat", "qwen", "plain")
+PAIR_FIELDS = (("query", "response"), ("prompt", "response"))     # MetaMathQA, generic JSONL
+QUESTION_FIELDS = ("question", "query", "prompt")                  # GSM8K, MetaMathQA, generic
+
+
+def read_records(path) -> list[dict]:
+    """A JSON array or a JSON-lines file -> its rows (dicts)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no data file at {path}")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: malformed JSON array: {e}") from None
+    else:
+        rows = []
+        for i, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path} line {i}: malformed JSON: {e}") from None
+    if not rows:
+        raise ValueError(f"{path} holds no rows")
+    if not all(isinstance(r, dict) for r in rows):
+        raise ValueError(f"{path}: every row must be a JSON object")
+    return rows
+
+
+def _string_fields(rows, path, fields) -> list[tuple]:
+    bad = next((i for i, r in enumerate(rows) if not all(isinstance(r.get(f), str) for f in fields)), None)
+    if bad is not None:
+        raise ValueError(f"{path}: row {bad + 1} lacks a text field {' or '.join(repr(f) for f in fields)}")
+    return [tuple(r[f] for f in fields) for r in rows]
+
+
+def read_pairs(path) -> list[tuple[str, str]]:
+    """(prompt, response) pairs from MetaMathQA rows (query/response) or generic prompt/response rows."""
+    rows = read_records(path)
+    for fields in PAIR_FIELDS:
+        if all(f in rows[0] for f in fields):
+            return _string_fields(rows, path, fields)
+    raise ValueError(f"{path}: expected rows with 'query' and 'response' (MetaMathQA) or 'prompt' and "
+                     f"'response'; the first row has {sorted(rows[0])}")
+
+
+def read_questions(path) -> list[str]:
+    """The prompts of any of our row types: GSM8K `question`, MetaMathQA `query`, generic `prompt`."""
+    rows = read_records(path)
+    field = next((f for f in QUESTION_FIELDS if f in rows[0]), None)
+    if field is None:
+        raise ValueError(f"{path}: expected rows with one of {', '.join(QUESTION_FIELDS)}; "
+                         f"the first row has {sorted(rows[0])}")
+    return [q for (q,) in _string_fields(rows, path, [field])]
+
+
+def read_gsm8k(path) -> list[tuple[str, str]]:
+    """GSM8K test rows -> (question, gold answer); gold is the text after the last '####'."""
+    rows = read_records(path)
+    if not all(f in rows[0] for f in ("question", "answer")):
+        raise ValueError(f"{path}: expected GSM8K rows with 'question' and 'answer'; "
+                         f"the first row has {sorted(rows[0])}")
+    return [(q, a.split("####")[-1].strip()) for q, a in _string_fields(rows, path, ["question", "answer"])]
+
+
+def default_format(tok: Tokenizer, cfg: ModelConfig) -> str:
+    """Llama-3 chat template when the tokenizer has its header tokens, the Qwen recipe for Qwen
+    models, else plain."""
+    if "<|start_header_id|>" in tok.special_tokens and "<|eot_id|>" in tok.special_tokens:
+        return "llama3-chat"
+    if cfg.model_type in ("qwen2", "qwen3") and "<|endoftext|>" in tok.special_tokens:
+        return "qwen"
+    return "plain"
+
+
+def end_token(tok: Tokenizer, fmt: str) -> int:
+    """The token that ends a response in this format (and pads after it)."""
+    if fmt == "llama3-chat":
+        return tok.token_id("<|eot_id|>")
+    if tok.eos_id is None:
+        raise ValueError("the tokenizer has no EOS token; give it one (tokenizer_config.json eos_token)")
+    return tok.eos_id
+
+
+def start_tokens(tok: Tokenizer, fmt: str) -> list[int]:
+    """What every sequence of this format starts with (also put before few-shot eval prompts)."""
+    if fmt == "llama3-chat":
+        return [tok.token_id("<|begin_of_text|>")]
+    if fmt == "qwen":
+        return [tok.token_id("<|endoftext|>")]
+    if fmt == "plain":
+        return [tok.bos_id] if tok.bos_id is not None else []
+    raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+
+
+def prompt_tokens(tok: Tokenizer, fmt: str, prompt: str) -> list[int]:
+    """A formatted prompt, up to where the response starts."""
+    if fmt == "llama3-chat":
+        def header(role):
+            return [tok.token_id("<|start_header_id|>"), *tok.encode(role), tok.token_id("<|end_header_id|>"),
+                    *tok.encode("\n\n")]
+        return [*start_tokens(tok, fmt), *header("user"), *tok.encode(prompt.strip()),
+                tok.token_id("<|eot_id|>"), *header("assistant")]
+    return start_tokens(tok, fmt) + tok.encode(prompt + "\n\n")
+
+
+def padding_token(tok: Tokenizer, fmt: str) -> int:
+    """Fills a sequence after its response. The layout's EOS rule treats the first one as the end
+    of the row, so for the chat template it must not be <|eot_id|>, which also closes the user
+    turn: there it is <|end_of_text|>."""
+    return tok.token_id("<|end_of_text|>") if fmt == "llama3-chat" else end_token(tok, fmt)
+
+
+def response_tokens(tok: Tokenizer, fmt: str, response: str) -> list[int]:
+    text = response.strip() if fmt == "llama3-chat" else response
+    return tok.encode(text) + [end_token(tok, fmt)]
+
+
+def training_sequences(pairs, tok: Tokenizer, fmt: str, seq_len: int) -> torch.Tensor:
+    """Formatted, cut and padded pairs -> (n_rows, seq_len) int32."""
+    out = torch.full((len(pairs), seq_len), padding_token(tok, fmt), dtype=torch.int32)
+    for i, (prompt, response) in enumerate(pairs):
+        ids = (prompt_tokens(tok, fmt, prompt) + response_tokens(tok, fmt, response))[:seq_len]
+        out[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+    return out
+
+
+def rows_of_step(step: int, global_batch: int, n_rows: int, seed: int) -> list[int]:
+    """Row indices of the global batch of optimizer step `step` (0-based).
+
+    The data order is a seeded permutation per epoch, so it is a pure function of the step
+    number: resuming at step s (with any number of processes) continues the same order.
+    """
+    rows, start = [], step * global_batch
+    for i in range(start, start + global_batch):
+        epoch, j = divmod(i, n_rows)
+        rows.append(int(_epoch_order(n_rows, seed, epoch)[j]))
+    return rows
+
+
+@lru_cache(maxsize=2)
+def _epoch_order(n_rows: int, seed: int, epoch: int) -> torch.Tensor:
+    return torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+
+
+def step_k_and_offset(step: int, seed: int, k_max: int, region_len: int) -> tuple[int, int]:
+    """k and the region offset of one optimizer step, the same on every process (seeded by step)."""
+    g = torch.Generator().manual_seed(seed * 7_919 + step + 1)
+    return sample_k_and_offset(k_max, region_len, generator=g)
+
+
+# ==============================================================================================
+# Processes and devices: one process, or one per GPU under torchrun (FSDP2)
+# ==============================================================================================
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def sharded(self) -> bool:
+        return self.world > 1
+
+
+def setup_processes(device: str) -> Dist:
+    """Join the torchrun process group if there is one (nccl on GPU, gloo on CPU)."""
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) == 1:
+        return Dist(device=torch.device("cuda" if use_cuda else "cpu"))
+    import torch.distributed as dist
+
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if use_cuda:
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    return Dist(dist.get_rank(), dist.get_world_size(), torch.device(f"cuda:{local}" if use_cuda else "cpu"))
+
+
+def all_sum(x: float, d: Dist) -> float:
+    if not d.sharded:
+        return x
+    import torch.distributed as dist
+
+    t = torch.tensor([float(x)], dtype=torch.float64, device=d.device)
+    dist.all_reduce(t)
+    return float(t)
+
+
+def barrier(d: Dist):
+    if d.sharded:
+        import torch.distributed as dist
+        dist.barrier()
+
+
+def broadcast(obj, d: Dist):
+    """Rank 0's Python object, on every rank."""
+    if not d.sharded:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+# ==============================================================================================
+# Models: student, frozen teacher, FSDP2 sharding
+# ==============================================================================================
+#
+# Precision. On GPU the student keeps float32 master weights (AdamW's lr 1e-5 updates vanish in
+# bfloat16's 8-bit mantissa) and computes in bfloat16: FSDP2's MixedPrecisionPolicy when sharded,
+# torch.autocast otherwise. The teacher never changes, so it is stored in bfloat16. On CPU
+# everything is float32.
+#
+# Sharding. Every rank builds student and teacher on the meta device (no memory), shards each
+# transformer block and then the whole model with `fully_shard`, and only rank 0 reads the
+# checkpoint: its weights are broadcast straight into the shards. An 8B model is thus never
+# held in full by more than one process.
+
+def compute_dtype(d: Dist) -> torch.dtype:
+    return torch.bfloat16 if d.device.type == "cuda" else torch.float32
+
+
+def load_student_and_teacher(args, d: Dist, add_mask: bool = True, with_teacher: bool = True):
+    """(student, teacher or None, tokenizer, mask id) on d.device, sharded when d.sharded."""
+    tok = Tokenizer.from_pretrained(args.model)
+    full = None
+    if d.main:
+        full = Transformer.from_pretrained(args.model, dtype=torch.float32)
+        mask_id = add_mask_token(full, tok) if add_mask else None
+        meta = (full.config, mask_id)
+    cfg, mask_id = broadcast(meta if d.main else None, d)
+    if mask_id is not None:
+        tok.add_special_token("<mask>", mask_id)
+    if not d.sharded:
+        teacher = None
+        if with_teacher:                                          # copied on the CPU, then moved
+            teacher = frozen_teacher(full).to(device=d.device, dtype=compute_dtype(d))
+            teacher.inv_freq = rope_inv_freq(cfg).to(d.device)    # keep RoPE frequencies in float32
+        return full.to(d.device).train(), teacher, tok, mask_id
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    with torch.device("meta"):
+        student = Transformer(cfg)
+    teacher = frozen_teacher(student).to(compute_dtype(d)) if with_teacher else None
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    for model in [student] + ([teacher] if teacher is not None else []):
+        shard(model, d, args)
+        model.to_empty(device=d.device)
+        model.inv_freq = rope_inv_freq(cfg).to(d.device)          # non-persistent buffer: recompute
+        set_model_state_dict(model, full.state_dict() if d.main else {}, options=options)
+    del full
+    return student.train(), teacher, tok, mask_id
+
+
+def shard(model: Transformer, d: Dist, args):
+    """FSDP2: each block is one all-gather unit; the root holds embeddings, final norm and head."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype(d), reduce_dtype=torch.float32)
+    for block in model.layers:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+
+
+def enable_activation_checkpointing(model: Transformer):
+    """Recompute each block's activations in the backward pass instead of storing them.
+
+    The composable `checkpoint` only registers hooks, so parameter names (and thus checkpoints
+    and exports) are unchanged, and it composes with `fully_shard`.
+    """
+    from torch.distributed._composable import checkpoint
+
+    for block in model.layers:
+        checkpoint(block)
+
+
+def new_base_model(args, tok: Tokenizer) -> Transformer:
+    """A freshly initialised small Llama-layout model for `pretrain`."""
+    cfg = ModelConfig(vocab_size=tok.n_vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
+                      n_kv_heads=args.kv_heads or args.heads, ffn_dim=args.ffn_dim or 4 * args.dim,
+                      max_seq_len=args.max_seq_len, model_type="llama", bos_token_id=tok.bos_id,
+                      eos_token_id=tok.eos_id)
+    torch.manual_seed(args.seed)
+    return Transformer(cfg)
+
+
+# ==============================================================================================
+# Training
+# ==============================================================================================
+#
+# One optimizer step sees a global batch of --batch-size sequences: each of the world_size
+# processes runs accumulation_steps micro-batches of --micro-batch sequences. All of them share
+# the step's k and region offset (seeded by the step number). distill.mtp_loss averages over the
+# valid predictions of ITS micro-batch; we rescale each micro-batch's loss by its share of the
+# valid predictions of the whole global batch, so the gradient is that of one mean over the
+# global batch no matter how it is split across processes and micro-batches. (FSDP averages
+# gradients over processes, hence the extra factor world_size.)
+
+def micro_batches(seqs: torch.Tensor, rows: list[int], d: Dist, micro: int) -> list[torch.Tensor]:
+    """This process's micro-batches of one global batch: slice m*world + rank of size `micro`."""
+    per_rank = len(rows) // d.world
+    out = []
+    for m in range(per_rank // micro):
+        start = (m * d.world + d.rank) * micro
+        out.append(seqs[rows[start:start + micro]].long())
+    return out
+
+
+def ntp_loss(model, batch) -> tuple[torch.Tensor, dict]:
+    """Plain next-token cross-entropy on the ground-truth tokens (pretraining the base model).
+
+    `batch` is a k = 1 layout: no mask slots, so it is the ordinary sequence with the EOS rule
+    applied (nothing after the first EOS is predicted or attended)."""
+    logits = model(batch.input_ids, positions=batch.positions, attn_mask=batch.attn_mask,
+                   output_index=batch.ntp_index).float()                          # (B, N-1, V)
+    loss = masked_mean(cross_entropy(batch.ntp_targets, logits), batch.ntp_valid)
+    return loss, {"loss": float(loss.detach()), "n_pred": int(batch.ntp_valid.sum()), "k": 1}
+
+
+def layout_for(seqs, k: int, offset: int, n_regions: int, mask_id, pad: int, objective: str):
+    """The packed MTP layout of one micro-batch; `pad` is also its end-of-row token."""
+    if objective == "ntp":
+        return mtp_layout(seqs, 1, 0, 1, mask_id=pad, eos_id=pad, pad_id=pad)
+    return mtp_layout(seqs, k, offset, n_regions, mask_id=mask_id, eos_id=pad, pad_id=pad)
+
+
+def train_step(student, teacher, optimizer, scheduler, micro: list[torch.Tensor], k: int, offset: int,
+               args, d: Dist, mask_id, pad: int) -> dict:
+    """Forward/backward every micro-batch, clip, step. Returns the step's statistics (global)."""
+    batches = [layout_for(s, k, offset, args.regions, mask_id, pad, args.mode).to(d.device) for s in micro]
+    counts = [int(b.ntp_valid.sum() if args.mode == "ntp" else b.valid.sum()) for b in batches]
+    n_global = max(1.0, all_sum(sum(counts), d))
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if d.device.type == "cuda" and not d.sharded
+                else nullcontext())
+    loss_sum, agree = 0.0, 0.0
+    for i, (batch, n) in enumerate(zip(batches, counts)):
+        if d.sharded:                                 # reduce-scatter gradients only after the last one
+            student.set_requires_gradient_sync(i == len(batches) - 1)
+        with autocast:
+            if args.mode == "ntp":
+                loss, stats = ntp_loss(student, batch)
+            else:
+                loss, stats = mtp_loss(student, teacher, batch, mode=args.mode)
+        (loss * (n / n_global) * d.world).backward()
+        loss_sum += stats["loss"] * n
+        if "acc" in stats:                            # student argmax == target, averaged over positions j
+            accs = [a for a in stats["acc"] if a == a]
+            agree += n * (sum(accs) / len(accs) if accs else 0.0)
+    grad_norm = torch.nn.utils.clip_grad_norm_(student.parameters(), args.clip)
+    if hasattr(grad_norm, "full_tensor"):             # a DTensor under FSDP2
+        grad_norm = grad_norm.full_tensor()
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss": all_sum(loss_sum, d) / n_global,
+            "agree": None if args.mode == "ntp" else all_sum(agree, d) / n_global,
+            "grad_norm": float(grad_norm), "k": batches[0].k, "offset": batches[0].offset, "n_pred": int(n_global)}
+
+
+def make_optimizer(model, args):
+    """AdamW (the paper's betas and weight decay); no decay on norms and biases."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=args.lr, betas=(args.beta1, args.beta2))
+    warmup = max(1, args.warmup)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    return optimizer, scheduler
+
+
+# --- checkpoints ------------------------------------------------------------------------------
+#
+# A checkpoint is a folder checkpoints/step_000123/ written by torch.distributed.checkpoint
+# (each process writes its own shards of model and optimizer state) plus trainer.pt (step,
+# scheduler, RNG states, arguments). It is first written under a temporary name and renamed
+# when complete, then the file `latest` is atomically pointed at it: a crash at any moment
+# leaves the previous checkpoint intact. The data order and each step's k / offset are
+# functions of the step number, so the step is all the "data loader state" there is.
+
+RESUME_MUST_MATCH = ("model", "data", "format", "seq_len", "mode", "k_max", "regions", "batch_size",
+                     "lr", "warmup", "weight_decay", "beta1", "beta2", "seed")
+
+
+def checkpoint_dir(out) -> Path:
+    return Path(out) / "checkpoints"
+
+
+def save_checkpoint(student, optimizer, scheduler, step: int, args, d: Dist):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    root = checkpoint_dir(args.out)
+    final, tmp = root / f"step_{step:06d}", root / f".step_{step:06d}.tmp"
+    if d.main:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    barrier(d)
+    model_state, optim_state = get_state_dict(student, optimizer)
+    with warnings.catch_warnings():                   # one process: DCP warns that it saves without a group
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
+    barrier(d)
+    if d.main:
+        trainer = {"step": step, "scheduler": scheduler.state_dict(), "args": vars(args),
+                   "rng_cpu": torch.get_rng_state(),
+                   "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+        torch.save(trainer, tmp / "trainer.pt")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        atomic_save(lambda p: Path(p).write_text(final.name + "\n"), root / "latest")
+        old = sorted(p for p in root.glob("step_*") if p.name != final.name)
+        for stale in old[: max(0, len(old) - (args.keep - 1))]:
+            shutil.rmtree(stale, ignore_errors=True)
+    barrier(d)
+
+
+def latest_checkpoint(out) -> Path | None:
+    pointer = checkpoint_dir(out) / "latest"
+    if not pointer.is_file():
+        return None
+    path = checkpoint_dir(out) / pointer.read_text().strip()
+    return path if (path / "trainer.pt").is_file() else None
+
+
+def load_checkpoint(path: Path, student, optimizer, scheduler, args) -> int:
+    """Restore model, optimizer, scheduler and RNG from `path`; returns the step to continue from."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    trainer = torch.load(path / "trainer.pt", weights_only=True)
+    saved = trainer["args"]
+    changed = [f"--{k.replace('_', '-')} {saved.get(k)} -> {getattr(args, k)}" for k in RESUME_MUST_MATCH
+               if saved.get(k) != getattr(args, k)]
+    if changed:
+        raise ValueError(f"cannot resume from {path}: settings differ from the interrupted run ({'; '.join(changed)})")
+    model_state, optim_state = get_state_dict(student, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(student, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    scheduler.load_state_dict(trainer["scheduler"])
+    torch.set_rng_state(trainer["rng_cpu"])
+    if trainer["rng_cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(trainer["rng_cuda"])
+    return trainer["step"]
+
+
+# --- the loop ---------------------------------------------------------------------------------
+
+def format_progress(step: int, total: int, stats: dict, lr: float, tok_per_s: float, eta_s: float) -> str:
+    agree = f" | agree {stats['agree']:.3f}" if stats.get("agree") is not None else ""
+    return (f"step {step}/{total} | loss {stats['loss']:.4f}{agree} | k {stats['k']:2d} | lr {lr:.2e} "
+            f"| grad {stats['grad_norm']:.3f} | {tok_per_s:,.0f} tok/s | ETA {format_seconds(eta_s)}")
+
+
+def format_seconds(s: float) -> str:
+    s = int(max(0, s))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def train(args, on_step=None) -> Path:
+    """The whole run; returns the exported model folder. `on_step(step, stats)` is a test hook."""
+    d = setup_processes(args.device)
+    student, teacher, tok, mask_id = load_student_and_teacher(
+        args, d, add_mask=args.mode != "ntp", with_teacher=args.mode in ("hard", "soft"))
+    fmt = args.format if args.format != "auto" else default_format(tok, student.config)
+    args.format = fmt
+    pad = padding_token(tok, fmt)
+    if args.regions is None:
+        args.regions = default_n_regions(args.seq_len, args.k_max)
+    region_len = args.seq_len // args.regions
+    if args.mode != "ntp" and args.seq_len + args.k_max - 2 >= student.config.max_seq_len:
+        raise ValueError(f"--seq-len {args.seq_len} with --k-max {args.k_max} needs positions up to "
+                         f"{args.seq_len + args.k_max - 2}; the model supports {student.config.max_seq_len}")
+    per_process = args.batch_size // d.world
+    if args.batch_size % (d.world * args.micro_batch):
+        raise ValueError(f"--batch-size {args.batch_size} must be a multiple of --micro-batch {args.micro_batch} "
+                         f"x {d.world} processes")
+    pairs = read_pairs(args.data)[: args.limit_rows or None]
+    seqs = training_sequences(pairs, tok, fmt, args.seq_len)
+    if args.activation_checkpointing:
+        enable_activation_checkpointing(student)
+    optimizer, scheduler = make_optimizer(student, args)
+
+    start = 0
+    if args.resume and (ckpt := latest_checkpoint(args.out)) is not None:
+        start = load_checkpoint(ckpt, student, optimizer, scheduler, args)
+        log(d, f"resumed from {ckpt} at step {start}")
+        if d.main:
+            forget_log_after(Path(args.out) / "log.jsonl", start)
+    elif args.resume:
+        log(d, f"--resume: no checkpoint in {checkpoint_dir(args.out)}, starting at step 0")
+    if d.main:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        write_json(Path(args.out) / "train_args.json", vars(args))
+    log(d, f"{args.mode} training: {len(pairs):,} rows, format {fmt}, {d.world} process(es) on {d.device}, "
+           f"{per_process // args.micro_batch} micro-batch(es) of {args.micro_batch} per process and step, "
+           f"{student.config.n_layers} layers, mask id {mask_id}")
+
+    t0, done_tokens = time.perf_counter(), 0
+    for step in range(start, args.steps):
+        k, offset = step_k_and_offset(step, args.seed, args.k_max, region_len)
+        rows = rows_of_step(step, args.batch_size, len(seqs), args.seed)
+        stats = train_step(student, teacher, optimizer, scheduler, micro_batches(seqs, rows, d, args.micro_batch),
+                           k, offset, args, d, mask_id, pad)
+        done_tokens += args.batch_size * args.seq_len
+        elapsed = time.perf_counter() - t0
+        if d.main and ((step + 1) % args.log_every == 0 or step + 1 == args.steps):
+            eta = elapsed / (step + 1 - start) * (args.steps - step - 1)
+            log(d, format_progress(step + 1, args.steps, stats, scheduler.get_last_lr()[0], done_tokens / elapsed, eta))
+            with open(Path(args.out) / "log.jsonl", "a") as f:
+                f.write(json.dumps({"step": step + 1, **stats, "lr": scheduler.get_last_lr()[0]}) + "\n")
+        if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
+            save_checkpoint(student, optimizer, scheduler, step + 1, args, d)
+        if on_step is not None:
+            on_step(step + 1, stats)
+    final = export(student, tok, Path(args.out) / "final", args, d)
+    log(d, f"exported {final}")
+    return final
+
+
+def forget_log_after(path: Path, step: int):
+    """Drop log.jsonl lines of steps after `step` (they are about to be redone)."""
+    if path.is_file():
+        kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+        atomic_save(lambda p: Path(p).write_text("".join(line + "\n" for line in kept)), path)
+
+
+def log(d: Dist, message: str):
+    if d.main:
+        print(message, flush=True)
+
+
+# ==============================================================================================
+# Export: a Hugging Face folder any transformers-based stack loads
+# ==============================================================================================
+
+def export(student, tok: Tokenizer, path: Path, args, d: Dist, extra_card: str = "") -> Path:
+    """config.json (with mask_token_id) + safetensors + tokenizer (with <mask>) + README.md.
+
+    Under FSDP2 the shards are gathered into one full state dict on rank 0 (in CPU memory)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(student, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if d.main:
+        with torch.device("meta"):
+            model = Transformer(student.config)
+        model.load_state_dict(state, assign=True, strict=True)
+        if model.config.tie_embeddings:
+            model.lm_head.weight = model.tok_emb.weight
+        path = Path(path)
+        model.save_pretrained(path, dtype=torch.bfloat16 if d.device.type == "cuda" else None)
+        tok.save_pretrained(path)
+        (path / "README.md").write_text(model_card(model.config, args, extra_card), encoding="utf-8")
+    barrier(d)
+    return Path(path)
+
+
+def model_card(cfg: ModelConfig, args, extra: str = "") -> str:
+    """A short README.md: what the model is and how to decode it."""
+    trained = getattr(args, "mode", "hard") in ("hard", "soft", "gt")
+    lines = ["---", "library_name: transformers", "tags: [multi-token-prediction, self-distillation]", "---", ""]
+    if not trained:
+        lines += ["# Next-token base model", "",
+                  f"A {cfg.n_layers}-layer Llama-layout model pretrained from scratch by `finetune_hf.py pretrain` "
+                  f"on `{args.data}`. It has no `<mask>` token yet: tune it with `finetune_hf.py train`.", ""]
+        return "\n".join(lines + [extra])
+    how = {"hard": "student-forced self-distillation from a frozen copy of itself (hard teacher targets)",
+           "soft": "student-forced self-distillation from a frozen copy of itself (soft teacher targets)",
+           "gt": "the naive ground-truth multi-token loss (an ablation, METHOD.md section 2)"}[args.mode]
+    lines += [
+        "# Multi-token prediction by self-distillation", "",
+        f"Tuned from `{args.model}` on `{args.data}` with {how}, following Kirchenbauer et al., "
+        "\"Multi-Token Prediction via Self-Distillation\" (arXiv 2602.06019).", "",
+        f"The architecture is unchanged; the vocabulary has one extra token, `<mask>` "
+        f"(id {cfg.mask_token_id}, also `mask_token_id` in config.json). Decoded normally (one token per "
+        "forward pass) it is an ordinary causal LM and loads with `AutoModelForCausalLM`.", "",
+        "## Decoding several tokens per forward pass", "",
+        "Feed the text so far followed by k-1 `<mask>` tokens; the logits at the last real token and at the "
+        "k-1 masks are the next k tokens. Keep only the longest leading run whose top-1 probability is at "
+        "least tau (ConfAdapt; always keep the first), drop the masks from the KV cache, repeat:", "",
+        "```bash",
+        "python confadapt.py --model THIS_FOLDER --prompt \"...\" --tau 0.9 --k-max 16   # ConfAdapt (paper: ~3x fewer passes)",
+        "python confadapt.py --model THIS_FOLDER --prompt \"...\" --lossless --k-max 8    # exactly greedy, fewer passes",
+        "python finetune_hf.py eval --model THIS_FOLDER --data gsm8k_test.jsonl          # accuracy vs effective k",
+        "```", "",
+        "One multi-token pass with plain transformers (positions default to 0..T-1, which is what the masks need):", "",
+        "```python",
+        "import torch",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "model, tok = AutoModelForCausalLM.from_pretrained(FOLDER), AutoTokenizer.from_pretrained(FOLDER)",
+        "ids = tok(prompt, return_tensors=\"pt\").input_ids                       # formatted as in training",
+        "k = 4",
+        "x = torch.cat([ids, torch.full((1, k - 1), model.config.mask_token_id)], dim=1)",
+        "confidence, next_k = model(x).logits[0, -k:].softmax(-1).max(-1)       # k proposals and their confidences",
+        "```", "",
+        f"Prompt format used in training: `{args.format}`"
+        + (" (Llama-3 chat template)" if args.format == "llama3-chat" else
+           " (prompt + \"\\n\\n\" + response, `<|endoftext|>` first)" if args.format == "qwen" else
+           " (BOS + prompt + \"\\n\\n\" + response)") + ".", "",
+        "## Training", "",
+        f"seq len {args.seq_len}, k uniform in [2, {args.k_max}], {args.regions} regions per sequence, "
+        f"global batch {args.batch_size}, AdamW lr {args.lr:g} (warm-up {args.warmup} steps, then constant), "
+        f"betas ({args.beta1}, {args.beta2}), weight decay {args.weight_decay}, clip {args.clip}, {args.steps} steps.",
+        ""]
+    return "\n".join(lines + [extra])
+
+
+def export_checkpoint(args):
+    """`export`: turn a training checkpoint (e.g. of an interrupted run) into a Hugging Face folder."""
+    ckpt = Path(args.checkpoint)
+    if (ckpt / "checkpoints").is_dir():
+        ckpt = latest_checkpoint(ckpt) or ckpt
+    if not (ckpt / "trainer.pt").is_file():
+        raise FileNotFoundError(f"no training checkpoint (trainer.pt) in {args.checkpoint}")
+    saved = argparse.Namespace(**torch.load(ckpt / "trainer.pt", weights_only=True)["args"])
+    saved.device = "cpu"
+    d = Dist()
+    student, _, tok, _ = load_student_and_teacher(saved, d, add_mask=saved.mode != "ntp", with_teacher=False)
+    optimizer, scheduler = make_optimizer(student, saved)
+    load_checkpoint(ckpt, student, optimizer, scheduler, saved)
+    return export(student, tok, Path(args.out), saved, d)
+
+
+# ==============================================================================================
+# GSM8K, scored as lm-evaluation-harness's `gsm8k_cot` task scores it
+# ==============================================================================================
+#
+# Prompt: the 8 chain-of-thought exemplars of Wei et al. (2022) as "Q: ...\nA: ... The answer
+# is N." joined by blank lines, then "Q: {question}\nA:". Greedy decoding stops at "Q:", "</s>",
+# "<|im_end|>" or a stop token; the completion is cut before the first stop string.
+# Two answer extractors:
+#   strict-match      the FIRST match of `The answer is (\-?[0-9\.\,]+).` -- the trailing "." is
+#                     an unescaped regex dot, i.e. ANY one character, so the group gives back its
+#                     last character whenever nothing follows the number: "The answer is 42"
+#                     at the very end of the completion extracts "4" and is scored wrong;
+#   flexible-extract  the LAST match of `(-?[$0-9.,]{2,})|(-?[0-9]+)`, the last number-like run.
+# Before comparing, both the extraction and the gold answer (the text after "####") lose every
+# ",", every "$", everything up to "#### " and one trailing ".", and are lower-cased.
+# Accuracy comes with its standard error, sqrt(sample variance / n), as the harness reports it.
+
+GSM8K_EXEMPLARS = [
+    ("There are 15 trees in the grove. Grove workers will plant trees in the grove today. After they are done, "
+     "there will be 21 trees. How many trees did the grove workers plant today?",
+     "There are 15 trees originally. Then there were 21 trees after some more were planted. So there must have "
+     "been 21 - 15 = 6. The answer is 6."),
+    ("If there are 3 cars in the parking lot and 2 more cars arrive, how many cars are in the parking lot?",
+     "There are originally 3 cars. 2 more cars arrive. 3 + 2 = 5. The answer is 5."),
+    ("Leah had 32 chocolates and her sister had 42. If they ate 35, how many pieces do they have left in total?",
+     "Originally, Leah had 32 chocolates. Her sister had 42. So in total they had 32 + 42 = 74. After eating 35, "
+     "they had 74 - 35 = 39. The answer is 39."),
+    ("Jason had 20 lollipops. He gave Denny some lollipops. Now Jason has 12 lollipops. How many lollipops did "
+     "Jason give to Denny?",
+     "Jason started with 20 lollipops. Then he had 12 after giving some to Denny. So he gave Denny 20 - 12 = 8. "
+     "The answer is 8."),
+    ("Shawn has five toys. For Christmas, he got two toys each from his mom and dad. How many toys does he have now?",
+     "Shawn started with 5 toys. If he got 2 toys each from his mom and dad, then that is 4 more toys. 5 + 4 = 9. "
+     "The answer is 9."),
+    ("There were nine computers in the server room. Five more computers were installed each day, from monday to "
+     "thursday. How many computers are now in the server room?",
+     "There were originally 9 computers. For each of 4 days, 5 more computers were added. So 5 * 4 = 20 computers "
+     "were added. 9 + 20 is 29. The answer is 29."),
+    ("Michael had 58 golf balls. On tuesday, he lost 23 golf balls. On wednesday, he lost 2 more. How many golf "
+     "balls did he have at the end of wednesday?",
+     "Michael started with 58 golf balls. After losing 23 on tuesday, he had 58 - 23 = 35. After losing 2 more, "
+     "he had 35 - 2 = 33 golf balls. The answer is 33."),
+    ("Olivia has $23. She bought five bagels for $3 each. How much money does she have left?",
+     "Olivia had 23 dollars. 5 bagels for 3 dollars each will be 5 x 3 = 15 dollars. So she has 23 - 15 dollars "
+     "left. 23 - 15 is 8. The answer is 8."),
+]
+GSM8K_STOP_STRINGS = ("Q:", "</s>", "<|im_end|>")
+STRICT_MATCH = re.compile(r"The answer is (\-?[0-9\.\,]+).")
+FLEXIBLE_EXTRACT = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
+IGNORED_BEFORE_COMPARING = (",", r"\$", r"(?s).*#### ", r"\.$")
+
+
+def fewshot_prompt(question: str, n_shot: int = 8) -> str:
+    shots = [f"Q: {q}\nA: {a}" for q, a in GSM8K_EXEMPLARS[:n_shot]]
+    return "\n\n".join(shots + [f"Q: {question}\nA:"])
+
+
+def extract(regex: re.Pattern, text: str, select: int) -> str:
+    """Match number `select` of the regex (0 first, -1 last); with several groups, the non-empty one."""
+    found = regex.findall(text)
+    if not found:
+        return "[invalid]"
+    match = found[select]
+    if isinstance(match, tuple):
+        match = next(m for m in match if m)
+    return match.strip()
+
+
+def strict_match(completion: str) -> str:
+    return extract(STRICT_MATCH, completion, 0)
+
+
+def flexible_extract(completion: str) -> str:
+    return extract(FLEXIBLE_EXTRACT, completion, -1)
+
+
+def normalize(answer: str) -> str:
+    for pattern in IGNORED_BEFORE_COMPARING:
+        answer = re.sub(pattern, "", answer)
+    return answer.lower()
+
+
+def score(completion: str, gold: str) -> dict:
+    """Both extractions of one completion and whether each equals the gold answer."""
+    strict, flexible = strict_match(completion), flexible_extract(completion)
+    return {"strict": strict, "flexible": flexible,
+            "strict_ok": normalize(strict) == normalize(gold), "flexible_ok": normalize(flexible) == normalize(gold)}
+
+
+def cut_at_stop_strings(text: str, stops=GSM8K_STOP_STRINGS) -> str:
+    for s in stops:
+        text = text.split(s)[0]
+    return text
+
+
+def mean_and_stderr(values) -> tuple[float, float]:
+    values = [float(v) for v in values]
+    mean = sum(values) / len(values)
+    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+    return mean, se
+
+
+def completion_of(tok: Tokenizer, gen, stop_ids, stops=GSM8K_STOP_STRINGS) -> tuple[str, int, int]:
+    """(completion text, tokens, forward passes), as if decoding had stopped at the first stop string.
+
+    confadapt.generate stops at stop TOKENS only; a stop STRING ("Q:") ends the completion at the
+    end of the pass whose tokens completed it, which is when a string-stopping decoder would have
+    stopped. Tokens and passes after that are not counted.
+    """
+    tokens = gen.tokens[:-1] if gen.tokens and gen.tokens[-1] in stop_ids else gen.tokens
+    text = tok.decode(tokens)
+    cut = cut_at_stop_strings(text, stops)
+    if cut == text:
+        return text, len(gen.tokens), gen.forward_passes
+    for passes, end in enumerate(gen.boundaries, 1):
+        if any(s in tok.decode(gen.tokens[:end]) for s in stops):
+            return cut, end, passes
+    return cut, len(gen.tokens), gen.forward_passes
+
+
+@dataclass
+class EvalSetup:
+    model: Transformer
+    tok: Tokenizer
+    mask_id: int | None
+    stop_ids: set
+    prompts: list[list[int]]
+    golds: list[str]
+
+
+def decoding_modes(args) -> list[DecodeConfig]:
+    modes = [DecodeConfig("greedy") if k == 1 else DecodeConfig("static", k=k) for k in args.static_k]
+    modes += [DecodeConfig("confadapt", tau=t, k_max=args.k_max) for t in args.taus]
+    if args.lossless_k:
+        modes.append(DecodeConfig("lossless", k=args.lossless_k))
+    for m in modes:
+        m.validate()
+    if not modes:
+        raise ValueError("nothing to evaluate: give --static-k and/or --taus")
+    return modes
+
+
+def run_mode(setup: EvalSetup, mode: DecodeConfig, max_new_tokens: int, batch_size: int) -> tuple[dict, list]:
+    """Decode every prompt with one mode (in length-sorted batches); score; summarise."""
+    order = sorted(range(len(setup.prompts)), key=lambda i: -len(setup.prompts[i]))
+    samples, seconds = [None] * len(order), 0.0
+    for start in range(0, len(order), batch_size):
+        idx = order[start:start + batch_size]
+        gens, stats = generate(setup.model, [setup.prompts[i] for i in idx], max_new_tokens, mode,
+                               setup.mask_id, setup.stop_ids)
+        seconds += stats.seconds - stats.prefill_seconds
+        for i, gen in zip(idx, gens):
+            text, n_tokens, passes = completion_of(setup.tok, gen, setup.stop_ids)
+            samples[i] = {"index": i, "completion": text, "gold": setup.golds[i], "tokens": n_tokens,
+                          "passes": passes, "effective_k": n_tokens / max(1, passes),
+                          **score(text, setup.golds[i])}
+    flex, flex_se = mean_and_stderr(s["flexible_ok"] for s in samples)
+    strict, strict_se = mean_and_stderr(s["strict_ok"] for s in samples)
+    eff = [s["effective_k"] for s in samples]
+    tokens = sum(s["tokens"] for s in samples)
+    row = {"decoding": "k=1 (greedy)" if mode.kind == "greedy" else mode.describe(), "kind": mode.kind,
+           "k": mode.block if mode.kind != "confadapt" else None, "tau": mode.tau if mode.kind == "confadapt" else None,
+           "k_max": mode.k_max if mode.kind == "confadapt" else None, "n": len(samples),
+           "flexible_acc": flex, "flexible_se": flex_se, "strict_acc": strict, "strict_se": strict_se,
+           "effective_k_mean": statistics.mean(eff), "effective_k_std": statistics.pstdev(eff),
+           "effective_k_overall": tokens / max(1, sum(s["passes"] for s in samples)),
+           "tokens_per_second": tokens / max(seconds, 1e-9), "batch_size": batch_size}
+    return row, samples
+
+
+def results_markdown(rows: list[dict], title: str) -> str:
+    lines = [f"### {title}", "",
+             "| decoding | flexible-extract acc. | strict-match acc. | effective k (mean ± std) | tokens/s |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['decoding']} | {100 * r['flexible_acc']:.1f} ± {100 * r['flexible_se']:.1f} "
+                     f"| {100 * r['strict_acc']:.1f} ± {100 * r['strict_se']:.1f} "
+                     f"| {r['effective_k_mean']:.2f} ± {r['effective_k_std']:.2f} | {r['tokens_per_second']:,.1f} |")
+    lines += ["", f"n = {rows[0]['n']} questions; accuracy in % ± standard error; effective k = tokens / forward "
+                  "passes per completion (not a wall-clock speed-up); tokens/s = decoding throughput at batch size "
+                  f"{rows[0]['batch_size']}, prefill excluded.", ""]
+    return "\n".join(lines)
+
+
+def pareto_front(rows: list[dict]) -> list[dict]:
+    """Settings no other setting beats on both accuracy and effective k."""
+    def dominated(r):
+        return any(o["flexible_acc"] >= r["flexible_acc"] and o["effective_k_mean"] >= r["effective_k_mean"]
+                   and (o["flexible_acc"], o["effective_k_mean"]) != (r["flexible_acc"], r["effective_k_mean"])
+                   for o in rows)
+    return sorted((r for r in rows if not dominated(r)), key=lambda r: r["effective_k_mean"])
+
+
+def pareto_plot(rows: list[dict], path, title: str):
+    """Accuracy (flexible-extract) against effective k, one series per decoding rule."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, 4.4))
+    ax = fig.add_subplot()
+    series = {"static k": [r for r in rows if r["kind"] in ("greedy", "static")],
+              "ConfAdapt": [r for r in rows if r["kind"] == "confadapt"],
+              "lossless": [r for r in rows if r["kind"] == "lossless"]}
+    for (name, pts), marker in zip(series.items(), "osD"):
+        pts = sorted(pts, key=lambda r: r["effective_k_mean"])
+        if not pts:
+            continue
+        ax.errorbar([r["effective_k_mean"] for r in pts], [100 * r["flexible_acc"] for r in pts],
+                    yerr=[100 * r["flexible_se"] for r in pts], marker=marker, capsize=3, label=name)
+        for r in pts:
+            label = f"k={r['k']}" if r["kind"] in ("greedy", "static") else \
+                f"τ={r['tau']:g}" if r["kind"] == "confadapt" else f"k≤{r['k']}"
+            ax.annotate(label, (r["effective_k_mean"], 100 * r["flexible_acc"]), textcoords="offset points",
+                        xytext=(4, 4), fontsize=7)
+    front = pareto_front(rows)
+    ax.plot([r["effective_k_mean"] for r in front], [100 * r["flexible_acc"] for r in front], "k--", lw=0.8,
+            alpha=0.5, label="Pareto front")
+    ax.set_xlabel("effective k (tokens per forward pass)")
+    ax.set_ylabel("accuracy, flexible-extract (%)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+
+
+def load_for_inference(args) -> tuple[Transformer, Tokenizer, int | None, str]:
+    """Model (eval mode, on the chosen device), tokenizer, mask id, prompt format."""
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tok = Tokenizer.from_pretrained(args.model)
+    model = Transformer.from_pretrained(args.model, device=device, dtype=dtype)
+    mask_id = model.config.mask_token_id if model.config.mask_token_id is not None else tok.mask_id
+    fmt = args.format if args.format != "auto" else default_format(tok, model.config)
+    return model, tok, mask_id, fmt
+
+
+def stop_ids_for(model: Transformer, tok: Tokenizer, fmt: str) -> set:
+    eos = model.config.eos_token_id
+    eos = eos if isinstance(eos, list) else [eos]
+    return {i for i in eos if i is not None} | set(tok.stop_ids) | {end_token(tok, fmt)}
+
+
+def evaluate(args) -> list[dict]:
+    """`eval`: the sweep; writes results.json, results.md, pareto.png and samples.jsonl to --out."""
+    modes = decoding_modes(args)
+    model, tok, mask_id, fmt = load_for_inference(args)
+    rows = read_gsm8k(args.data)[: args.limit or None]
+    if args.prompt_style == "fewshot":
+        prompts = [start_tokens(tok, fmt) + tok.encode(fewshot_prompt(q, args.n_shot)) for q, _ in rows]
+    else:
+        prompts = [prompt_tokens(tok, fmt, q) for q, _ in rows]
+    setup = EvalSetup(model, tok, mask_id, stop_ids_for(model, tok, fmt), prompts, [g for _, g in rows])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    with open(out / "samples.jsonl", "w", encoding="utf-8") as f:
+        for mode in modes:
+            row, samples = run_mode(setup, mode, args.max_new_tokens, args.batch_size)
+            results.append(row)
+            print(f"{row['decoding']:<28} flexible {100 * row['flexible_acc']:5.1f} ± {100 * row['flexible_se']:.1f}"
+                  f"  strict {100 * row['strict_acc']:5.1f}  effective k {row['effective_k_mean']:.2f} "
+                  f"± {row['effective_k_std']:.2f}  {row['tokens_per_second']:,.1f} tok/s", flush=True)
+            for s in samples:
+                f.write(json.dumps({"decoding": row["decoding"], **s}) + "\n")
+    name = "/".join(Path(args.model).resolve().parts[-2:])
+    title = f"{name}: GSM8K chain of thought, {args.n_shot}-shot" if args.prompt_style == "fewshot" \
+        else f"{name}: GSM-style questions, zero-shot ({fmt} format)"
+    meta = {"model": args.model, "data": args.data, "prompt_style": args.prompt_style, "format": fmt,
+            "n_shot": args.n_shot if args.prompt_style == "fewshot" else 0, "max_new_tokens": args.max_new_tokens,
+            "device": str(next(model.parameters()).device)}
+    write_json(out / "results.json", {"meta": meta, "results": results})
+    (out / "results.md").write_text(results_markdown(results, title), encoding="utf-8")
+    pareto_plot(results, out / "pareto.png", title)
+    print(f"wrote {out / 'results.md'}, results.json, pareto.png, samples.jsonl")
+    return results
+
+
+# ==============================================================================================
+# Analyze: is this domain predictable enough to be worth tuning?
+# ==============================================================================================
+#
+# Before any training, let the model answer the domain's prompts greedily and record, for each
+# answer token, its top-1 probability given the true prefix (one teacher-forced forward pass
+# over prompt + answer). ConfAdapt will later accept a mask prediction when the TUNED model is
+# at least tau sure of it, without seeing the tokens just before it. We bound that from the
+# base model's confidences c_t along the answer:
+#   per-token (optimistic)  position j of a pass is accepted while every c of the tokens it
+#                           covers is >= tau (the student is as sure as the teacher was with
+#                           the true prefix in view);
+#   joint (conservative)    accepted while c_t * c_{t+1} * ... * c_{t+j} >= tau: the probability
+#                           of the whole greedy run, a lower bound on the marginal probability of
+#                           its last token, which is what the mask position has to predict.
+# Simulating ConfAdapt's accept rule on these gives two estimates of the effective k.
+
+def simulated_passes(conf: list[float], tau: float, k_max: int, joint: bool) -> int:
+    """Forward passes ConfAdapt(tau, k_max) would need for this answer under one estimate."""
+    t, passes = 0, 0
+    while t < len(conf):
+        run, p = 1, conf[t]
+        while run < k_max and t + run < len(conf):
+            p *= conf[t + run]
+            if (p if joint else conf[t + run]) < tau:
+                break
+            run += 1
+        t, passes = t + run, passes + 1
+    return passes
+
+
+@torch.inference_mode()
+def answer_confidences(model: Transformer, prompt: list[int], answer: list[int]) -> list[float]:
+    """Top-1 probability of the model at every answer token, given the true prefix."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt + answer], device=device)                             # (1, P + A)
+    index = torch.arange(len(prompt) - 1, len(prompt) + len(answer) - 1, device=device)[None]   # (1, A)
+    probs = model(ids, output_index=index).float().softmax(-1)                        # (1, A, V)
+    return probs.max(-1).values[0].tolist()
+
+
+def analyze(args) -> dict:
+    """`analyze`: confidence profile and ConfAdapt estimates; prints a verdict, writes JSON + MD."""
+    model, tok, _, fmt = load_for_inference(args)
+    prompts = [prompt_tokens(tok, fmt, q) for q in read_questions(args.data)[: args.limit or None]]
+    stop_ids = stop_ids_for(model, tok, fmt)
+    confs = []
+    for start in range(0, len(prompts), args.batch_size):
+        batch = prompts[start:start + args.batch_size]
+        gens, _ = generate(model, batch, args.max_new_tokens, DecodeConfig("greedy"), stop_ids=stop_ids)
+        confs += [answer_confidences(model, p, g.tokens) for p, g in zip(batch, gens) if g.tokens]
+    flat = [c for cs in confs for c in cs]
+    if not flat:
+        raise ValueError("the model produced no answer tokens")
+    rows = []
+    for tau in args.taus:
+        est = {}
+        for joint in (False, True):
+            passes = sum(simulated_passes(cs, tau, args.k_max, joint) for cs in confs)
+            est["joint" if joint else "per_token"] = len(flat) / passes
+        rows.append({"tau": tau, "share_confident": sum(c >= tau for c in flat) / len(flat),
+                     "effective_k_per_token": est["per_token"], "effective_k_joint": est["joint"]})
+    ref = min(rows, key=lambda r: abs(r["tau"] - 0.9))
+    worth = ref["effective_k_per_token"] >= 2.0
+    verdict = (f"at tau={ref['tau']:g}, ConfAdapt could reach an effective k of about {ref['effective_k_joint']:.1f} "
+               f"(joint estimate) to {ref['effective_k_per_token']:.1f} (per-token estimate): "
+               + ("predictable enough to be worth tuning." if worth else
+                  "little to gain; this domain's answers are not predictable enough."))
+    report = {"model": args.model, "data": args.data, "format": fmt, "answers": len(confs), "tokens": len(flat),
+              "mean_confidence": sum(flat) / len(flat), "k_max": args.k_max, "estimates": rows,
+              "worth_tuning": worth, "verdict": verdict}
+    md = [f"### Predictability of {Path(args.data).name} for {'/'.join(Path(args.model).resolve().parts[-2:])}", "",
+          f"{len(confs)} greedy answers, {len(flat)} tokens, mean top-1 confidence {report['mean_confidence']:.3f}; "
+          f"ConfAdapt k_max = {args.k_max}.", "",
+          "| tau | tokens with confidence >= tau | est. effective k (joint) | est. effective k (per-token) |",
+          "|---|---|---|---|"]
+    md += [f"| {r['tau']:g} | {100 * r['share_confident']:.1f}% | {r['effective_k_joint']:.2f} "
+           f"| {r['effective_k_per_token']:.2f} |" for r in rows]
+    md += ["", f"Verdict: {verdict}", ""]
+    print("\n".join(md))
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        write_json(Path(args.out) / "analysis.json", report)
+        (Path(args.out) / "analysis.md").write_text("\n".join(md), encoding="utf-8")
+    return report
+
+
+# ==============================================================================================
+# The miniature: data and a small base model trained from scratch
+# ==============================================================================================
+
+def pretrain(args) -> Path:
+    """`pretrain`: a fresh small Llama-layout model trained by next-token prediction (the same
+    loop, checkpoints and export as `train`, with the plain cross-entropy instead of the MTP loss).
+    Writes the initial weights to OUT/init, the trained base model to OUT/final."""
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        raise ValueError("pretrain runs in one process (it is for the CPU miniature); use plain python")
+    tok = word_problem_tokenizer() if args.tokenizer == "word-problems" else Tokenizer.from_pretrained(args.tokenizer)
+    init = Path(args.out) / "init"
+    if not (args.resume and (init / "config.json").is_file()):
+        new_base_model(args, tok).save_pretrained(init)
+        tok.save_pretrained(init)
+    args.model, args.mode = str(init), "ntp"
+    return train(args)
+
+
+def word_problems(args):
+    train_file, test_file = write_word_problems(args.out, args.n_train, args.n_test, args.seed)
+    print(f"wrote {train_file} ({args.n_train} MetaMathQA-format rows) and {test_file} ({args.n_test} GSM8K-format rows)")
+
+
+# ==============================================================================================
+# Command line
+# ==============================================================================================
+
+def add_device(p):
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda")
+
+
+def add_format(p):
+    p.add_argument("--format", default="auto", choices=("auto",) + FORMATS,
+                   help="prompt format (auto: llama3-chat if the tokenizer has its tokens, qwen for Qwen, else plain)")
+
+
+def add_training_args(p, pretraining: bool):
+    g = p.add_argument_group("data")
+    g.add_argument("--data", required=True, help="MetaMathQA JSON array / JSONL (query, response) or JSONL (prompt, response)")
+    add_format(g)
+    g.add_argument("--seq-len", type=int, default=64 if pretraining else 160, help="tokens per training sequence")
+    g.add_argument("--limit-rows", type=int, default=0, help="use only the first N rows (0: all)")
+    o = p.add_argument_group("optimization (defaults: the paper's, METHOD.md section 6)" if not pretraining else "optimization")
+    o.add_argument("--steps", type=int, default=1500 if pretraining else 100_000)
+    o.add_argument("--batch-size", type=int, default=32 if pretraining else 128, help="global batch (sequences per step)")
+    o.add_argument("--micro-batch", type=int, default=32 if pretraining else 8,
+                   help="sequences per forward pass and process; the rest is gradient accumulation")
+    o.add_argument("--lr", type=float, default=2e-3 if pretraining else 1e-5)
+    o.add_argument("--warmup", type=int, default=100 if pretraining else 2000, help="linear warm-up steps, then constant")
+    o.add_argument("--weight-decay", type=float, default=0.1)
+    o.add_argument("--beta1", type=float, default=0.9)
+    o.add_argument("--beta2", type=float, default=0.95)
+    o.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping")
+    o.add_argument("--seed", type=int, default=0)
+    if not pretraining:
+        m = p.add_argument_group("multi-token prediction")
+        m.add_argument("--mode", default="hard", choices=MODES,
+                       help="hard / soft: self-distillation; gt: the naive ground-truth ablation")
+        m.add_argument("--k-max", type=int, default=16, help="k is drawn uniformly from [2, k_max] every step")
+        m.add_argument("--regions", type=int, default=None, help="MTP problems per sequence (default seq_len / (2 k_max))")
+    c = p.add_argument_group("checkpoints and system")
+    c.add_argument("--out", required=True, help="output folder: checkpoints/, log.jsonl, final/ (the exported model)")
+    c.add_argument("--save-every", type=int, default=500 if pretraining else 1000, help="checkpoint every N steps")
+    c.add_argument("--keep", type=int, default=2, help="checkpoints to keep")
+    c.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    c.add_argument("--activation-checkpointing", action="store_true", help="recompute block activations in backward")
+    c.add_argument("--log-every", type=int, default=50 if pretraining else 1, help="progress line every N steps")
+    add_device(c)
+    if pretraining:
+        b = p.add_argument_group("the new base model")
+        b.add_argument("--tokenizer", default="word-problems", help="'word-problems' (data.word_problem_tokenizer) or a folder")
+        b.add_argument("--dim", type=int, default=128)
+        b.add_argument("--layers", type=int, default=4)
+        b.add_argument("--heads", type=int, default=4)
+        b.add_argument("--kv-heads", type=int, default=None)
+        b.add_argument("--ffn-dim", type=int, default=None, help="default 4 x dim")
+        b.add_argument("--max-seq-len", type=int, default=512)
+        p.set_defaults(k_max=16, regions=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="finetune_hf.py", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="MTP fine-tuning by self-distillation (torchrun for several GPUs)")
+    t.add_argument("--model", required=True, help="Hugging Face layout folder (config.json, safetensors, tokenizer)")
+    add_training_args(t, pretraining=False)
+
+    pt = sub.add_parser("pretrain", help="miniature: train a small Llama-layout base model from scratch")
+    add_training_args(pt, pretraining=True)
+
+    e = sub.add_parser("eval", help="GSM8K sweep over static k and ConfAdapt thresholds")
+    e.add_argument("--model", required=True)
+    e.add_argument("--data", required=True, help="GSM8K test JSONL (question, answer)")
+    e.add_argument("--out", default="gsm8k_eval", help="folder for results.json/.md, pareto.png, samples.jsonl")
+    e.add_argument("--prompt-style", default="fewshot", choices=("fewshot", "zeroshot"),
+                   help="fewshot: lm-eval gsm8k_cot; zeroshot: the question in the training format (small models)")
+    e.add_argument("--n-shot", type=int, default=8)
+    add_format(e)
+    e.add_argument("--static-k", type=int, nargs="*", default=[1, 2, 3, 4], help="static k values (1 = greedy)")
+    e.add_argument("--taus", type=float, nargs="*", default=[0.99, 0.95, 0.9, 0.8, 0.7, 0.5], help="ConfAdapt thresholds")
+    e.add_argument("--k-max", type=int, default=16, help="ConfAdapt: most tokens per pass")
+    e.add_argument("--lossless-k", type=int, default=0, help="also run the lossless mode with this k (0: no)")
+    e.add_argument("--max-new-tokens", type=int, default=256)
+    e.add_argument("--batch-size", type=int, default=16)
+    e.add_argument("--limit", type=int, default=0, help="first N questions only (0: all)")
+    add_device(e)
+
+    a = sub.add_parser("analyze", help="before tuning: how predictable are the model's answers on this domain?")
+    a.add_argument("--model", required=True)
+    a.add_argument("--data", required=True, help="the domain's prompts: rows with question, query or prompt")
+    add_format(a)
+    a.add_argument("--limit", type=int, default=64)
+    a.add_argument("--taus", type=float, nargs="+", default=[0.99, 0.95, 0.9, 0.8, 0.7, 0.5])
+    a.add_argument("--k-max", type=int, default=16)
+    a.add_argument("--max-new-tokens", type=int, default=256)
+    a.add_argument("--batch-size", type=int, default=16)
+    a.add_argument("--out", default=None, help="also write analysis.json and analysis.md here")
+    add_device(a)
+
+    x = sub.add_parser("export", help="a training checkpoint -> Hugging Face folder with model card")
+    x.add_argument("--checkpoint", required=True, help="a run's --out folder or one checkpoints/step_N folder")
+    x.add_argument("--out", required=True)
+
+    w = sub.add_parser("word-problems", help="miniature: write synthetic MetaMathQA-format train and GSM8K-format test rows")
+    w.add_argument("--out", required=True)
+    w.add_argument("--n-train", type=int, default=20_000)
+    w.add_argument("--n-test", type=int, default=500)
+    w.add_argument("--seed", type=int, default=0)
+    return p
+
+
+COMMANDS = {"train": train, "pretrain": pretrain, "eval": evaluate, "analyze": analyze,
+            "export": export_checkpoint, "word-problems": word_problems}
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        COMMANDS[args.command](args)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        message = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+    finally:
+        if "WORLD_SIZE" in os.environ and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,308 @@
+"""finetune_hf.py on tiny Hugging Face checkpoints: training, exact resume, FSDP2 on two CPU
+processes, GSM8K scoring as lm-evaluation-harness does it, export to transformers, bad input.
+
+The tiny base model is written by transformers itself (LlamaForCausalLM.save_pretrained) with
+the word-problem tokenizer beside it, exactly as a downloaded checkpoint would look.
+"""
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import finetune_hf as F
+from confadapt import Generation
+from data import (QWEN2_PATTERN, Tokenizer, gsm8k_row, metamath_row, word_problem, word_problem_split,
+                  word_problem_tokenizer, write_word_problems)
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = ["--seq-len", "48", "--batch-size", "4", "--micro-batch", "2", "--lr", "1e-3", "--warmup", "2",
+         "--k-max", "6", "--save-every", "2", "--log-every", "1"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Two threads on a busy 2-core machine are much slower than one."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny Llama checkpoint in Hugging Face layout (+ tokenizer) and word-problem data."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("finetune_hf")
+    tok = word_problem_tokenizer()
+    cfg = LlamaConfig(vocab_size=tok.n_vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                      bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(root / "base")
+    tok.save_pretrained(root / "base")
+    write_word_problems(root / "wp", n_train=64, n_test=6, seed=1)
+    return root
+
+
+def train_args(tiny, out, *extra):
+    return ["train", "--model", str(tiny / "base"), "--data", str(tiny / "wp" / "train.json"),
+            "--out", str(out), *TRAIN, *extra]
+
+
+def weights(folder):
+    return load_file(str(Path(folder) / "model.safetensors"))
+
+
+# ----------------------------------------------------------------------------------------------
+# GSM8K scoring (lm-evaluation-harness gsm8k_cot semantics) on hand-written completions
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("completion, gold, strict, flexible, strict_ok, flexible_ok", [
+    ("5 + 4 = 9. The answer is 9.", "9", "9", "9.", True, True),
+    # The strict regex ends in an unescaped ".", which must eat one more character: with nothing
+    # after the number, the group gives up its last digit.
+    ("So 21 - 15 = 6. The answer is 42", "42", "4", "42", False, True),
+    ("The answer is 42\n", "42", "4", "42", False, True),           # "." does not match a newline either
+    ("The answer is 42 apples", "42", "42", "42", True, True),
+    ("The answer is 1,234.", "1234", "1,234", "1,234.", True, True),
+    ("She pays $1,234.", "1234", "[invalid]", "$1,234.", False, True),
+    ("The answer is -3.", "-3", "-3", "-3.", True, True),
+    # Strict takes the first match, flexible the last; followed by more text, the "." is captured
+    # (and dropped again by the normalisation).
+    ("The answer is 5. The answer is 6.", "6", "5.", "6.", False, True),
+    ("3 + 4 = 7 apples and 2 pears", "7", "[invalid]", "2", False, False),
+    ("no number here", "7", "[invalid]", "[invalid]", False, False),
+    ("The answer is 18.", "#### 18", "18", "18.", True, True),        # everything up to '#### ' is ignored
+])
+def test_gsm8k_scoring(completion, gold, strict, flexible, strict_ok, flexible_ok):
+    s = F.score(completion, gold)
+    assert (s["strict"], s["flexible"]) == (strict, flexible)
+    assert (s["strict_ok"], s["flexible_ok"]) == (strict_ok, flexible_ok)
+
+
+def test_gsm8k_prompt_and_stop_strings(tiny):
+    prompt = F.fewshot_prompt("How many?")
+    assert prompt.startswith("Q: There are 15 trees in the grove.")
+    assert prompt.endswith("The answer is 8.\n\nQ: How many?\nA:")
+    assert prompt.count("Q: ") == 9 and prompt.count("\n\n") == 8
+    assert F.read_gsm8k(tiny / "wp" / "test.jsonl")[0][1].isdigit()          # gold after '####'
+    assert F.cut_at_stop_strings("x. The answer is 3.\n\nQ: next</s>") == "x. The answer is 3.\n\n"
+
+    # Stopping at a stop STRING: count tokens and passes up to the end of the pass that completed it.
+    tok = word_problem_tokenizer()
+    ids = tok.encode("Tom has 3. The answer is: 3\n\nQ: Ann has 5 more")
+    q_at = next(i for i in range(len(ids)) if "Q:" in tok.decode(ids[: i + 1])) + 1   # tokens through "Q:"
+    sizes = [3] * (len(ids) // 3) + ([len(ids) % 3] if len(ids) % 3 else [])
+    text, n_tokens, passes = F.completion_of(tok, Generation(ids, sizes, False), stop_ids={tok.eos_id})
+    assert text == "Tom has 3. The answer is: 3\n\n"
+    assert passes == -(-q_at // 3) and n_tokens == min(3 * passes, len(ids))
+    eos_ended = Generation(ids[:5] + [tok.eos_id], [4, 2], True)            # a stop TOKEN is dropped from the text
+    assert F.completion_of(tok, eos_ended, stop_ids={tok.eos_id}) == (tok.decode(ids[:5]), 6, 2)
+
+
+def test_mean_and_stderr_like_the_harness():
+    mean, se = F.mean_and_stderr([1, 0, 1, 1])
+    assert mean == 0.75 and se == pytest.approx(0.25)        # sample std 0.5 / sqrt(4)
+
+
+# ----------------------------------------------------------------------------------------------
+# Data: word problems, formats, data order
+# ----------------------------------------------------------------------------------------------
+
+def test_word_problems_formats_and_split():
+    rng = random.Random(3)
+    for _ in range(50):
+        p = word_problem(rng)
+        row, gsm = metamath_row(p), gsm8k_row(p)
+        assert row["response"].endswith(f"The answer is: {p.answer}")
+        assert F.score(row["response"], gsm["answer"])["flexible_ok"]      # gold parsed from '#### N'
+        for a, op, b, c in re.findall(r"<<(\d+)([-+*])(\d+)=(-?\d+)>>", gsm["answer"]):
+            assert {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op] == int(c)
+    train, test = word_problem_split(300, 50, seed=0)
+    assert not {p.question for p in train} & {p.question for p in test}
+    tok = word_problem_tokenizer()
+    text = metamath_row(train[0])["query"] + " " + metamath_row(train[0])["response"]
+    assert len(tok.encode(text)) == len(text.split()) + text.count(".") + text.count("?") + text.count(",") \
+        + text.count(":") + text.count("$")                                # one token per word / symbol
+
+
+def test_formats_and_data_order(tiny):
+    tok = word_problem_tokenizer()
+    ids = F.prompt_tokens(tok, "plain", "Q?") + F.response_tokens(tok, "plain", "A")
+    assert ids == [tok.bos_id] + tok.encode("Q?\n\n") + tok.encode("A") + [tok.eos_id]
+    seqs = F.training_sequences([("Q?", "A")], tok, "plain", 12)
+    assert seqs.shape == (1, 12) and seqs[0, len(ids):].eq(tok.eos_id).all()
+    tok.add_special_token("<|endoftext|>")
+    assert F.prompt_tokens(tok, "qwen", "Q?")[0] == tok.token_id("<|endoftext|>")
+    # Data order: a pure function of the step; epochs are permutations.
+    a = [F.rows_of_step(s, 4, 10, seed=1) for s in range(5)]
+    assert a == [F.rows_of_step(s, 4, 10, seed=1) for s in range(5)]
+    flat = sum(a, [])
+    assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:20]) == list(range(10))
+
+
+# ----------------------------------------------------------------------------------------------
+# Training: atomic checkpoints, exact resume, FSDP2, export
+# ----------------------------------------------------------------------------------------------
+
+def test_train_resume_is_exact_and_export_loads_in_transformers(tiny, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    assert F.main(train_args(tiny, full, "--steps", "5")) == 0
+    log = capsys.readouterr().out
+    assert "step 5/5 | loss" in log and "tok/s | ETA" in log
+
+    class Interrupted(Exception):
+        pass
+
+    def crash_after_3(step, stats):
+        if step == 3:
+            raise Interrupted                          # after step 3; the last checkpoint is step 2
+    args = F.build_parser().parse_args(train_args(tiny, cut, "--steps", "5"))
+    with pytest.raises(Interrupted):
+        F.train(args, on_step=crash_after_3)
+    assert (cut / "checkpoints" / "latest").read_text().strip() == "step_000002"
+    (cut / "checkpoints" / ".step_000004.tmp").mkdir()          # a save that died halfway is ignored
+    assert F.main(train_args(tiny, cut, "--steps", "5", "--resume")) == 0
+    assert "resumed from" in capsys.readouterr().out
+    a, b = weights(full / "final"), weights(cut / "final")
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    assert sorted(p.name for p in (cut / "checkpoints").glob("step_*")) == ["step_000004", "step_000005"]
+
+    # Export: loadable by transformers, <mask> in tokenizer and config, same logits as ours.
+    final = full / "final"
+    cfg = json.loads((final / "config.json").read_text())
+    hf_tok = AutoTokenizer.from_pretrained(final)
+    assert hf_tok.convert_tokens_to_ids("<mask>") == cfg["mask_token_id"] == word_problem_tokenizer().n_vocab
+    assert hf_tok("3 apples <mask>")["input_ids"][-1] == cfg["mask_token_id"]
+    hf = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
+    ours = F.Transformer.from_pretrained(final)
+    x = torch.tensor([hf_tok("Tom has 3 apples.<mask><mask>")["input_ids"]])
+    torch.testing.assert_close(hf(x).logits, ours(x), atol=1e-5, rtol=1e-4)
+    assert "confadapt.py --model" in (final / "README.md").read_text()
+    # The `export` command rebuilds the same folder from the last checkpoint.
+    assert F.main(["export", "--checkpoint", str(full), "--out", str(tmp_path / "exp")]) == 0
+    c = weights(tmp_path / "exp")
+    assert all(torch.equal(a[n], c[n]) for n in a)
+
+
+def test_fsdp2_on_two_cpu_processes_matches_one_process(tiny, tmp_path):
+    """torchrun, gloo, 2 processes x micro-batch 1 x 2 accumulation steps == 1 process x micro-batch 4."""
+    single, sharded = tmp_path / "single", tmp_path / "fsdp"
+    assert F.main(train_args(tiny, single, "--steps", "3", "--micro-batch", "4")) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(REPO / "finetune_hf.py"), *train_args(tiny, sharded, "--steps", "3", "--micro-batch", "1")]
+    run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "2 process(es)" in run.stdout
+    a, b = weights(single / "final"), weights(sharded / "final")
+    base = weights(tiny / "base")
+    assert max((a[n][:100] - base[n][:100]).abs().max() for n in base) > 1e-4        # it did train
+    for n in a:
+        torch.testing.assert_close(a[n], b[n], atol=2e-6, rtol=1e-5)
+
+
+def test_qwen3_tied_checkpoint_reuses_a_spare_row_and_uses_the_qwen_recipe(tmp_path):
+    """Qwen3 layout: tied embeddings, spare rows after the tokenizer, <|endoftext|> first."""
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    wp = word_problem_tokenizer()
+    n = len(wp.mergeable_ranks)
+    tok = Tokenizer(wp.mergeable_ranks, {"<|endoftext|>": n, "<|im_start|>": n + 1, "<|im_end|>": n + 2},
+                    QWEN2_PATTERN, nfc=True, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    cfg = Qwen3Config(vocab_size=n + 8, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                      eos_token_id=n + 2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(cfg).save_pretrained(tmp_path / "qwen")
+    tok.save_pretrained(tmp_path / "qwen")
+    write_word_problems(tmp_path / "wp", n_train=16, n_test=2, seed=2)
+    out = tmp_path / "out"
+    assert F.main(["train", "--model", str(tmp_path / "qwen"), "--data", str(tmp_path / "wp" / "train.json"),
+                   "--out", str(out), *TRAIN, "--steps", "2"]) == 0
+    assert json.loads((out / "train_args.json").read_text())["format"] == "qwen"
+    exported = json.loads((out / "final" / "config.json").read_text())
+    assert exported["mask_token_id"] == n + 3 and exported["vocab_size"] == n + 8      # a spare row, no growth
+    hf = AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32)
+    assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()   # still tied
+    x = torch.tensor([[n] + tok.encode("Tom has 3 apples.\n\n") + [n + 3, n + 3]])
+    torch.testing.assert_close(hf(x).logits, F.Transformer.from_pretrained(out / "final")(x), atol=1e-5, rtol=1e-4)
+
+
+def test_pretrain_gt_mode_and_activation_checkpointing(tiny, tmp_path):
+    out = tmp_path / "pre"
+    assert F.main(["pretrain", "--data", str(tiny / "wp" / "train.json"), "--out", str(out), "--steps", "2",
+                   "--dim", "32", "--layers", "1", "--seq-len", "48", "--batch-size", "4", "--micro-batch", "4"]) == 0
+    cfg = json.loads((out / "final" / "config.json").read_text())
+    assert cfg["mask_token_id"] is None and cfg["architectures"] == ["LlamaForCausalLM"]
+    gt = tmp_path / "gt"
+    assert F.main(train_args(tiny, gt, "--steps", "2", "--mode", "gt", "--activation-checkpointing")) == 0
+    assert "the naive ground-truth" in (gt / "final" / "README.md").read_text()
+
+
+# ----------------------------------------------------------------------------------------------
+# eval and analyze end to end, and bad input
+# ----------------------------------------------------------------------------------------------
+
+def test_eval_sweep_writes_table_and_plot(tiny, tmp_path):
+    model = tmp_path / "m"
+    assert F.main(train_args(tiny, model, "--steps", "1")) == 0
+    out = tmp_path / "eval"
+    common = ["eval", "--model", str(model / "final"), "--data", str(tiny / "wp" / "test.jsonl"), "--out", str(out),
+              "--max-new-tokens", "6", "--batch-size", "2"]
+    assert F.main(common + ["--prompt-style", "zeroshot", "--static-k", "1", "3", "--taus", "0.9",
+                            "--lossless-k", "4"]) == 0
+    res = json.loads((out / "results.json").read_text())["results"]
+    assert [r["decoding"] for r in res] == ["k=1 (greedy)", "static k=3", "confadapt tau=0.9 k_max=16",
+                                            "lossless k=4"]
+    assert res[0]["effective_k_mean"] == 1.0 and res[1]["effective_k_mean"] > 1.0
+    assert res[3]["flexible_acc"] == res[0]["flexible_acc"]                      # lossless == greedy
+    assert "| static k=3 |" in (out / "results.md").read_text() and (out / "pareto.png").stat().st_size > 0
+    assert F.main(common + ["--limit", "1", "--static-k", "1", "--taus"]) == 0  # 8-shot prompt
+
+
+def test_analyze_estimates(tiny, tmp_path):
+    # ConfAdapt simulated on hand-made confidences
+    conf = [0.5, 0.95, 0.95, 0.5]
+    assert F.simulated_passes(conf, 0.9, 16, joint=False) == 2       # [0.5 .95 .95] [0.5]
+    assert F.simulated_passes(conf, 0.9, 16, joint=True) == 3        # [0.5] [.95 .95] [0.5]
+    assert F.simulated_passes([1.0] * 10, 0.9, 4, joint=True) == 3   # k_max caps a pass
+    out = tmp_path / "an"
+    assert F.main(["analyze", "--model", str(tiny / "base"), "--data", str(tiny / "wp" / "test.jsonl"),
+                   "--limit", "2", "--max-new-tokens", "4", "--taus", "0.9", "--out", str(out)]) == 0
+    report = json.loads((out / "analysis.json").read_text())
+    assert report["tokens"] > 0 and report["estimates"][0]["effective_k_per_token"] >= 1.0
+
+
+def test_bad_input_gives_one_error_line(tiny, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"instruction": "x", "output": "y"}\n')
+    no_tok = tmp_path / "no_tokenizer"
+    no_tok.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(tiny / "base" / f, no_tok / f)
+    cases = [
+        (["train", "--model", str(tiny / "base"), "--data", str(bad), "--out", str(tmp_path / "o")], "'query' and 'response'"),
+        (["train", "--model", str(no_tok), "--data", str(tiny / "wp" / "train.json"), "--out", str(tmp_path / "o")],
+         "no tokenizer.json"),
+        (["eval", "--model", str(tiny / "base"), "--data", str(tiny / "wp" / "train.json"), "--out", str(tmp_path / "o")],
+         "'question' and 'answer'"),
+        (["analyze", "--model", str(tiny / "base"), "--data", str(tmp_path / "missing.jsonl")], "no data file"),
+        (["eval", "--model", str(tiny / "base"), "--data", str(tiny / "wp" / "test.jsonl"), "--static-k", "2",
+          "--taus", "--out", str(tmp_path / "o")], "mask"),
+    ]
+    for argv, expected in cases:
+        assert F.main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and "\n" not in err and expected in err, err

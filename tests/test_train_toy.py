@@ -1,0 +1,163 @@
+"""The toy tasks (data.py) and the end-to-end toy script (train_toy.py).
+
+The checkers are the ruler every figure in results.json is measured with, so they get their
+own tests: a correct answer scores 1, an incoherent mixture of branches scores 0, and a run
+of a repeated item is flagged as degeneration. Held-out prompts must never be trained on.
+The script itself runs once in --quick mode (tiny model, few steps) into a temporary folder.
+"""
+import json
+import os
+import random
+
+import pytest
+import torch
+
+import data
+import train_toy
+from model import Transformer
+
+ROW_KEYS = {"model", "decode", "k", "tau", "task", "accuracy", "coherence", "degeneration", "effective_k",
+            "tokens_per_s", "forward_passes"}
+
+
+# --- checkers ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("task", data.TOY_TASKS)
+def test_generated_answers_score_one(task):
+    rng = random.Random(0)
+    for _ in range(20):
+        ex = data.toy_example(task, rng)
+        score = data.check_toy(task, ex.key, ex.answer)
+        assert (score.accuracy, score.coherence, score.degenerate) == (True, True, False), ex
+
+
+def test_count_checker():
+    key = (17,)
+    assert data.check_toy("count", key, " 18 19 20 21 22 23 24 25 26 27 28 29").accuracy
+    short = data.check_toy("count", key, " 18 19 20")
+    assert short.coherence and not short.accuracy                     # right rule, wrong length
+    assert not data.check_toy("count", key, " 18 19 20 21 22 23 24 25 26 27 28 29", stopped=False).accuracy
+    wrong_way = data.check_toy("count", key, " 16 15 14 13 12 11 10 9 8 7 6 5")
+    assert not wrong_way.coherence and not wrong_way.accuracy
+    assert not data.check_toy("count", key, " 17 18 19").coherence    # repeats the start
+    assert not data.check_toy("count", key, " 18 20 22").coherence    # wrong step
+    assert not data.check_toy("count", key, " 18 19 cat 21").coherence
+    assert not data.check_toy("count", key, "").coherence
+
+
+def test_branching_checkers_accept_every_branch_and_reject_mixtures():
+    for answer in (" 18 19 20 21 22 23 24 25 26 27 28 29", " 16 15 14 13 12 11 10 9 8 7 6 5"):
+        assert data.check_toy("count_free", (17,), answer).accuracy
+    mixture = " 18 15 20 13 22 11 24 9 26 7 28 5"                    # each position picks its own branch
+    score = data.check_toy("count_free", (17,), mixture)
+    assert (score.accuracy, score.coherence) == (False, False)
+
+    key = ("cat", "dog", "pig")
+    for a, b in [("cat", "pig"), ("pig", "cat"), ("dog", "cat")]:
+        assert data.check_toy("pair", key, f" {a} {b}" * 6).accuracy
+    assert not data.check_toy("pair", key, " cat pig cat dog cat pig cat dog cat pig cat dog").coherence  # two branches mixed
+    assert not data.check_toy("pair", key, " dog pig dog pig dog pig dog pig dog pig dog pig").coherence  # first word missing
+    assert not data.check_toy("pair", key, " cat fox cat fox cat fox cat fox cat fox cat fox").coherence  # not listed
+
+
+def test_degeneration_is_a_run_of_one_item():
+    key = ("cat", "dog", "pig")
+    collapsed = data.check_toy("pair", key, " cat" * 12)               # the most frequent word everywhere
+    assert collapsed.degenerate and not collapsed.coherence
+    assert data.check_toy("count", (5,), " 6 7 7 7 8").degenerate
+    assert data.check_toy("repeat", ("red", "cup"), " red cup cup cup red").degenerate
+    assert not data.check_toy("repeat", ("red", "cup"), " red cup cup red").degenerate   # 2 < DEGENERATE_RUN
+    assert data.has_run(["the", "the", "the"]) and not data.has_run(["a", "b", "a", "b"])
+
+
+# --- data -----------------------------------------------------------------------------------------
+
+def test_sequences_are_bos_prompt_answer_eos_and_fit():
+    tok = data.toy_tokenizer()
+    rng = random.Random(0)
+    for task in data.TOY_TASKS:
+        ex = data.toy_example(task, rng)
+        prompt, answer = data.encode_example(tok, ex)
+        assert prompt[0] == tok.bos_id and answer[-1] == tok.eos_id
+        assert len(answer) == data.NUM_ITEMS + 1                      # every item is one token
+        assert tok.decode(prompt[1:] + answer[:-1]) == ex.prompt + ex.answer
+    batch, answer = data.toy_batch(tok, rng, 64, seq_len=train_toy.RunConfig.seq_len)
+    assert batch.shape == answer.shape == (64, train_toy.RunConfig.seq_len) and (batch[:, 0] == tok.bos_id).all()
+    assert ((batch == tok.eos_id).sum(1) == 1).all()
+    assert (answer.sum(1) == data.NUM_ITEMS + 1).all() and (batch[answer.roll(-1, 1) & ~answer] != tok.pad_id).all()
+
+
+@pytest.mark.parametrize("task", data.TOY_TASKS)
+def test_heldout_prompts_are_never_trained_on(task):
+    rng = random.Random(1)
+    train_keys = {data.toy_example(task, rng).key for _ in range(3000)}
+    heldout = data.heldout_examples(task, 48)
+    assert heldout and all(data.is_heldout(task, ex.key) for ex in heldout)
+    assert not any(data.is_heldout(task, key) for key in train_keys)
+    assert train_keys.isdisjoint(ex.key for ex in heldout)
+    assert len({ex.key for ex in heldout}) == len(heldout)
+    assert [ex.prompt for ex in data.heldout_examples(task, 48)] == [ex.prompt for ex in heldout]   # fixed
+
+
+@pytest.mark.parametrize("task", ["count", "count_free"])
+def test_heldout_counts_only_take_steps_seen_in_training(task):
+    """A held-out start is new as a prompt, but every step of its count (a -> a+1) was trained on."""
+    def steps(ex):
+        nums = [ex.key[0]] + [int(x) for x in ex.answer.split()]
+        return set(zip(nums, nums[1:]))
+    rng = random.Random(2)
+    seen = set().union(*(steps(data.toy_example(task, rng)) for _ in range(5000)))
+    for ex in data.heldout_examples(task, 48):
+        assert steps(ex) <= seen, ex
+
+
+# --- the script -----------------------------------------------------------------------------------
+
+def test_checkpoints_resume_without_training(tmp_path):
+    cfg = train_toy.RunConfig(**train_toy.QUICK)
+    tok = data.toy_tokenizer()
+    model = train_toy.build_teacher(cfg, tok, "cpu")
+    first = train_toy.run_phase("teacher", str(tmp_path), cfg, False, "cpu", lambda: (model, [{"loss": 1.0}]))
+    assert os.path.exists(tmp_path / "checkpoints" / "teacher.pt")
+
+    def must_not_train():
+        raise AssertionError("a finished phase was trained again")
+    again, log, _ = train_toy.run_phase("teacher", str(tmp_path), cfg, False, "cpu", must_not_train)
+    assert log == [{"loss": 1.0}]
+    for a, b in zip(first[0].state_dict().values(), again.state_dict().values()):
+        assert torch.equal(a, b)
+    with pytest.raises(AssertionError):                               # other settings: train again
+        train_toy.run_phase("teacher", str(tmp_path), train_toy.RunConfig(**{**train_toy.QUICK, "dim": 32}),
+                            False, "cpu", must_not_train)
+
+
+def test_quick_run_end_to_end(tmp_path):
+    out, hf = tmp_path / "run", tmp_path / "hf"
+    results = train_toy.main(["--quick", "--out", str(out), "--export-hf", str(hf), "--log-every", "50"])
+    on_disk = json.loads((out / "results.json").read_text())
+    assert on_disk["rows"] == json.loads(json.dumps(results["rows"]))
+    rows = on_disk["rows"]
+    for row in rows:
+        assert ROW_KEYS <= set(row)
+        assert row["model"] in train_toy.MODELS and row["decode"] in ("static", "confadapt", "lossless")
+        assert row["task"] in data.TOY_TASKS
+        for metric in ("accuracy", "coherence", "degeneration"):
+            assert 0.0 <= row[metric] <= 1.0
+        assert 1.0 <= row["effective_k"] <= max(row["k"], 1)
+        assert (row["tau"] is None) == (row["decode"] != "confadapt")
+    decodes = {(r["model"], r["decode"]) for r in rows}
+    assert decodes == {("ntp", "static")} | {(m, d) for m in ("naive", "distill")
+                                             for d in ("static", "confadapt", "lossless")}
+    assert {"device", "seconds", "config"} <= set(on_disk)
+    assert {"teacher", "naive", "distill", "evaluation", "total"} <= set(on_disk["seconds"])
+    for png in ("pareto.png", "training_curves.png", "attention_mask.png", "chunks.png"):
+        assert (out / png).stat().st_size > 1000, png
+
+    teacher = Transformer.from_pretrained(hf / "teacher")
+    student = Transformer.from_pretrained(hf / "student")
+    assert teacher.config.mask_token_id is None
+    assert student.config.mask_token_id == teacher.config.vocab_size
+    assert (hf / "student" / "tokenizer.json").exists() and (hf / "teacher" / "tokenizer.json").exists()
+    tokens = torch.tensor([[1, 2, 3]])
+    assert torch.allclose(teacher(tokens), train_toy.load_checkpoint(str(out / "checkpoints" / "teacher.pt"),
+                          train_toy.RunConfig(**train_toy.QUICK).phase_key("teacher"), "cpu")[0](tokens), atol=1e-5)
