@@ -834,10 +834,11 @@ def plot_attention_mask(batch: MTPBatch, path, row: int = 0, token_str=str):
 #                               "12 + 7 = <<12+7=19>>19" and a last line "#### N".
 #
 # Reasoning is a list of text pieces and Equation(a, op, b); only the rendering differs between
-# the two formats. Each template has three phrasings of its solution, drawn at random, so a
-# question has several correct continuations: the branch points where naive ground-truth MTP
-# learns a mixture and self-distillation follows the teacher's one choice (METHOD.md section 2). Numbers stay small (results below 60, one-digit factors) so a model of a
-# million parameters learns the arithmetic in minutes.
+# the two formats. Every template has ONE phrasing, so the solution is a deterministic function
+# of the question (unlike MetaMathQA, whose answers vary in wording): the teacher is sure of
+# everything but the results of the arithmetic, the part a small model gets wrong. Numbers
+# stay small (results below 60, one-digit factors) so a model of a million parameters learns
+# the arithmetic in minutes.
 
 import regex  # noqa: E402  (tiktoken's dependency; splits text as the tokenizer does)
 
@@ -869,9 +870,7 @@ def _gets_more(rng) -> WordProblem:
     eq = Equation(a, "+", b)
     return WordProblem(
         f"{name} has {a} {item}. {other} gives {name} {b} more {item}. How many {item} does {name} have now?",
-        rng.choice([[f"{name} starts with {a} {item} and gets {b} more, so {name} has ", eq, f" {item}."],
-                    [f"{other} gives {name} {b} {item}. Now {name} has ", eq, f" {item}."],
-                    [f"{name} had {a} {item} and {b} more were added: ", eq, "."]]), eq.value)
+        [f"{name} starts with {a} {item} and gets {b} more, so {name} has ", eq, f" {item}."], eq.value)
 
 
 def _gives_away(rng) -> WordProblem:
@@ -881,9 +880,7 @@ def _gives_away(rng) -> WordProblem:
     eq = Equation(a, "-", b)
     return WordProblem(
         f"{name} has {a} {item}. {name} gives {b} {item} to {other}. How many {item} does {name} have left?",
-        rng.choice([[f"{name} starts with {a} {item} and gives away {b}, so {name} has ", eq, f" {item} left."],
-                    [f"After giving {b} {item} to {other}, {name} has ", eq, f" {item}."],
-                    [f"{name} keeps ", eq, f" of the {a} {item}."]]), eq.value)
+        [f"{name} starts with {a} {item} and gives away {b}, so {name} has ", eq, f" {item} left."], eq.value)
 
 
 def _boxes(rng) -> WordProblem:
@@ -892,9 +889,7 @@ def _boxes(rng) -> WordProblem:
     eq = Equation(a, "*", b)
     return WordProblem(
         f"{name} buys {a} boxes of {item}. Each box holds {b} {item}. How many {item} does {name} buy?",
-        rng.choice([[f"Each of the {a} boxes holds {b} {item}, so {name} buys ", eq, f" {item}."],
-                    [f"{a} boxes with {b} {item} each make ", eq, f" {item}."],
-                    [f"{name} gets {b} {item} per box, and ", eq, "."]]), eq.value)
+        [f"Each of the {a} boxes holds {b} {item}, so {name} buys ", eq, f" {item}."], eq.value)
 
 
 def _buys_then_gives(rng) -> WordProblem:
@@ -906,11 +901,8 @@ def _buys_then_gives(rng) -> WordProblem:
     return WordProblem(
         f"{name} has {a} {item}. {name} buys {b} more {item} and then gives {c} {item} to {other}. "
         f"How many {item} does {name} have now?",
-        rng.choice([[f"After buying {b} more, {name} has ", first, f" {item}. After giving {c} to {other}, "
-                     f"{name} has ", second, f" {item}."],
-                    [f"{name} first has ", first, f" {item}, then gives {c} away and keeps ", second, "."],
-                    ["Buying more makes ", first, f" {item}. Giving {c} to {other} leaves ", second, f" {item}."]]),
-        second.value)
+        [f"After buying {b} more, {name} has ", first, f" {item}. After giving {c} to {other}, {name} has ",
+         second, f" {item}."], second.value)
 
 
 def _money_left(rng) -> WordProblem:
@@ -921,9 +913,7 @@ def _money_left(rng) -> WordProblem:
     left = Equation(money, "-", cost.value)
     return WordProblem(
         f"{name} has ${money}. {name} buys {n} {item} for ${price} each. How much money does {name} have left?",
-        rng.choice([[f"The {item} cost ", cost, f" dollars. {name} has ", left, " dollars left."],
-                    [f"{name} spends ", cost, f" dollars on {item}, so {name} keeps ", left, " dollars."],
-                    [f"{n} {item} at ${price} each cost ", cost, ". Then ", left, " dollars remain."]]), left.value)
+        [f"The {item} cost ", cost, f" dollars. {name} has ", left, " dollars left."], left.value)
 
 
 WP_TEMPLATES = [_gets_more, _gives_away, _boxes, _buys_then_gives, _money_left]

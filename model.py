@@ -306,7 +306,9 @@ class Transformer(nn.Module):
         check_tensor_names(expected, {name: tuple(t.shape) for name, t in tensors.items()}, path)
         with torch.device("meta"):
             model = cls(cfg)
-        ours = {hf_to_ours(name): t.to(device=device, dtype=dtype) for name, t in tensors.items()}
+        ours = {}
+        for name in list(tensors):                     # convert one tensor at a time: low peak memory
+            ours[hf_to_ours(name)] = tensors.pop(name).to(device=device, dtype=dtype)
         if cfg.tie_embeddings:
             ours.pop("lm_head.weight", None)           # some exports write the tied copy anyway
             ours["lm_head.weight"] = ours["tok_emb.weight"]

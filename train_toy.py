@@ -72,6 +72,7 @@ class RunConfig:
     mtp_lr: float = 1e-3
     k_max: int = 8
     n_regions: int = 3                 # regions per sequence (paper: N / (2 k_max), i.e. 1 here)
+    prefix_ntp_weight: float = 1.0     # next-token loss on the ground-truth answer tokens too
     warmup_steps: int = 20
     weight_decay: float = 0.1
     # phase 3: evaluation
@@ -86,7 +87,8 @@ class RunConfig:
         shared = ["dim", "n_layers", "n_heads", "ffn_dim", "tasks", "seq_len", "batch_size", "teacher_steps",
                   "teacher_lr", "seed"]
         if phase != "teacher":
-            shared += ["mtp_steps", "mtp_lr", "k_max", "n_regions", "warmup_steps", "weight_decay"]
+            shared += ["mtp_steps", "mtp_lr", "k_max", "n_regions", "prefix_ntp_weight", "warmup_steps",
+                       "weight_decay"]
         return {name: getattr(self, name) for name in shared}
 
 
@@ -162,6 +164,7 @@ def supervise_answers_only(batch: data.MTPBatch, answer: torch.Tensor) -> data.M
     target_index = batch.prefix_end[:, None] + 1 + torch.arange(k, device=answer.device)   # (M, k) original index
     answer_start = answer.long().argmax(1)                                                 # (B,) first answer token
     batch.valid = batch.valid & (target_index[None] >= answer_start[:, None, None])        # (B, M, k)
+    batch.ntp_valid = batch.ntp_valid & answer[:, 1:]                                      # (B, N-1)
     return batch
 
 
@@ -170,7 +173,8 @@ def student_loss_fn(teacher, mode: str, cfg: RunConfig, tokenizer):
     def loss_fn(model, seqs, answer, gen):
         batch = data.random_mtp_layout(seqs, cfg.k_max, tokenizer.mask_id, tokenizer.eos_id, tokenizer.pad_id,
                                        n_regions=cfg.n_regions, generator=gen)
-        return mtp_loss(model, teacher, supervise_answers_only(batch, answer), mode=mode)
+        return mtp_loss(model, teacher, supervise_answers_only(batch, answer), mode=mode,
+                        prefix_ntp_weight=cfg.prefix_ntp_weight)
     return loss_fn
 
 
