@@ -1,6 +1,17 @@
-"""Data for multi-token prediction: tokenizers, toy tasks and the packed MTP training layout.
+"""Data for multi-token prediction: tokenizers, toy tasks, the packed MTP layout, word problems.
 
-(Module docstring to be completed: each section below is one part of the lesson.)
+Four sections, each one part of the lesson:
+
+  Tokenizers           byte-level BPE over tiktoken, read from (and written back to) a Hugging
+                       Face tokenizer.json or a Llama tokenizer.model, plus the toy vocabulary.
+  Toy tasks            counting and repetition (one right answer) and two tasks with a branch
+                       point (several valid answers, each fixing what follows), with checkers
+                       for accuracy, coherence and degeneration, and held-out prompts.
+  MTP training layout  one ground-truth sequence -> one packed sequence holding many MTP
+                       problems: mask slots, re-placed copies, positions, the block-causal
+                       attention mask and the prediction targets (METHOD.md section 4).
+  Word problems        synthetic grade-school arithmetic in MetaMathQA and GSM8K formats, for
+                       the miniature reproduction in finetune_hf.py.
 """
 import base64
 import json
