@@ -460,31 +460,47 @@ def forward_latency(model, batch_size: int, context: int, sizes, repeats: int = 
 
 
 def bench(model, prompts: list[list[int]], max_new_tokens: int, modes: list[DecodeConfig],
-          batch_sizes=(1, 4, 16), mask_id=None, stop_ids=(), repeats: int = 3, latency_sizes=range(1, 33)) -> dict:
-    """Time every mode at every batch size (batch b takes prompts[0..b-1], cycling).
+          batch_sizes=(1, 4, 16), mask_id=None, stop_ids=(), repeats: int = 3, latency_sizes=range(1, 33),
+          n_rows: int | None = None) -> dict:
+    """Time every mode at every batch size on the same workload.
 
-    Each configuration runs `repeats` times and keeps the fastest run (decoding is deterministic,
-    so only the time varies). Speed-up is tokens/second over greedy at the same batch size;
-    efficiency = speed-up / effective k, the share of the saved passes that became saved time.
+    The workload is the prompts cycled up to n_rows rows (default: as many as the prompts or the
+    largest batch size); batch size b decodes it in consecutive batches of b rows, so every batch
+    size and mode decodes the same rows. The modes take turns, `repeats` rounds, and each keeps
+    its fastest round (decoding is deterministic, so only the time varies; taking turns spreads
+    a busy moment of the machine over all modes instead of one).
+    Tokens/second counts decoding time (prefill excluded, as in DecodeStats); speed-up is over
+    greedy at the same batch size; efficiency = speed-up / effective k, the share of the saved
+    passes that became saved time.
     """
+    n_rows = n_rows or max(len(prompts), max(batch_sizes))
+    rows = [prompts[i % len(prompts)] for i in range(n_rows)]
     results, latency = [], {}
     for bs in batch_sizes:
-        batch = [prompts[i % len(prompts)] for i in range(bs)]
+        batches = [rows[i:i + bs] for i in range(0, n_rows, bs)]
         for mode in modes[:1] + modes[-1:]:                       # warm-up (allocator, kernels)
-            generate(model, batch, min(8, max_new_tokens), mode, mask_id, stop_ids)
+            generate(model, batches[0], min(8, max_new_tokens), mode, mask_id, stop_ids)
+        rounds = [[[generate(model, b, max_new_tokens, mode, mask_id, stop_ids)[1] for b in batches] for mode in modes]
+                  for _ in range(repeats)]                                   # rounds[r][m]: stats per batch
         greedy_tps = None
-        for mode in modes:
-            runs = [generate(model, batch, max_new_tokens, mode, mask_id, stop_ids)[1] for _ in range(repeats)]
-            best = max(runs, key=lambda s: s.tokens_per_second)
+        for m, mode in enumerate(modes):
+            best = min((r[m] for r in rounds), key=lambda stats: sum(s.seconds - s.prefill_seconds for s in stats))
+            tokens, row_passes = sum(s.tokens for s in best), sum(s.row_passes for s in best)
+            seconds = sum(s.seconds - s.prefill_seconds for s in best)
+            hist = Counter()
+            for s in best:
+                hist.update(s.accept_hist)
+            tps = tokens / max(seconds, 1e-9)
             if mode.kind == "greedy":
-                greedy_tps = best.tokens_per_second
-            speedup = best.tokens_per_second / greedy_tps if greedy_tps else float("nan")
-            results.append({"batch_size": bs, "mode": mode.describe(), "kind": mode.kind, "tokens": best.tokens,
-                            "forward_passes": best.forward_passes, "effective_k": best.effective_k,
-                            "tokens_per_second": best.tokens_per_second, "seconds": best.seconds,
-                            "speedup": speedup, "efficiency": speedup / best.effective_k,
-                            "accept_hist": best.accept_hist})
-        context = max(len(p) for p in batch) + max_new_tokens // 2
+                greedy_tps = tps
+            speedup = tps / greedy_tps if greedy_tps else float("nan")
+            effective_k = tokens / max(1, row_passes)
+            results.append({"batch_size": bs, "mode": mode.describe(), "kind": mode.kind, "tokens": tokens,
+                            "forward_passes": sum(s.forward_passes for s in best), "effective_k": effective_k,
+                            "tokens_per_second": tps, "seconds": seconds,
+                            "speedup": speedup, "efficiency": speedup / effective_k,
+                            "accept_hist": dict(sorted(hist.items()))})
+        context = max(len(p) for p in rows) + max_new_tokens // 2
         latency[bs] = forward_latency(model, bs, context, list(latency_sizes))
     return {"results": results, "latency_seconds": latency}
 
@@ -632,7 +648,9 @@ def bench_main(argv) -> int:
                    help="ConfAdapt: most tokens per pass (several: a sweep)")
     b.add_argument("--lossless-k", type=int, default=None,
                    help="lossless: most tokens per pass (default: the largest --k-max)")
-    b.add_argument("--repeats", type=int, default=3, help="runs per configuration; the fastest is kept")
+    b.add_argument("--rows", type=int, default=None,
+                   help="rows in the workload, the prompts cycled (default: the number of prompts or the largest batch)")
+    b.add_argument("--repeats", type=int, default=3, help="rounds over all modes; each mode keeps its fastest")
     b.add_argument("--latency-max", type=int, default=32, help="latency curve for 1..N new tokens per pass")
     b.add_argument("--ignore-stop", action="store_true", help="always generate --max-new-tokens tokens")
     b.add_argument("--json", action="store_true")
@@ -643,13 +661,13 @@ def bench_main(argv) -> int:
     modes += [DecodeConfig("lossless", k=args.lossless_k or max(args.k_max))]
     for m in modes:
         m.validate()
-    if min(args.batch_sizes) < 1 or args.repeats < 1 or args.latency_max < 1:
-        raise CliError("batch sizes, --repeats and --latency-max must be at least 1")
+    if min(args.batch_sizes) < 1 or args.repeats < 1 or args.latency_max < 1 or (args.rows or 1) < 1:
+        raise CliError("batch sizes, --rows, --repeats and --latency-max must be at least 1")
     model, tokenizer, mask_id, stop_ids = load(args)
     require_mask(modes[1], mask_id, args.model)
     prompts = [encode_prompt(tokenizer, model, t, args.no_bos) for t in args.prompt]
     report = bench(model, prompts, args.max_new_tokens, modes, args.batch_sizes, mask_id,
-                   () if args.ignore_stop else stop_ids, args.repeats, range(1, args.latency_max + 1))
+                   () if args.ignore_stop else stop_ids, args.repeats, range(1, args.latency_max + 1), args.rows)
     report.update(model=args.model, device=args.device, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
                   prompt_tokens=[len(x) for x in prompts])
     print(json.dumps(report) if args.json else format_bench(report))

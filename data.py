@@ -360,19 +360,23 @@ def toy_tokenizer() -> Tokenizer:
 # Toy tasks
 # =============================================================================================
 #
-# Four tasks, generated in code, small enough for a CPU transformer to learn in minutes. Every
-# answer is NUM_ITEMS items (one token each: a number or a word with its leading space), then
-# <|eos|>; a sequence is <|bos|> prompt answer <|eos|>.
+# Four tasks, generated in code, small enough for a CPU transformer to learn in minutes. An
+# answer is a list of items (one token each: a number or a word with its leading space; NUM_ITEMS
+# of them except for count), then <|eos|>; a sequence is <|bos|> prompt answer <|eos|>.
 #
 #   task        prompt                           answer (one valid continuation)
-#   count       count up from 17                 18 19 20 ... 29                 determined
-#   repeat      repeat cat red pie :             cat red pie cat red pie ...     determined
+#   count       count 17 18 19                   20 21 22 ... 32                 determined
+#   repeat      repeat cat red pie cat red pie   cat red pie cat red pie ...     determined
 #   count_free  count from 17                    18 19 20 ...  or  16 15 14 ...  BRANCHING
-#   pair        repeat cat and dog | pig :       cat pig cat pig ...  or  dog cat dog cat ...  BRANCHING
+#   zigzag      step up and down from 17         17 18 17 18 ...  or  19 17 19 17 ...  BRANCHING
 #
-# The counts carry on from the prompt's last token, so "count up from 17 18 19" reads as one
-# count and the first answer token is the same step (17 -> 18) as every later one: a model that
-# can count can start from a number it never saw in a prompt.
+# count and repeat answers carry on from the prompt: "count 17 18 19 20 21 ..." is one count and
+# "repeat cat red pie cat red pie cat red pie ..." one pattern, so every answer token follows the
+# same rule in the same context as the tokens before it (+1; the word 3 back), from the first one
+# on. A count prompt shows 3 to 5 numbers, so "the start plus the answer position" is no
+# shortcut: only "+1" works, and it carries over to start numbers never seen in a prompt. Every
+# count is COUNT_LENGTH numbers long, the prompt's included (so its answer has 11 to 13); the
+# repeat prompt shows its group twice, then the answer repeats it NUM_ITEMS / 3 more times.
 #
 # The two branching tasks are the two failures of naive multi-token prediction (METHOD.md
 # section 2), built in on purpose:
@@ -380,11 +384,14 @@ def toy_tokenizer() -> Tokenizer:
 #               kept. Trained on ground truth, the prediction j ahead is a 50/50 mixture of
 #               a+j and a-j, so the argmax at each position picks a branch on its own, e.g.
 #               "18 15 20 13": an incoherent mixture.
-#   pair        alternate the first listed word with ONE of the alternatives after "and", in
-#               either order. Every position holds the first word half the time and each
-#               alternative a quarter, so the ground-truth marginal's argmax is the first word
-#               at EVERY position: "cat cat cat cat": far-future collapse onto the most frequent
-#               token.
+#   zigzag      alternate the start a with ONE neighbour b. Half the answers start with a,
+#               then b = a+1 (70%) or a-1: "17 18 17 18", "17 16 17 16"; the other half start
+#               with b, one of a-2, a-1, a+1, a+2 (equally likely): "19 17 19 17", ... Every
+#               position holds a half the time and any other number at most 35%, so the
+#               ground-truth marginal's argmax is a at EVERY position: "17 17 17 17":
+#               far-future collapse onto the most frequent token. Greedy decoding of the
+#               conditionals has clear favourites at both choices (a first: 50% against
+#               12.5%; then a+1: 70% against 30%) and gives "17 18 17 18".
 # A teacher decoding one token at a time never mixes branches: after "17 16" it counts down.
 #
 # Checkers score an output three ways: `accuracy` (exactly right; for a branching task: a valid
@@ -395,21 +402,25 @@ def toy_tokenizer() -> Tokenizer:
 # Held-out evaluation: the prompt parameters ("key") are split by a fixed rule (start numbers,
 # or a hash of the word tuple); training never samples a held-out key.
 
-TOY_TASKS = ("count", "repeat", "count_free", "pair")
-BRANCHING_TASKS = ("count_free", "pair")
+TOY_TASKS = ("count", "repeat", "count_free", "zigzag")
+BRANCHING_TASKS = ("count_free", "zigzag")
 NUM_ITEMS = 12                               # items in every answer
-COUNT_STARTS = range(12, 150)                # start numbers: every count stays within 0..161
+COUNT_STARTS = range(12, 150)                # start numbers: every count stays within 0..164
+COUNT_SHOWN = (3, 4, 5)                      # count: how many numbers the prompt shows
+COUNT_LENGTH = 16                            # count: numbers in prompt + answer
 DIRECTIONS = {"up": 1, "down": -1}           # count_free: either way, equally likely
-REPEAT_GROUP = (2, 3)                        # repeat: words in the repeated group
-PAIR_CHOICES = 2                             # pair: alternatives after "and"
+REPEAT_GROUP = 3                             # repeat: words in the repeated group
+ZIGZAG_UP = 0.7                              # zigzag, a first: how often the neighbour is a+1 (else a-1)
+ZIGZAG_FIRST_STEPS = (-2, -1, 1, 2)          # zigzag, neighbour first: b = a + one of these, equally likely
 DEGENERATE_RUN = 3                           # "the the the": this many equal items in a row
 TOY_CONTENT_WORDS = TOY_WORDS[TOY_WORDS.index("cat"):]   # animals, colours, foods, objects
 
 
 def start_heldout(task: str, start: int) -> bool:
     """One start number in five is held out: 13, 18, 23, ... for count, 15, 20, 25, ... for
-    count_free. Every step a held-out count needs (13 -> 14 -> ...) is trained elsewhere."""
-    return start % 5 == (3 if task == "count" else 0)
+    count_free, 11, 16, 21, ... for zigzag. Every step a held-out prompt needs (13 -> 14 -> ...)
+    is trained elsewhere."""
+    return start % 5 == {"count": 3, "count_free": 0, "zigzag": 1}[task]
 
 
 def words_heldout(words: tuple) -> bool:
@@ -419,31 +430,31 @@ def words_heldout(words: tuple) -> bool:
 
 def is_heldout(task: str, key: tuple) -> bool:
     """Whether a prompt's parameters belong to the evaluation split."""
-    if task in ("count", "count_free"):
+    if task in ("count", "count_free", "zigzag"):
         return start_heldout(task, key[0])
     return words_heldout(key)
 
 
 def sample_key(task: str, rng: random.Random) -> tuple:
-    """Random prompt parameters: count / count_free (start,), repeat / pair (the listed words)."""
-    if task in ("count", "count_free"):
+    """Random prompt parameters: count (start, shown), count_free / zigzag (start,), repeat (the words)."""
+    if task == "count":
+        return rng.choice(COUNT_STARTS), rng.choice(COUNT_SHOWN)
+    if task in ("count_free", "zigzag"):
         return (rng.choice(COUNT_STARTS),)
     if task == "repeat":
-        return tuple(rng.sample(TOY_CONTENT_WORDS, rng.choice(REPEAT_GROUP)))
-    if task == "pair":
-        return tuple(rng.sample(TOY_CONTENT_WORDS, 1 + PAIR_CHOICES))
+        return tuple(rng.sample(TOY_CONTENT_WORDS, REPEAT_GROUP))
     raise ValueError(f"unknown toy task {task!r}; tasks: {', '.join(TOY_TASKS)}")
 
 
 def toy_prompt(task: str, key: tuple) -> str:
     if task == "count":
-        return f"count up from {key[0]}"
+        return "count " + " ".join(str(key[0] + i) for i in range(key[1]))
     if task == "count_free":
         return f"count from {key[0]}"
     if task == "repeat":
-        return "repeat " + " ".join(key) + " :"
-    if task == "pair":
-        return f"repeat {key[0]} and " + " | ".join(key[1:]) + " :"
+        return "repeat " + " ".join(key + key)
+    if task == "zigzag":
+        return f"step up and down from {key[0]}"
     raise ValueError(f"unknown toy task {task!r}")
 
 
@@ -455,15 +466,18 @@ def counting(start: int, step: int, n: int = NUM_ITEMS) -> list[str]:
 def toy_answer(task: str, key: tuple, rng: random.Random) -> list[str]:
     """One valid answer, as items; for a branching task the branch is drawn with rng."""
     if task == "count":
-        return counting(key[0], 1)
+        return counting(key[0] + key[1] - 1, 1, COUNT_LENGTH - key[1])
     if task == "count_free":
         return counting(key[0], rng.choice(list(DIRECTIONS.values())))
     if task == "repeat":
         return [key[i % len(key)] for i in range(NUM_ITEMS)]
-    if task == "pair":
-        first, other = key[0], rng.choice(key[1:])
-        a, b = (first, other) if rng.random() < 0.5 else (other, first)
-        return [(a, b)[i % 2] for i in range(NUM_ITEMS)]
+    if task == "zigzag":
+        start = key[0]
+        if rng.random() < 0.5:
+            a, b = start, start + (1 if rng.random() < ZIGZAG_UP else -1)
+        else:
+            a, b = start + rng.choice(ZIGZAG_FIRST_STEPS), start
+        return [str((a, b)[i % 2]) for i in range(NUM_ITEMS)]
     raise ValueError(f"unknown toy task {task!r}")
 
 
@@ -471,8 +485,8 @@ def toy_answer(task: str, key: tuple, rng: random.Random) -> list[str]:
 class ToyExample:
     task: str
     key: tuple          # the prompt's parameters (what the held-out split is about)
-    prompt: str         # e.g. "count up from 17"
-    answer: str         # e.g. " 18 19 20 ..." (items with leading spaces)
+    prompt: str         # e.g. "count 17 18 19"
+    answer: str         # e.g. " 20 21 22 ..." (items with leading spaces)
 
 
 def toy_example(task: str, rng: random.Random, split: str = "train") -> ToyExample:
@@ -551,14 +565,17 @@ def follows_rule(task: str, key: tuple, items: list[str]) -> bool:
         nums = as_numbers(items)
         if nums is None:
             return False
-        step = 1 if task == "count" else nums[0] - key[0]
-        return step in DIRECTIONS.values() and all(b - a == step for a, b in zip([key[0]] + nums, nums))
+        last = key[0] + key[1] - 1 if task == "count" else key[0]      # the prompt's last number
+        step = 1 if task == "count" else nums[0] - last
+        return step in DIRECTIONS.values() and all(b - a == step for a, b in zip([last] + nums, nums))
     if task == "repeat":
         return all(item == key[i % len(key)] for i, item in enumerate(items))
-    if task == "pair":
-        a, b = items[0], items[1]
-        pair_ok = a != b and key[0] in (a, b) and {a, b} <= set(key)
-        return pair_ok and all(item == (a, b)[i % 2] for i, item in enumerate(items))
+    if task == "zigzag":
+        nums = as_numbers(items)
+        if nums is None:
+            return False
+        a, b = nums[0], nums[1]
+        return key[0] in (a, b) and abs(a - b) in (1, 2) and all(x == (a, b)[i % 2] for i, x in enumerate(nums))
     raise ValueError(f"unknown toy task {task!r}")
 
 
@@ -978,6 +995,30 @@ def write_word_problems(folder, n_train: int = 20000, n_test: int = 500, seed: i
     train_file.write_text(json.dumps([metamath_row(p) for p in train], indent=1) + "\n", encoding="utf-8")
     test_file.write_text("".join(json.dumps(gsm8k_row(p)) + "\n" for p in test), encoding="utf-8")
     return train_file, test_file
+
+
+def word_problem_pairs(path) -> list[tuple[str, str]]:
+    """(query, response) pairs of a train.json written by write_word_problems."""
+    with open(path, encoding="utf-8") as f:
+        return [(row["query"], row["response"]) for row in json.load(f)]
+
+
+def word_problem_batch(tokenizer, pairs, rng: random.Random, batch_size: int, seq_len: int):
+    """A random batch for next-token pretraining, in finetune_hf.py's "plain" format:
+    <bos>{query}\n\n{response}<eos>, cut to seq_len and padded with <eos>.
+
+    Returns (seqs, supervised), both (batch_size, seq_len): token ids, and which tokens are
+    predicted (everything after <bos> up to and including the first <eos>).
+    """
+    seqs = torch.full((batch_size, seq_len), tokenizer.eos_id, dtype=torch.long)
+    supervised = torch.zeros(batch_size, seq_len, dtype=torch.bool)
+    for i in range(batch_size):
+        query, response = pairs[rng.randrange(len(pairs))]
+        ids = ([tokenizer.bos_id] + tokenizer.encode(query + "\n\n") + tokenizer.encode(response)
+               + [tokenizer.eos_id])[:seq_len]
+        seqs[i, : len(ids)] = torch.tensor(ids)
+        supervised[i, 1: len(ids)] = True
+    return seqs, supervised
 
 
 def word_problem_tokenizer() -> Tokenizer:

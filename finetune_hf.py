@@ -16,10 +16,6 @@ sections 3-8) at full scale, and the same code on a miniature that a CPU finishe
               thought, its stop strings, flexible-extract and strict-match scoring), swept
               over static k and ConfAdapt thresholds: the paper's table, plus tokens/second,
               as JSON and Markdown, and the accuracy-vs-effective-k Pareto plot.
-    pretrain  (miniature only) a small Llama-layout base model trained from scratch with
-              next-token prediction, e.g. on data.write_word_problems' rows.
-    word-problems  write the miniature's data: MetaMathQA-format training rows and
-              GSM8K-format test rows (data.py, "Word problems").
 
 Run `python finetune_hf.py COMMAND --help` for the options; the README has the full-scale and
 the miniature commands.
@@ -45,9 +41,8 @@ from pathlib import Path
 import torch
 
 from confadapt import DecodeConfig, generate
-from data import (Tokenizer, default_n_regions, mtp_layout, sample_k_and_offset, word_problem_tokenizer,
-                  write_word_problems)
-from distill import MODES, cross_entropy, frozen_teacher, masked_mean, mtp_loss
+from data import Tokenizer, default_n_regions, mtp_layout, sample_k_and_offset
+from distill import MODES, frozen_teacher, mtp_loss
 from model import ModelConfig, Transformer, add_mask_token, atomic_save, rope_inv_freq, write_json
 
 # ==============================================================================================
@@ -301,13 +296,13 @@ def compute_dtype(d: Dist) -> torch.dtype:
     return torch.bfloat16 if d.device.type == "cuda" else torch.float32
 
 
-def load_student_and_teacher(args, d: Dist, add_mask: bool = True, with_teacher: bool = True):
+def load_student_and_teacher(args, d: Dist, with_teacher: bool = True):
     """(student, teacher or None, tokenizer, mask id) on d.device, sharded when d.sharded."""
     tok = Tokenizer.from_pretrained(args.model)
     full = None
     if d.main:
         full = Transformer.from_pretrained(args.model, dtype=torch.float32)
-        mask_id = add_mask_token(full, tok) if add_mask else None
+        mask_id = add_mask_token(full, tok)
         meta = (full.config, mask_id)
     cfg, mask_id = broadcast(meta if d.main else None, d)
     if mask_id is not None:
@@ -355,16 +350,6 @@ def enable_activation_checkpointing(model: Transformer):
         checkpoint(block)
 
 
-def new_base_model(args, tok: Tokenizer) -> Transformer:
-    """A freshly initialised small Llama-layout model for `pretrain`."""
-    cfg = ModelConfig(vocab_size=tok.n_vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
-                      n_kv_heads=args.kv_heads or args.heads, ffn_dim=args.ffn_dim or 4 * args.dim,
-                      max_seq_len=args.max_seq_len, model_type="llama", bos_token_id=tok.bos_id,
-                      eos_token_id=tok.eos_id)
-    torch.manual_seed(args.seed)
-    return Transformer(cfg)
-
-
 # ==============================================================================================
 # Training
 # ==============================================================================================
@@ -387,29 +372,12 @@ def micro_batches(seqs: torch.Tensor, rows: list[int], d: Dist, micro: int) -> l
     return out
 
 
-def ntp_loss(model, batch) -> tuple[torch.Tensor, dict]:
-    """Plain next-token cross-entropy on the ground-truth tokens (pretraining the base model).
-
-    `batch` is a k = 1 layout: no mask slots, so it is the ordinary sequence with the EOS rule
-    applied (nothing after the first EOS is predicted or attended)."""
-    logits = model(batch.input_ids, positions=batch.positions, attn_mask=batch.attn_mask,
-                   output_index=batch.ntp_index).float()                          # (B, N-1, V)
-    loss = masked_mean(cross_entropy(batch.ntp_targets, logits), batch.ntp_valid)
-    return loss, {"loss": float(loss.detach()), "n_pred": int(batch.ntp_valid.sum()), "k": 1}
-
-
-def layout_for(seqs, k: int, offset: int, n_regions: int, mask_id, pad: int, objective: str):
-    """The packed MTP layout of one micro-batch; `pad` is also its end-of-row token."""
-    if objective == "ntp":
-        return mtp_layout(seqs, 1, 0, 1, mask_id=pad, eos_id=pad, pad_id=pad)
-    return mtp_layout(seqs, k, offset, n_regions, mask_id=mask_id, eos_id=pad, pad_id=pad)
-
-
 def train_step(student, teacher, optimizer, scheduler, micro: list[torch.Tensor], k: int, offset: int,
                args, d: Dist, mask_id, pad: int) -> dict:
     """Forward/backward every micro-batch, clip, step. Returns the step's statistics (global)."""
-    batches = [layout_for(s, k, offset, args.regions, mask_id, pad, args.mode).to(d.device) for s in micro]
-    counts = [int(b.ntp_valid.sum() if args.mode == "ntp" else b.valid.sum()) for b in batches]
+    batches = [mtp_layout(s, k, offset, args.regions, mask_id=mask_id, eos_id=pad, pad_id=pad).to(d.device)
+               for s in micro]                # `pad` is also each row's end token (the EOS rule)
+    counts = [int(b.valid.sum()) for b in batches]
     n_global = max(1.0, all_sum(sum(counts), d))
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if d.device.type == "cuda" and not d.sharded
                 else nullcontext())
@@ -418,10 +386,7 @@ def train_step(student, teacher, optimizer, scheduler, micro: list[torch.Tensor]
         if d.sharded:                                 # reduce-scatter gradients only after the last one
             student.set_requires_gradient_sync(i == len(batches) - 1)
         with autocast:
-            if args.mode == "ntp":
-                loss, stats = ntp_loss(student, batch)
-            else:
-                loss, stats = mtp_loss(student, teacher, batch, mode=args.mode)
+            loss, stats = mtp_loss(student, teacher, batch, mode=args.mode)
         (loss * (n / n_global) * d.world).backward()
         loss_sum += stats["loss"] * n
         if "acc" in stats:                            # student argmax == target, averaged over positions j
@@ -434,7 +399,7 @@ def train_step(student, teacher, optimizer, scheduler, micro: list[torch.Tensor]
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return {"loss": all_sum(loss_sum, d) / n_global,
-            "agree": None if args.mode == "ntp" else all_sum(agree, d) / n_global,
+            "agree": all_sum(agree, d) / n_global,
             "grad_norm": float(grad_norm), "k": batches[0].k, "offset": batches[0].offset, "n_pred": int(n_global)}
 
 
@@ -547,14 +512,14 @@ def train(args, on_step=None) -> Path:
     """The whole run; returns the exported model folder. `on_step(step, stats)` is a test hook."""
     d = setup_processes(args.device)
     student, teacher, tok, mask_id = load_student_and_teacher(
-        args, d, add_mask=args.mode != "ntp", with_teacher=args.mode in ("hard", "soft"))
+        args, d, with_teacher=args.mode in ("hard", "soft"))
     fmt = args.format if args.format != "auto" else default_format(tok, student.config)
     args.format = fmt
     pad = padding_token(tok, fmt)
     if args.regions is None:
         args.regions = default_n_regions(args.seq_len, args.k_max)
     region_len = args.seq_len // args.regions
-    if args.mode != "ntp" and args.seq_len + args.k_max - 2 >= student.config.max_seq_len:
+    if args.seq_len + args.k_max - 2 >= student.config.max_seq_len:
         raise ValueError(f"--seq-len {args.seq_len} with --k-max {args.k_max} needs positions up to "
                          f"{args.seq_len + args.k_max - 2}; the model supports {student.config.max_seq_len}")
     per_process = args.batch_size // d.world
@@ -643,13 +608,7 @@ def export(student, tok: Tokenizer, path: Path, args, d: Dist, extra_card: str =
 
 def model_card(cfg: ModelConfig, args, extra: str = "") -> str:
     """A short README.md: what the model is and how to decode it."""
-    trained = getattr(args, "mode", "hard") in ("hard", "soft", "gt")
     lines = ["---", "library_name: transformers", "tags: [multi-token-prediction, self-distillation]", "---", ""]
-    if not trained:
-        lines += ["# Next-token base model", "",
-                  f"A {cfg.n_layers}-layer Llama-layout model pretrained from scratch by `finetune_hf.py pretrain` "
-                  f"on `{args.data}`. It has no `<mask>` token yet: tune it with `finetune_hf.py train`.", ""]
-        return "\n".join(lines + [extra])
     how = {"hard": "student-forced self-distillation from a frozen copy of itself (hard teacher targets)",
            "soft": "student-forced self-distillation from a frozen copy of itself (soft teacher targets)",
            "gt": "the naive ground-truth multi-token loss (an ablation, METHOD.md section 2)"}[args.mode]
@@ -701,7 +660,7 @@ def export_checkpoint(args):
     saved = argparse.Namespace(**torch.load(ckpt / "trainer.pt", weights_only=True)["args"])
     saved.device = "cpu"
     d = Dist()
-    student, _, tok, _ = load_student_and_teacher(saved, d, add_mask=saved.mode != "ntp", with_teacher=False)
+    student, _, tok, _ = load_student_and_teacher(saved, d, with_teacher=False)
     optimizer, scheduler = make_optimizer(student, saved)
     load_checkpoint(ckpt, student, optimizer, scheduler, saved)
     return export(student, tok, Path(args.out), saved, d)
@@ -1075,30 +1034,6 @@ def analyze(args) -> dict:
 
 
 # ==============================================================================================
-# The miniature: data and a small base model trained from scratch
-# ==============================================================================================
-
-def pretrain(args) -> Path:
-    """`pretrain`: a fresh small Llama-layout model trained by next-token prediction (the same
-    loop, checkpoints and export as `train`, with the plain cross-entropy instead of the MTP loss).
-    Writes the initial weights to OUT/init, the trained base model to OUT/final."""
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        raise ValueError("pretrain runs in one process (it is for the CPU miniature); use plain python")
-    tok = word_problem_tokenizer() if args.tokenizer == "word-problems" else Tokenizer.from_pretrained(args.tokenizer)
-    init = Path(args.out) / "init"
-    if not (args.resume and (init / "config.json").is_file()):
-        new_base_model(args, tok).save_pretrained(init)
-        tok.save_pretrained(init)
-    args.model, args.mode = str(init), "ntp"
-    return train(args)
-
-
-def word_problems(args):
-    train_file, test_file = write_word_problems(args.out, args.n_train, args.n_test, args.seed)
-    print(f"wrote {train_file} ({args.n_train} MetaMathQA-format rows) and {test_file} ({args.n_test} GSM8K-format rows)")
-
-
-# ==============================================================================================
 # Command line
 # ==============================================================================================
 
@@ -1111,48 +1046,37 @@ def add_format(p):
                    help="prompt format (auto: llama3-chat if the tokenizer has its tokens, qwen for Qwen, else plain)")
 
 
-def add_training_args(p, pretraining: bool):
+def add_training_args(p):
     g = p.add_argument_group("data")
     g.add_argument("--data", required=True, help="MetaMathQA JSON array / JSONL (query, response) or JSONL (prompt, response)")
     add_format(g)
-    g.add_argument("--seq-len", type=int, default=64 if pretraining else 160, help="tokens per training sequence")
+    g.add_argument("--seq-len", type=int, default=160, help="tokens per training sequence")
     g.add_argument("--limit-rows", type=int, default=0, help="use only the first N rows (0: all)")
-    o = p.add_argument_group("optimization (defaults: the paper's, METHOD.md section 6)" if not pretraining else "optimization")
-    o.add_argument("--steps", type=int, default=1500 if pretraining else 100_000)
-    o.add_argument("--batch-size", type=int, default=32 if pretraining else 128, help="global batch (sequences per step)")
-    o.add_argument("--micro-batch", type=int, default=32 if pretraining else 8,
+    o = p.add_argument_group("optimization (defaults: the paper's, METHOD.md section 6)")
+    o.add_argument("--steps", type=int, default=100_000)
+    o.add_argument("--batch-size", type=int, default=128, help="global batch (sequences per step)")
+    o.add_argument("--micro-batch", type=int, default=8,
                    help="sequences per forward pass and process; the rest is gradient accumulation")
-    o.add_argument("--lr", type=float, default=2e-3 if pretraining else 1e-5)
-    o.add_argument("--warmup", type=int, default=100 if pretraining else 2000, help="linear warm-up steps, then constant")
+    o.add_argument("--lr", type=float, default=1e-5)
+    o.add_argument("--warmup", type=int, default=2000, help="linear warm-up steps, then constant")
     o.add_argument("--weight-decay", type=float, default=0.1)
     o.add_argument("--beta1", type=float, default=0.9)
     o.add_argument("--beta2", type=float, default=0.95)
     o.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping")
     o.add_argument("--seed", type=int, default=0)
-    if not pretraining:
-        m = p.add_argument_group("multi-token prediction")
-        m.add_argument("--mode", default="hard", choices=MODES,
-                       help="hard / soft: self-distillation; gt: the naive ground-truth ablation")
-        m.add_argument("--k-max", type=int, default=16, help="k is drawn uniformly from [2, k_max] every step")
-        m.add_argument("--regions", type=int, default=None, help="MTP problems per sequence (default seq_len / (2 k_max))")
+    m = p.add_argument_group("multi-token prediction")
+    m.add_argument("--mode", default="hard", choices=MODES,
+                   help="hard / soft: self-distillation; gt: the naive ground-truth ablation")
+    m.add_argument("--k-max", type=int, default=16, help="k is drawn uniformly from [2, k_max] every step")
+    m.add_argument("--regions", type=int, default=None, help="MTP problems per sequence (default seq_len / (2 k_max))")
     c = p.add_argument_group("checkpoints and system")
     c.add_argument("--out", required=True, help="output folder: checkpoints/, log.jsonl, final/ (the exported model)")
-    c.add_argument("--save-every", type=int, default=500 if pretraining else 1000, help="checkpoint every N steps")
+    c.add_argument("--save-every", type=int, default=1000, help="checkpoint every N steps")
     c.add_argument("--keep", type=int, default=2, help="checkpoints to keep")
     c.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     c.add_argument("--activation-checkpointing", action="store_true", help="recompute block activations in backward")
-    c.add_argument("--log-every", type=int, default=50 if pretraining else 1, help="progress line every N steps")
+    c.add_argument("--log-every", type=int, default=1, help="progress line every N steps")
     add_device(c)
-    if pretraining:
-        b = p.add_argument_group("the new base model")
-        b.add_argument("--tokenizer", default="word-problems", help="'word-problems' (data.word_problem_tokenizer) or a folder")
-        b.add_argument("--dim", type=int, default=128)
-        b.add_argument("--layers", type=int, default=4)
-        b.add_argument("--heads", type=int, default=4)
-        b.add_argument("--kv-heads", type=int, default=None)
-        b.add_argument("--ffn-dim", type=int, default=None, help="default 4 x dim")
-        b.add_argument("--max-seq-len", type=int, default=512)
-        p.set_defaults(k_max=16, regions=None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1161,10 +1085,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="MTP fine-tuning by self-distillation (torchrun for several GPUs)")
     t.add_argument("--model", required=True, help="Hugging Face layout folder (config.json, safetensors, tokenizer)")
-    add_training_args(t, pretraining=False)
-
-    pt = sub.add_parser("pretrain", help="miniature: train a small Llama-layout base model from scratch")
-    add_training_args(pt, pretraining=True)
+    add_training_args(t)
 
     e = sub.add_parser("eval", help="GSM8K sweep over static k and ConfAdapt thresholds")
     e.add_argument("--model", required=True)
@@ -1199,16 +1120,10 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--checkpoint", required=True, help="a run's --out folder or one checkpoints/step_N folder")
     x.add_argument("--out", required=True)
 
-    w = sub.add_parser("word-problems", help="miniature: write synthetic MetaMathQA-format train and GSM8K-format test rows")
-    w.add_argument("--out", required=True)
-    w.add_argument("--n-train", type=int, default=20_000)
-    w.add_argument("--n-test", type=int, default=500)
-    w.add_argument("--seed", type=int, default=0)
     return p
 
 
-COMMANDS = {"train": train, "pretrain": pretrain, "eval": evaluate, "analyze": analyze,
-            "export": export_checkpoint, "word-problems": word_problems}
+COMMANDS = {"train": train, "eval": evaluate, "analyze": analyze, "export": export_checkpoint}
 
 
 def main(argv=None) -> int:

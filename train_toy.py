@@ -1,8 +1,10 @@
 """The whole method on a CPU in minutes: NTP teacher -> naive vs distilled MTP -> evaluation -> plots.
 
-    python train_toy.py                      full run (about 6-8 minutes on 2 CPU cores)
+    python train_toy.py                      full run (about 9 minutes on 2 CPU cores)
     python train_toy.py --quick              smoke test (well under a minute)
     python train_toy.py --export-hf hf_toy   also save teacher and student in Hugging Face layout
+    python train_toy.py --word-problems runs/wp   phase 1 only, on word problems: the base model
+                                             of finetune_hf.py's miniature (see the end of this file)
 
 What happens (data.py describes the four toy tasks, two of which have branch points):
 
@@ -57,43 +59,44 @@ STUDENT_MODE = {"naive": "gt", "distill": "hard"}
 class RunConfig:
     # model
     dim: int = 128
-    n_layers: int = 4
+    n_layers: int = 3
     n_heads: int = 4
     ffn_dim: int = 384
     # data
-    tasks: tuple = data.TOY_TASKS
-    seq_len: int = 24                  # every toy sequence fits (the longest is 23 tokens)
-    batch_size: int = 64
+    tasks: tuple = data.TOY_TASKS      # drawn uniformly
+    seq_len: int = 21                  # every toy sequence fits (the longest, repeat, is 21 tokens)
     # phase 1: teacher (next-token prediction)
-    teacher_steps: int = 700
-    teacher_lr: float = 3e-3
+    batch_size: int = 32
+    teacher_steps: int = 2500
+    teacher_lr: float = 4e-3
     # phase 2: students (multi-token prediction), the same budget for both
-    mtp_steps: int = 300
-    mtp_lr: float = 1e-3
+    mtp_batch_size: int = 16
+    mtp_steps: int = 900
+    mtp_lr: float = 2e-3
     k_max: int = 8
-    n_regions: int = 3                 # regions per sequence (paper: N / (2 k_max), i.e. 1 here)
+    n_regions: int = 21                # = seq_len: every token ends a region (paper: N / (2 k_max), 1 here)
     prefix_ntp_weight: float = 1.0     # next-token loss on the ground-truth answer tokens too
     warmup_steps: int = 20
     weight_decay: float = 0.1
     # phase 3: evaluation
-    n_eval: int = 48                   # held-out prompts per task (count_free has only 16)
+    n_eval: int = 200                  # held-out prompts per task, at most (count 81, count_free and zigzag 27)
     static_ks: tuple = (1, 2, 3, 4, 5, 6, 7, 8)
     taus: tuple = (0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
-    max_new_tokens: int = 2 * data.NUM_ITEMS
+    max_new_tokens: int = 24           # answers are at most 13 items + <|eos|>
     seed: int = 0
 
     def phase_key(self, phase: str) -> dict:
         """The settings a phase's checkpoint depends on (a mismatch means: train again)."""
         shared = ["dim", "n_layers", "n_heads", "ffn_dim", "tasks", "seq_len", "batch_size", "teacher_steps",
                   "teacher_lr", "seed"]
-        if phase != "teacher":
-            shared += ["mtp_steps", "mtp_lr", "k_max", "n_regions", "prefix_ntp_weight", "warmup_steps",
-                       "weight_decay"]
+        if phase in STUDENT_MODE:
+            shared += ["mtp_batch_size", "mtp_steps", "mtp_lr", "k_max", "n_regions", "prefix_ntp_weight",
+                       "warmup_steps", "weight_decay"]
         return {name: getattr(self, name) for name in shared}
 
 
-QUICK = dict(dim=64, n_layers=2, ffn_dim=192, batch_size=32, teacher_steps=60, mtp_steps=20, warmup_steps=5,
-             n_eval=6, static_ks=(1, 4), taus=(0.5, 0.9))
+QUICK = dict(dim=64, n_layers=2, ffn_dim=192, batch_size=16, teacher_steps=40, mtp_batch_size=8, mtp_steps=20,
+             warmup_steps=5, n_eval=6, static_ks=(1, 4), taus=(0.5, 0.9), max_new_tokens=16)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -120,9 +123,10 @@ def format_seconds(s: float) -> str:
     return f"{int(s // 60)}m{int(s % 60):02d}s"
 
 
-def train_phase(name: str, model, loss_fn, steps: int, lr: float, cfg: RunConfig, tokenizer, device,
-                log_every: int = 1) -> list[dict]:
-    """AdamW over fresh toy batches (the data stream depends only on the seed); returns the log."""
+def train_phase(name: str, model, loss_fn, steps: int, lr: float, batch_size: int, cfg: RunConfig, next_batch,
+                device, log_every: int = 1) -> list[dict]:
+    """AdamW over fresh batches `next_batch(rng, batch_size) -> (seqs, answer)`, the data stream
+    depending only on the seed; returns the log."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
@@ -135,7 +139,7 @@ def train_phase(name: str, model, loss_fn, steps: int, lr: float, cfg: RunConfig
     for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = learning_rate(step, steps, lr, cfg.warmup_steps)
-        seqs, answer = data.toy_batch(tokenizer, rng, cfg.batch_size, cfg.tasks, cfg.seq_len)   # (B, N) each
+        seqs, answer = next_batch(rng, batch_size)                                           # (B, N) each
         loss, stats = loss_fn(model, seqs.to(device), answer.to(device), gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -363,7 +367,7 @@ def draw_examples(model, tokenizer, cfg: RunConfig, out: str):
     """The training attention mask, and a ConfAdapt generation drawn one chunk per forward pass."""
     rng = random.Random(cfg.seed)
     seqs, _ = data.toy_batch(tokenizer, rng, 1, tasks=("count",), seq_len=cfg.seq_len)
-    batch = data.mtp_layout(seqs, k=4, offset=3, n_regions=cfg.n_regions, mask_id=tokenizer.mask_id,
+    batch = data.mtp_layout(seqs, k=4, offset=5, n_regions=2, mask_id=tokenizer.mask_id,    # 2 regions: readable
                             eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
     data.plot_attention_mask(batch, os.path.join(out, "attention_mask.png"),
                              token_str=lambda t: tokenizer.decode([t]).strip())
@@ -382,10 +386,10 @@ def draw_examples(model, tokenizer, cfg: RunConfig, out: str):
 # The run
 # ----------------------------------------------------------------------------------------------
 
-def build_teacher(cfg: RunConfig, tokenizer, device) -> Transformer:
+def build_teacher(cfg: RunConfig, tokenizer, device, tie_embeddings: bool = True, context: int = 128) -> Transformer:
     torch.manual_seed(cfg.seed)
     mcfg = ModelConfig(vocab_size=tokenizer.n_vocab, dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
-                       n_kv_heads=cfg.n_heads, ffn_dim=cfg.ffn_dim, max_seq_len=128, tie_embeddings=True,
+                       n_kv_heads=cfg.n_heads, ffn_dim=cfg.ffn_dim, max_seq_len=context, tie_embeddings=tie_embeddings,
                        bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
     return Transformer(mcfg).to(device)
 
@@ -409,6 +413,53 @@ def export_hf(path: str, teacher, student):
     print(f"exported {path}/teacher and {path}/student (Hugging Face layout)")
 
 
+# ----------------------------------------------------------------------------------------------
+# The miniature's base model (README, "Miniature reproduction"): what finetune_hf.py tunes
+# ----------------------------------------------------------------------------------------------
+#
+# `--word-problems DIR` runs phase 1 alone on other data: it writes the synthetic grade-school
+# word problems (data.py, "Word problems") to DIR/data, trains a small Llama-layout model on
+# them from scratch by next-token prediction (question and solution both) and saves it to
+# DIR/base in Hugging Face layout with its tokenizer: a stand-in for a downloaded pretrained
+# checkpoint, which finetune_hf.py then tunes by self-distillation.
+
+WORD_PROBLEMS = dict(dim=128, n_layers=4, n_heads=4, ffn_dim=512, seq_len=64, batch_size=32, teacher_steps=1500,
+                     teacher_lr=2e-3, warmup_steps=100, tasks=("word_problems",))
+WORD_PROBLEMS_QUICK = dict(dim=32, n_layers=1, n_heads=2, ffn_dim=64, batch_size=4, teacher_steps=3, warmup_steps=1)
+WORD_PROBLEM_CONTEXT = 512          # positions the base model supports: room for few-shot prompts
+
+
+def word_problem_base_model(args, device) -> dict:
+    cfg = replace(RunConfig(seed=args.seed), **WORD_PROBLEMS, **(WORD_PROBLEMS_QUICK if args.quick else {}))
+    if args.teacher_steps is not None:
+        cfg = replace(cfg, teacher_steps=args.teacher_steps)
+    folder = args.word_problems
+    start = time.perf_counter()
+    train_file, test_file = data.write_word_problems(os.path.join(folder, "data"), n_train=200 if args.quick else 20_000,
+                                                     n_test=10 if args.quick else 500, seed=args.seed)
+    pairs = data.word_problem_pairs(train_file)
+    tokenizer = data.word_problem_tokenizer()
+    print(f"wrote {train_file} ({len(pairs)} MetaMathQA-format rows) and {test_file} (GSM8K-format rows)")
+
+    def batches(rng, batch_size):
+        return data.word_problem_batch(tokenizer, pairs, rng, batch_size, cfg.seq_len)
+
+    def train():
+        model = build_teacher(cfg, tokenizer, device, tie_embeddings=False, context=WORD_PROBLEM_CONTEXT)
+        print(f"  base model: {model.num_params() / 1e6:.2f}M parameters, vocabulary {tokenizer.n_vocab}")
+        return model, train_phase("base", model, teacher_loss_fn(), cfg.teacher_steps, cfg.teacher_lr, cfg.batch_size,
+                                  cfg, batches, device, args.log_every)
+
+    model, _, _ = run_phase("base", folder, cfg, args.restart, device, train)
+    base = os.path.join(folder, "base")
+    model.save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    seconds = time.perf_counter() - start
+    print(f"== done in {format_seconds(seconds)}: {base} (Hugging Face layout); next: "
+          f"python finetune_hf.py train --model {base} --data {train_file} ...")
+    return {"base": base, "train": str(train_file), "test": str(test_file), "seconds": seconds}
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     cfg = RunConfig(seed=args.seed, **(QUICK if args.quick else {}))
@@ -419,13 +470,18 @@ def main(argv=None) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     os.makedirs(args.out, exist_ok=True)
     t_start = time.perf_counter()
+    if args.word_problems:
+        return word_problem_base_model(args, device)
     tokenizer = data.toy_tokenizer()
+
+    def toy_batches(rng, batch_size):                  # the same token ids with and without <mask>
+        return data.toy_batch(tokenizer, rng, batch_size, cfg.tasks, cfg.seq_len)
 
     def train_teacher():
         model = build_teacher(cfg, tokenizer, device)
         print(f"  teacher: {model.num_params() / 1e6:.2f}M parameters, vocabulary {tokenizer.n_vocab}")
-        log = train_phase("teacher", model, teacher_loss_fn(), cfg.teacher_steps, cfg.teacher_lr,
-                          cfg, tokenizer, device, args.log_every)
+        log = train_phase("teacher", model, teacher_loss_fn(), cfg.teacher_steps, cfg.teacher_lr, cfg.batch_size,
+                          cfg, toy_batches, device, args.log_every)
         return model, log
 
     teacher, teacher_log, teacher_s = run_phase("teacher", args.out, cfg, args.restart, device, train_teacher)
@@ -435,7 +491,7 @@ def main(argv=None) -> dict:
             student, s_tok = student_from(teacher, device)
             frozen = frozen_teacher(student)           # the starting point, <mask> included
             log = train_phase(name, student, student_loss_fn(frozen, mode, cfg, s_tok), cfg.mtp_steps, cfg.mtp_lr,
-                              cfg, s_tok, device, args.log_every)
+                              cfg.mtp_batch_size, cfg, toy_batches, device, args.log_every)
             return student, log
         models[name], logs[name], seconds[name] = run_phase(name, args.out, cfg, args.restart, device, train_student)
 
@@ -511,6 +567,10 @@ def parse_args(argv=None):
     output.add_argument("--export-hf", default=None, metavar="DIR",
                         help="also save DIR/teacher and DIR/student (distilled) in Hugging Face layout")
     output.add_argument("--log-every", type=int, default=1, help="print a progress line every this many steps")
+    other = p.add_argument_group("the miniature of finetune_hf.py (README)")
+    other.add_argument("--word-problems", default=None, metavar="DIR",
+                       help="instead of the toy run: write word-problem data to DIR/data and train a small "
+                            "Llama-layout base model on them, saved to DIR/base (Hugging Face layout)")
     return p.parse_args(argv)
 
 

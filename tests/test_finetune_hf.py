@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 
 import finetune_hf as F
 from confadapt import Generation
-from data import (QWEN2_PATTERN, Tokenizer, gsm8k_row, metamath_row, word_problem, word_problem_split,
-                  word_problem_tokenizer, write_word_problems)
+from data import (QWEN2_PATTERN, Tokenizer, gsm8k_row, metamath_row, word_problem, word_problem_batch,
+                  word_problem_split, word_problem_tokenizer, write_word_problems)
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = ["--seq-len", "48", "--batch-size", "4", "--micro-batch", "2", "--lr", "1e-3", "--warmup", "2",
@@ -240,12 +240,23 @@ def test_qwen3_tied_checkpoint_reuses_a_spare_row_and_uses_the_qwen_recipe(tmp_p
     torch.testing.assert_close(hf(x).logits, F.Transformer.from_pretrained(out / "final")(x), atol=1e-5, rtol=1e-4)
 
 
-def test_pretrain_gt_mode_and_activation_checkpointing(tiny, tmp_path):
-    out = tmp_path / "pre"
-    assert F.main(["pretrain", "--data", str(tiny / "wp" / "train.json"), "--out", str(out), "--steps", "2",
-                   "--dim", "32", "--layers", "1", "--seq-len", "48", "--batch-size", "4", "--micro-batch", "4"]) == 0
-    cfg = json.loads((out / "final" / "config.json").read_text())
+def test_word_problem_base_model_trains_on_the_plain_format(tmp_path):
+    """train_toy.py --word-problems writes the data and a base model that `train` can tune; its
+    training sequences are finetune_hf's "plain" format token for token."""
+    import train_toy
+    out = train_toy.main(["--word-problems", str(tmp_path / "wp"), "--quick"])
+    cfg = json.loads((Path(out["base"]) / "config.json").read_text())
     assert cfg["mask_token_id"] is None and cfg["architectures"] == ["LlamaForCausalLM"]
+    tok = Tokenizer.from_pretrained(out["base"])
+    pairs = F.read_pairs(out["train"])
+    seqs, supervised = word_problem_batch(tok, pairs[:1] * 3, random.Random(0), 3, 48)
+    assert torch.equal(seqs, F.training_sequences(pairs[:1] * 3, tok, "plain", 48).long())
+    assert supervised[0].sum() == (seqs[0] != tok.eos_id).sum()       # all but <bos>, up to the first <eos>
+    assert F.main(["train", "--model", out["base"], "--data", out["train"], "--out", str(tmp_path / "tuned"), *TRAIN,
+                   "--steps", "1"]) == 0
+
+
+def test_gt_mode_and_activation_checkpointing(tiny, tmp_path):
     gt = tmp_path / "gt"
     assert F.main(train_args(tiny, gt, "--steps", "2", "--mode", "gt", "--activation-checkpointing")) == 0
     assert "the naive ground-truth" in (gt / "final" / "README.md").read_text()

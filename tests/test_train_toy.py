@@ -8,6 +8,7 @@ The script itself runs once in --quick mode (tiny model, few steps) into a tempo
 import json
 import os
 import random
+from collections import Counter
 
 import pytest
 import torch
@@ -31,17 +32,25 @@ def test_generated_answers_score_one(task):
         assert (score.accuracy, score.coherence, score.degenerate) == (True, True, False), ex
 
 
+def test_count_carries_on_from_the_prompt():
+    ex = data.ToyExample("count", (17, 3), data.toy_prompt("count", (17, 3)), "")
+    assert ex.prompt == "count 17 18 19"
+    assert data.toy_answer("count", (17, 3), random.Random(0))[:2] == ["20", "21"]
+    assert data.check_toy("count", (17, 3), " 20 21 22 23 24 25 26 27 28 29 30 31 32").accuracy   # 16 numbers
+
+
 def test_count_checker():
-    key = (17,)
-    assert data.check_toy("count", key, " 18 19 20 21 22 23 24 25 26 27 28 29").accuracy
-    short = data.check_toy("count", key, " 18 19 20")
+    key = (17, 2)                                                     # "count 17 18"
+    assert data.check_toy("count", key, " 19 20 21 22 23 24 25 26 27 28 29 30 31 32").accuracy
+    short = data.check_toy("count", key, " 19 20 21")
     assert short.coherence and not short.accuracy                     # right rule, wrong length
-    assert not data.check_toy("count", key, " 18 19 20 21 22 23 24 25 26 27 28 29", stopped=False).accuracy
-    wrong_way = data.check_toy("count", key, " 16 15 14 13 12 11 10 9 8 7 6 5")
+    assert not data.check_toy("count", key, " 19 20 21 22 23 24 25 26 27 28 29 30 31 32", stopped=False).accuracy
+    assert not data.check_toy("count", key, " 19 20 21 22 23 24 25 26 27 28 29 30 31 32 33").accuracy
+    wrong_way = data.check_toy("count", key, " 17 16 15 14 13 12 11 10 9 8 7 6")
     assert not wrong_way.coherence and not wrong_way.accuracy
-    assert not data.check_toy("count", key, " 17 18 19").coherence    # repeats the start
-    assert not data.check_toy("count", key, " 18 20 22").coherence    # wrong step
-    assert not data.check_toy("count", key, " 18 19 cat 21").coherence
+    assert not data.check_toy("count", key, " 18 19 20").coherence    # repeats the prompt's last number
+    assert not data.check_toy("count", key, " 19 21 23").coherence    # wrong step
+    assert not data.check_toy("count", key, " 19 20 cat 22").coherence
     assert not data.check_toy("count", key, "").coherence
 
 
@@ -52,19 +61,32 @@ def test_branching_checkers_accept_every_branch_and_reject_mixtures():
     score = data.check_toy("count_free", (17,), mixture)
     assert (score.accuracy, score.coherence) == (False, False)
 
-    key = ("cat", "dog", "pig")
-    for a, b in [("cat", "pig"), ("pig", "cat"), ("dog", "cat")]:
-        assert data.check_toy("pair", key, f" {a} {b}" * 6).accuracy
-    assert not data.check_toy("pair", key, " cat pig cat dog cat pig cat dog cat pig cat dog").coherence  # two branches mixed
-    assert not data.check_toy("pair", key, " dog pig dog pig dog pig dog pig dog pig dog pig").coherence  # first word missing
-    assert not data.check_toy("pair", key, " cat fox cat fox cat fox cat fox cat fox cat fox").coherence  # not listed
+    for answer in (" 17 18" * 6, " 17 16" * 6, " 18 17" * 6, " 15 17" * 6, " 19 17" * 6):
+        assert data.check_toy("zigzag", (17,), answer).accuracy
+    assert not data.check_toy("zigzag", (17,), " 17 18 17 16 17 18 17 16 17 18 17 16").coherence   # branches mixed
+    assert not data.check_toy("zigzag", (17,), " 18 19 18 19 18 19 18 19 18 19 18 19").coherence   # start missing
+    assert not data.check_toy("zigzag", (17,), " 17 20 17 20 17 20 17 20 17 20 17 20").coherence   # too far
+
+
+def test_zigzag_marginals_collapse_while_greedy_stays_coherent():
+    """Why naive MTP degenerates on zigzag: the most frequent number at EVERY position is the
+    start, yet decoding the conditionals greedily (start first, then its likeliest neighbour)
+    gives a valid answer."""
+    rng = random.Random(0)
+    answers = [data.toy_answer("zigzag", (50,), rng) for _ in range(4000)]
+    for i in range(data.NUM_ITEMS):
+        assert Counter(a[i] for a in answers).most_common(1)[0][0] == "50", i
+    first = Counter(a[0] for a in answers).most_common(2)
+    second = Counter(a[1] for a in answers if a[0] == "50").most_common(2)
+    assert first[0][0] == "50" and first[0][1] > 3 * first[1][1]         # clear favourites at both choices
+    assert second[0][0] == "51" and second[0][1] > 2 * second[1][1]
+    assert data.check_toy("zigzag", (50,), " 50 51" * 6).accuracy
 
 
 def test_degeneration_is_a_run_of_one_item():
-    key = ("cat", "dog", "pig")
-    collapsed = data.check_toy("pair", key, " cat" * 12)               # the most frequent word everywhere
+    collapsed = data.check_toy("zigzag", (17,), " 17" * 12)            # the most frequent number everywhere
     assert collapsed.degenerate and not collapsed.coherence
-    assert data.check_toy("count", (5,), " 6 7 7 7 8").degenerate
+    assert data.check_toy("count", (5, 2), " 7 8 8 8 9").degenerate
     assert data.check_toy("repeat", ("red", "cup"), " red cup cup cup red").degenerate
     assert not data.check_toy("repeat", ("red", "cup"), " red cup cup red").degenerate   # 2 < DEGENERATE_RUN
     assert data.has_run(["the", "the", "the"]) and not data.has_run(["a", "b", "a", "b"])
@@ -79,12 +101,14 @@ def test_sequences_are_bos_prompt_answer_eos_and_fit():
         ex = data.toy_example(task, rng)
         prompt, answer = data.encode_example(tok, ex)
         assert prompt[0] == tok.bos_id and answer[-1] == tok.eos_id
-        assert len(answer) == data.NUM_ITEMS + 1                      # every item is one token
+        assert len(answer) == len(ex.answer.split()) + 1              # every item is one token
         assert tok.decode(prompt[1:] + answer[:-1]) == ex.prompt + ex.answer
     batch, answer = data.toy_batch(tok, rng, 64, seq_len=train_toy.RunConfig.seq_len)
     assert batch.shape == answer.shape == (64, train_toy.RunConfig.seq_len) and (batch[:, 0] == tok.bos_id).all()
     assert ((batch == tok.eos_id).sum(1) == 1).all()
-    assert (answer.sum(1) == data.NUM_ITEMS + 1).all() and (batch[answer.roll(-1, 1) & ~answer] != tok.pad_id).all()
+    last_answer = answer & ~answer.roll(-1, 1)                        # one per row: the <|eos|>
+    assert (batch[last_answer] == tok.eos_id).all() and (last_answer.sum(1) == 1).all()
+    assert (batch[~answer & (batch != tok.pad_id)] != tok.eos_id).all()   # prompts hold no <|eos|>
 
 
 @pytest.mark.parametrize("task", data.TOY_TASKS)
@@ -99,11 +123,13 @@ def test_heldout_prompts_are_never_trained_on(task):
     assert [ex.prompt for ex in data.heldout_examples(task, 48)] == [ex.prompt for ex in heldout]   # fixed
 
 
-@pytest.mark.parametrize("task", ["count", "count_free"])
+@pytest.mark.parametrize("task", ["count", "count_free", "zigzag"])
 def test_heldout_counts_only_take_steps_seen_in_training(task):
-    """A held-out start is new as a prompt, but every step of its count (a -> a+1) was trained on."""
+    """A held-out start is new as a prompt, but every step of its count (a -> a+1) was trained on
+    (zigzag: every step within its answer; the prompt's start is not a step of the zigzag)."""
     def steps(ex):
-        nums = [ex.key[0]] + [int(x) for x in ex.answer.split()]
+        shown = [int(x) for x in ex.prompt.split()[1:] if x.isdigit()] if task != "zigzag" else []
+        nums = shown + [int(x) for x in ex.answer.split()]
         return set(zip(nums, nums[1:]))
     rng = random.Random(2)
     seen = set().union(*(steps(data.toy_example(task, rng)) for _ in range(5000)))
