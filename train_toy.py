@@ -317,8 +317,9 @@ def plot_pareto(rows: list[dict], path: str):
             for name in MODELS:
                 colour, marker = STYLE[name]
                 for decode, line in (("static", "-"), ("confadapt", "--")):
-                    pts = sorted((r["effective_k"], r[metric]) for r in rows
-                                 if r["model"] == name and r["task"] == task and r["decode"] == decode)
+                    cells = [r for r in rows if r["model"] == name and r["task"] == task and r["decode"] == decode]
+                    cells.sort(key=lambda r: r["k"] if decode == "static" else -r["tau"])   # in sweep order
+                    pts = [(r["effective_k"], r[metric]) for r in cells]
                     if pts:
                         ax.plot(*zip(*pts), line, color=colour, marker=marker, ms=4 if name != "ntp" else 12,
                                 label=f"{name} {decode}")
@@ -430,7 +431,7 @@ WORD_PROBLEM_CONTEXT = 512          # positions the base model supports: room fo
 
 
 def word_problem_base_model(args, device) -> dict:
-    cfg = replace(RunConfig(seed=args.seed), **WORD_PROBLEMS, **(WORD_PROBLEMS_QUICK if args.quick else {}))
+    cfg = replace(RunConfig(seed=args.seed), **{**WORD_PROBLEMS, **(WORD_PROBLEMS_QUICK if args.quick else {})})
     if args.teacher_steps is not None:
         cfg = replace(cfg, teacher_steps=args.teacher_steps)
     folder = args.word_problems

@@ -249,9 +249,10 @@ def test_word_problem_base_model_trains_on_the_plain_format(tmp_path):
     assert cfg["mask_token_id"] is None and cfg["architectures"] == ["LlamaForCausalLM"]
     tok = Tokenizer.from_pretrained(out["base"])
     pairs = F.read_pairs(out["train"])
-    seqs, supervised = word_problem_batch(tok, pairs[:1] * 3, random.Random(0), 3, 48)
-    assert torch.equal(seqs, F.training_sequences(pairs[:1] * 3, tok, "plain", 48).long())
-    assert supervised[0].sum() == (seqs[0] != tok.eos_id).sum()       # all but <bos>, up to the first <eos>
+    seqs, supervised = word_problem_batch(tok, pairs[:1] * 3, random.Random(0), 3, 96)
+    assert torch.equal(seqs, F.training_sequences(pairs[:1] * 3, tok, "plain", 96).long())
+    end = int((seqs[0] == tok.eos_id).nonzero()[0])                   # the first <eos>
+    assert supervised[0, 1:end + 1].all() and supervised[0].sum() == end   # all but <bos>, up to <eos>
     assert F.main(["train", "--model", out["base"], "--data", out["train"], "--out", str(tmp_path / "tuned"), *TRAIN,
                    "--steps", "1"]) == 0
 
