@@ -389,9 +389,8 @@ def train_step(student, teacher, optimizer, scheduler, micro: list[torch.Tensor]
             loss, stats = mtp_loss(student, teacher, batch, mode=args.mode)
         (loss * (n / n_global) * d.world).backward()
         loss_sum += stats["loss"] * n
-        if "acc" in stats:                            # student argmax == target, averaged over positions j
-            accs = [a for a in stats["acc"] if a == a]
-            agree += n * (sum(accs) / len(accs) if accs else 0.0)
+        accs = [a for a in stats["acc"] if a == a]    # student argmax == target per position j (NaN: none)
+        agree += n * (sum(accs) / len(accs) if accs else 0.0)
     grad_norm = torch.nn.utils.clip_grad_norm_(student.parameters(), args.clip)
     if hasattr(grad_norm, "full_tensor"):             # a DTensor under FSDP2
         grad_norm = grad_norm.full_tensor()
