@@ -482,11 +482,14 @@ def bench(model, prompts: list[list[int]], max_new_tokens: int, modes: list[Deco
             generate(model, batches[0], min(8, max_new_tokens), mode, mask_id, stop_ids)
         rounds = [[[generate(model, b, max_new_tokens, mode, mask_id, stop_ids)[1] for b in batches] for mode in modes]
                   for _ in range(repeats)]                                   # rounds[r][m]: stats per batch
+        def decoding_seconds(stats):                               # prefill excluded
+            return sum(s.seconds - s.prefill_seconds for s in stats)
+
         greedy_tps = None
         for m, mode in enumerate(modes):
-            best = min((r[m] for r in rounds), key=lambda stats: sum(s.seconds - s.prefill_seconds for s in stats))
+            best = min((r[m] for r in rounds), key=decoding_seconds)
             tokens, row_passes = sum(s.tokens for s in best), sum(s.row_passes for s in best)
-            seconds = sum(s.seconds - s.prefill_seconds for s in best)
+            seconds = decoding_seconds(best)
             hist = Counter()
             for s in best:
                 hist.update(s.accept_hist)

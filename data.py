@@ -404,7 +404,7 @@ def toy_tokenizer() -> Tokenizer:
 
 TOY_TASKS = ("count", "repeat", "count_free", "zigzag")
 BRANCHING_TASKS = ("count_free", "zigzag")
-NUM_ITEMS = 12                               # items in every answer
+NUM_ITEMS = 12                               # items in every answer but count's
 COUNT_STARTS = range(12, 150)                # start numbers: every count stays within 0..164
 COUNT_SHOWN = (3, 4, 5)                      # count: how many numbers the prompt shows
 COUNT_LENGTH = 16                            # count: numbers in prompt + answer

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 import data
 from confadapt import DecodeConfig, chunk_texts, generate, save_chunks_png
 from distill import frozen_teacher, mtp_loss
-from model import ModelConfig, Transformer, add_mask_token
+from model import ModelConfig, Transformer, add_mask_token, atomic_save
 
 MODELS = ("ntp", "naive", "distill")          # names used in results.json
 STUDENT_MODE = {"naive": "gt", "distill": "hard"}
@@ -188,10 +188,9 @@ def student_loss_fn(teacher, mode: str, cfg: RunConfig, tokenizer):
 
 def save_checkpoint(path: str, model, log: list[dict], seconds: float, key: dict):
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = path + ".tmp"
-    torch.save({"model_config": asdict(model.config), "state": model.state_dict(), "log": log,
-                "seconds": seconds, "key": key}, tmp)
-    os.replace(tmp, path)                        # a crash leaves the old file or the new, never half
+    ckpt = {"model_config": asdict(model.config), "state": model.state_dict(), "log": log, "seconds": seconds,
+            "key": key}
+    atomic_save(lambda tmp: torch.save(ckpt, tmp), path)   # a crash leaves the old file or the new, never half
 
 
 def load_checkpoint(path: str, key: dict, device):

@@ -27,13 +27,7 @@ TRAIN = ["--seq-len", "48", "--batch-size", "4", "--micro-batch", "2", "--lr", "
          "--k-max", "6", "--save-every", "2", "--log-every", "1"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Two threads on a busy 2-core machine are much slower than one."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")            # conftest.py
 
 
 @pytest.fixture(scope="module")
