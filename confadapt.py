@@ -16,9 +16,9 @@ at the k-1 masks are k predictions. This file turns that into generation:
 Every pass goes through the KV cache (model.KVCache). The cache holds the K/V of every accepted
 token except the `pending` ones (accepted by the last pass but never fed), which the next pass feeds:
 
-    pass input   = pending tokens + (lossless: drafts) + masks          (right-padded in a batch)
+    pass input   = pending tokens + (lossless: drafts) + masks    (a batch: ragged, no padding computed)
     predictions  = logits at the last pending token and at every draft / mask after it
-    after        = roll the cache back to drop masks, padding and rejected drafts
+    after        = roll the cache back to drop masks and rejected drafts
 
 Batching: each row accepts its own number of tokens per pass, so each row keeps its own cache
 length (and thus its own positions); rows that finish leave the batch. A row's output is the
@@ -115,6 +115,7 @@ class DecodeStats:
     row_passes: int             # passes summed over rows (== forward_passes at batch size 1)
     tokens: int                 # new tokens over all rows
     effective_k: float          # tokens / row_passes: tokens one row gains per pass
+    fed_tokens: int             # positions the decoding passes computed (all rows; padding not computed)
     accept_hist: dict           # chunk size -> how many passes emitted that many tokens (all rows)
     seconds: float              # wall time of the whole call, prefill included
     prefill_seconds: float
@@ -230,31 +231,42 @@ def take_pass(row: Row, mode: DecodeConfig, preds: list[int], confs: list[float]
 # Passes over the cache
 # ----------------------------------------------------------------------------------------------
 
+def padded(rows: list[list[int]], pad_id: int, device):
+    """Right-pad token lists to one (B, T) tensor; also the real lengths (B,), or None if all equal.
+
+    With the lengths, model.forward skips the padding (a ragged pass): a row that feeds 2 tokens
+    beside one that feeds 15 costs 2 positions, not 15.
+    """
+    T = max(len(x) for x in rows)
+    tokens = torch.tensor([x + [pad_id] * (T - len(x)) for x in rows], device=device)        # (B, T)
+    ragged = any(len(x) != T for x in rows)
+    return tokens, torch.tensor([len(x) for x in rows], device=device) if ragged else None
+
+
 def prefill(model, cache, prompts: list[list[int]], pad_id: int):
     """Write every prompt except its last token into the cache (that token is the first pending one)."""
     heads = [p[:-1] for p in prompts]
-    T = max(len(h) for h in heads)
-    if T == 0:
+    if max(len(h) for h in heads) == 0:
         return
     device = cache.lengths.device
-    tokens = torch.tensor([h + [pad_id] * (T - len(h)) for h in heads], device=device)    # (B, T)
-    model(tokens, cache=cache, output_index=torch.zeros(len(heads), 1, dtype=torch.long, device=device))
-    cache.rollback(torch.tensor([len(h) for h in heads], device=device))     # drop the padding
+    tokens, n_tokens = padded(heads, pad_id, device)
+    no_logits = torch.zeros(len(heads), 0, dtype=torch.long, device=device)   # only the cache is wanted
+    model(tokens, cache=cache, output_index=no_logits, n_tokens=n_tokens)
 
 
 def decode_pass(model, cache, inputs: list[list[int]], firsts: list[int], n_preds: list[int], pad_id: int):
     """One forward pass of every row; logits (B, N, V) at each row's predicting positions.
 
-    Row b feeds inputs[b] (right-padded to the longest row) at its own cache slots; its
-    predictions are the logits at input index firsts[b] .. firsts[b] + n_preds[b] - 1. Rows with
-    fewer predictions repeat their last index up to N = max(n_preds). The caller rolls back.
+    Row b feeds inputs[b] at its own cache slots (rows of different lengths: a ragged pass);
+    its predictions are the logits at input index firsts[b] .. firsts[b] + n_preds[b] - 1. Rows
+    with fewer predictions repeat their last index up to N = max(n_preds). The caller rolls back.
     """
     device = cache.lengths.device
-    T, N = max(len(x) for x in inputs), max(n_preds)
-    tokens = torch.tensor([x + [pad_id] * (T - len(x)) for x in inputs], device=device)       # (B, T)
+    tokens, n_tokens = padded(inputs, pad_id, device)
+    N = max(n_preds)
     index = torch.tensor([[f + min(j, n - 1) for j in range(N)] for f, n in zip(firsts, n_preds)],
                          device=device)                                                       # (B, N)
-    return model(tokens, cache=cache, output_index=index)                                    # (B, N, V)
+    return model(tokens, cache=cache, output_index=index, n_tokens=n_tokens)                 # (B, N, V)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -300,10 +312,11 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, mode: DecodeC
     prefill_seconds = time.perf_counter() - start
 
     active = list(range(len(rows)))                # batch row b of the cache is rows[active[b]]
-    passes = 0
+    passes = fed = 0
     while active:
         batch = [rows[i] for i in active]
         plans = [plan_pass(r, mode, mask_id) for r in batch]
+        fed += sum(len(x) for x, _ in plans)
         logits = decode_pass(model, cache, [x for x, _ in plans], [len(r.pending) - 1 for r in batch],
                              [n for _, n in plans], pad_id).float()                  # (B, N, V)
         passes += 1
@@ -315,7 +328,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, mode: DecodeC
         preds = preds.tolist()
         for b, (r, (_, n)) in enumerate(zip(batch, plans)):
             take_pass(r, mode, preds[b][:n], confs[b][:n] if confs else None, stop_ids)
-        # Keep exactly the accepted tokens that were fed; drop masks, padding, rejected drafts.
+        # Keep exactly the accepted tokens that were fed; drop masks and rejected drafts.
         cache.rollback(torch.tensor([r.cache_length for r in batch], device=cache.lengths.device))
         still = [b for b, r in enumerate(batch) if not r.done]
         if len(still) < len(batch) and still:
@@ -328,7 +341,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, mode: DecodeC
     row_passes = sum(g.forward_passes for g in gens)
     hist = Counter(n for g in gens for n in g.chunk_sizes)
     stats = DecodeStats(mode=mode.describe(), batch_size=len(rows), forward_passes=passes, row_passes=row_passes,
-                        tokens=n_tokens, effective_k=n_tokens / max(1, row_passes),
+                        tokens=n_tokens, effective_k=n_tokens / max(1, row_passes), fed_tokens=fed,
                         accept_hist=dict(sorted(hist.items())),
                         seconds=seconds, prefill_seconds=prefill_seconds,
                         tokens_per_second=n_tokens / max(seconds - prefill_seconds, 1e-9))
@@ -419,6 +432,7 @@ def format_stats(stats: DecodeStats, gen: Generation | None = None) -> str:
              f"tokens          {stats.tokens}",
              f"forward passes  {stats.forward_passes} (the prefill not counted)",
              f"effective k     {stats.effective_k:.2f} tokens/pass",
+             f"positions fed   {stats.fed_tokens} ({stats.fed_tokens / max(1, stats.tokens):.2f} per token)",
              f"accepted/pass   {hist}",
              f"wall time       {stats.seconds:.3f} s (prefill {stats.prefill_seconds:.3f} s)",
              f"tokens/second   {stats.tokens_per_second:.1f} (decoding)"]
@@ -471,7 +485,9 @@ def bench(model, prompts: list[list[int]], max_new_tokens: int, modes: list[Deco
     a busy moment of the machine over all modes instead of one).
     Tokens/second counts decoding time (prefill excluded, as in DecodeStats); speed-up is over
     greedy at the same batch size; efficiency = speed-up / effective k, the share of the saved
-    passes that became saved time.
+    passes that became saved time. "Fed per token" is the positions the passes computed per
+    generated token (greedy: 1): where a pass's cost grows with its positions (the latency
+    curve), this is what a multi-token mode pays for its fewer passes.
     """
     n_rows = n_rows or max(len(prompts), max(batch_sizes))
     rows = [prompts[i % len(prompts)] for i in range(n_rows)]
@@ -500,6 +516,7 @@ def bench(model, prompts: list[list[int]], max_new_tokens: int, modes: list[Deco
             effective_k = tokens / max(1, row_passes)
             results.append({"batch_size": bs, "mode": mode.describe(), "kind": mode.kind, "tokens": tokens,
                             "forward_passes": sum(s.forward_passes for s in best), "effective_k": effective_k,
+                            "fed_per_token": sum(s.fed_tokens for s in best) / max(1, tokens),
                             "tokens_per_second": tps, "seconds": seconds,
                             "speedup": speedup, "efficiency": speedup / effective_k,
                             "accept_hist": dict(sorted(hist.items()))})
@@ -510,10 +527,11 @@ def bench(model, prompts: list[list[int]], max_new_tokens: int, modes: list[Deco
 
 def format_bench(report: dict) -> str:
     lines = [f"{'batch':>5}  {'mode':<28} {'tokens/s':>10} {'eff. k':>7} {'speed-up':>9} "
-             f"{'efficiency':>10} {'passes':>7}"]
+             f"{'efficiency':>10} {'passes':>7} {'fed/token':>9}"]
     for r in report["results"]:
         lines.append(f"{r['batch_size']:>5}  {r['mode']:<28} {r['tokens_per_second']:>10.1f} {r['effective_k']:>7.2f} "
-                     f"{r['speedup']:>8.2f}x {r['efficiency']:>10.2f} {r['forward_passes']:>7}")
+                     f"{r['speedup']:>8.2f}x {r['efficiency']:>10.2f} {r['forward_passes']:>7} "
+                     f"{r['fed_per_token']:>9.2f}")
     lines.append("")
     lines.append("forward-pass latency (ms) for T new tokens per row on a filled cache; ratio to T = 1")
     for bs, curve in report["latency_seconds"].items():

@@ -122,6 +122,13 @@ def apply_rope(x, cos, sin):
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+def unpack(x, real):
+    """(1, N, ...) real tokens packed row after row -> (B, T, ...) with zeros at the padding."""
+    out = x.new_zeros(*real.shape, *x.shape[2:])
+    out[real] = x[0]
+    return out
+
+
 class KVCache(nn.Module):
     """Keys and values of past tokens, written at explicit slots, one length per batch row.
 
@@ -157,9 +164,15 @@ class KVCache(nn.Module):
         self.k, self.v = self.k.index_select(1, idx), self.v.index_select(1, idx)
         self.lengths = self.lengths.index_select(0, idx)
 
-    def write(self, layer: int, slots, k, v):
-        """Store k, v of shape (B, T, n_kv_heads, head_dim) at slots (B, T); return the cache views."""
+    def write(self, layer: int, slots, k, v, real=None):
+        """Store k, v of shape (B, T, n_kv_heads, head_dim) at slots (B, T); return the cache views.
+
+        Ragged (real given, (B, T) bool): k, v are (1, N, n_kv_heads, head_dim), the N real
+        tokens packed row after row, and only they are written.
+        """
         rows = torch.arange(slots.shape[0], device=slots.device)[:, None].expand_as(slots)
+        if real is not None:
+            rows, slots, k, v = rows[real], slots[real], k[0], v[0]    # (N,), (N,), (N, n_kv, hd)
         self.k[layer][rows, :, slots] = k.to(self.k.dtype)           # cache layer is (B, n_kv, S, hd)
         self.v[layer][rows, :, slots] = v.to(self.v.dtype)
         return self.k[layer], self.v[layer]
@@ -176,8 +189,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x, cos, sin, mask, cache=None, layer=0, slots=None):
-        B, T, _ = x.shape
+    def forward(self, x, cos, sin, mask, cache=None, layer=0, slots=None, real=None):
+        B, T, _ = x.shape                                            # ragged: (1, N) real tokens
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)       # (B, T, n_heads, hd)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)    # (B, T, n_kv_heads, hd)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
@@ -186,12 +199,16 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, heads, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
-            k, v = cache.write(layer, slots, k.transpose(1, 2), v.transpose(1, 2))
-            k, v = k[:, :, : mask.shape[-1]], v[:, :, : mask.shape[-1]]        # (B, n_kv, S, hd)
+            k, v = cache.write(layer, slots, k.transpose(1, 2), v.transpose(1, 2), real)
+            k, v = k[:, :, : mask.shape[-1]], v[:, :, : mask.shape[-1]]        # (rows, n_kv, S, hd)
+        if real is not None:                  # spread the packed queries out to (rows, heads, T', hd)
+            q = unpack(q.transpose(1, 2), real).transpose(1, 2)
         # Each group of n_heads / n_kv_heads query heads shares one key/value head (GQA).
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv_heads != self.n_heads)
-        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)   # (B, T, n_heads * hd)
-        return self.wo(y)
+        y = y.transpose(1, 2)                                        # (B, T, n_heads, hd)
+        if real is not None:
+            y = y[real][None]                                        # back to (1, N, n_heads, hd)
+        return self.wo(y.reshape(B, T, self.n_heads * self.head_dim))
 
 
 class SwiGLU(nn.Module):
@@ -213,8 +230,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x, cos, sin, mask, cache=None, layer=0, slots=None):
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache, layer, slots)
+    def forward(self, x, cos, sin, mask, cache=None, layer=0, slots=None, real=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache, layer, slots, real)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -246,7 +263,7 @@ class Transformer(nn.Module):
         p = self.tok_emb.weight
         return KVCache(self.config, batch_size, max_len or self.config.max_seq_len, p.device, p.dtype)
 
-    def forward(self, tokens, positions=None, attn_mask=None, cache=None, output_index=None):
+    def forward(self, tokens, positions=None, attn_mask=None, cache=None, output_index=None, n_tokens=None):
         """Logits for `tokens` (B, T).
 
         positions    (B, T) RoPE position ids. Default: 0..T-1, or continuing the cache.
@@ -254,34 +271,57 @@ class Transformer(nn.Module):
         cache        KVCache: the T tokens are written at slots cache.lengths[b] + t and attend
                      causally by slot; cache.lengths advances by T (roll back masks yourself).
         output_index (B, N) positions whose logits are wanted -> (B, N, V); default all (B, T, V).
+        n_tokens     (B,) with a cache: row b is only its first n_tokens[b] tokens, the rest is
+                     right-padding (rows of a batch feed different numbers of tokens). The
+                     padding is then never computed: see "Ragged passes" below.
         """
         B, T = tokens.shape
         device = tokens.device
         steps = torch.arange(T, device=device)
-        slots = None
+        slots = real = None
         if cache is not None:
             if attn_mask is not None:
                 raise ValueError("attn_mask cannot be combined with a KV cache (attention is causal by slot)")
             slots = cache.lengths[:, None] + steps                           # (B, T) where each token lands
-            S = int(slots.max()) + 1
+            new = torch.full_like(cache.lengths, T) if n_tokens is None else n_tokens
+            S = int((cache.lengths + new).max())                             # key slots anyone may read
             if S > cache.max_len:
                 raise ValueError(f"KV cache overflow: {S} slots needed, cache holds {cache.max_len}")
+            if n_tokens is not None:
+                real = steps[None, :] < n_tokens[:, None]                    # (B, T) True = a real token
             key_slots = torch.arange(S, device=device)
             attn_mask = key_slots[None, None, :] <= slots[:, :, None]        # (B, T, S)
             if positions is None:
                 positions = slots
         else:
+            if n_tokens is not None:
+                raise ValueError("n_tokens needs a KV cache")
             if attn_mask is None:
                 attn_mask = steps[None, :] <= steps[:, None]                 # (T, T) causal
             if positions is None:
                 positions = steps[None].expand(B, T)
         mask = attn_mask[:, None] if attn_mask.dim() == 3 else attn_mask     # (B, 1, T, S): one mask for all heads
         x = self.tok_emb(tokens)                                             # (B, T, dim)
-        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)           # (B, 1, T, hd)
+        if real is not None:
+            # Ragged passes. Every layer but attention treats tokens independently, so the real
+            # tokens of all rows are packed into one row of N = sum(n_tokens) and the padding
+            # costs nothing there. Attention spreads the queries back out to (B, T) to meet
+            # each row's own cache, and writes only real tokens' K/V (Attention.forward).
+            x, cos, sin = x[real][None], cos[:, 0][real][None, None], sin[:, 0][real][None, None]
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, cache, i, slots)
+            x = layer(x, cos, sin, mask, cache, i, slots, real)
         if cache is not None:
-            cache.lengths += T
+            cache.lengths += new
+        if real is not None:
+            if output_index is None:
+                x = unpack(x, real)                                          # (B, T, dim), zeros at padding
+            else:
+                # Index into the packed row, where row b starts at first[b]. A row of no tokens
+                # has no logits to give and reads some other row's (its caller ignores them).
+                first = torch.cumsum(n_tokens, 0) - n_tokens                 # (B,)
+                index = (first[:, None] + output_index).clamp(max=x.shape[1] - 1)        # (B, N)
+                return self.lm_head(self.norm(x[0][index]))                  # (B, N, V)
         if output_index is not None:
             x = x.gather(1, output_index[..., None].expand(-1, -1, x.shape[-1]))   # (B, N, dim)
         return self.lm_head(self.norm(x))

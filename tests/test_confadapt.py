@@ -260,6 +260,15 @@ def test_statistics_add_up(toy_model):
     assert sum(n * c for n, c in stats.accept_hist.items()) == stats.tokens
     assert stats.effective_k == pytest.approx(stats.tokens / stats.row_passes)
     assert stats.seconds > stats.prefill_seconds > 0 and stats.tokens_per_second > 0
+    # Positions fed: each pass feeds the last pass's tokens (the first: the prompt's last) plus
+    # k_max - 1 masks, fewer when fewer tokens are still wanted; padding of the batch not counted.
+    fed = 0
+    for g in gens:
+        for i, n in enumerate(g.chunk_sizes):
+            fed += (g.chunk_sizes[i - 1] if i else 1) + min(8, 30 - sum(g.chunk_sizes[:i])) - 1
+    assert stats.fed_tokens == fed
+    _, greedy = generate(toy_model, TOY_PROMPTS, 30, DecodeConfig("greedy"))
+    assert greedy.fed_tokens == greedy.tokens
     for g in gens:
         assert len(g.tokens) == 30 and g.boundaries[-1] == 30 and sum(g.chunk_sizes) == 30
         assert max(g.chunk_sizes) <= 8

@@ -116,6 +116,35 @@ def test_kv_cache_matches_full_recompute():
         assert cache.lengths.tolist() == [13, 9]
 
 
+def test_ragged_pass_matches_full_recompute_and_caches_only_real_tokens():
+    """n_tokens: each row feeds its own number of tokens; the padding is neither computed nor cached."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=97, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96)).eval()
+    seq = torch.randint(0, 97, (3, 40))
+    with torch.no_grad():
+        full = model(seq)
+        cache = model.new_cache(3, 64)
+        done = [0, 0, 0]
+        for feed in ([5, 1, 9], [3, 7, 0], [1, 12, 4], [9, 2, 2]):
+            T = max(feed)
+            tokens = torch.full((3, T), 96)                                  # 96: padding
+            for b, n in enumerate(feed):
+                tokens[b, :n] = seq[b, done[b]:done[b] + n]
+            want = [list(range(n)) + [max(n - 1, 0)] * (T - n) for n in feed]   # padding repeats the last
+            got = model(tokens, cache=cache, n_tokens=torch.tensor(feed), output_index=torch.tensor(want))
+            for b, n in enumerate(feed):
+                assert torch.allclose(got[b, :n], full[b, done[b]:done[b] + n], atol=1e-5)
+                done[b] += n
+            assert cache.lengths.tolist() == done                           # advanced by the real tokens only
+        # Without output_index: (B, T, V), real positions right (the padding's logits are meaningless).
+        tokens = torch.stack([seq[b, n:n + 2] for b, n in enumerate(done)])
+        got = model(tokens, cache=cache, n_tokens=torch.tensor([2, 1, 2]))
+        for b, n in enumerate([2, 1, 2]):
+            assert torch.allclose(got[b, :n], full[b, done[b]:done[b] + n], atol=1e-5)
+    with pytest.raises(ValueError, match="needs a KV cache"):
+        model(seq, n_tokens=torch.tensor([1, 2, 3]))
+
+
 def test_positions_and_mask_arguments():
     """Explicit positions and masks: a shifted sequence with shifted positions gives the same logits
     as the original, and a block mask hides what it should."""
