@@ -21,7 +21,9 @@ token except the `pending` ones (accepted by the last pass but never fed), which
     after        = roll the cache back to drop masks and rejected drafts
 
 Batching: each row accepts its own number of tokens per pass, so each row keeps its own cache
-length (and thus its own positions); rows that finish leave the batch. A row's output is the
+length (and thus its own positions) and feeds its own number of tokens (a ragged pass: no
+padding is computed, model.forward's n_tokens). A row that finishes hands its place to the next
+waiting prompt (`batch_size`: continuous batching), or leaves the batch. A row's output is the
 same as decoding it alone. (Exactly so in arithmetic; in floating point a batched matmul may
 round differently in the last bit, which could flip an argmax between two logits tied to ~1e-6,
 or a confidence sitting on tau. The same caveat applies to "lossless == greedy".)
@@ -110,7 +112,7 @@ class Generation:
 class DecodeStats:
     """One `generate` call. Passes count the decoding loop only; the prefill is timed apart."""
     mode: str
-    batch_size: int
+    batch_size: int             # most rows decoded at once
     forward_passes: int         # model calls in the decoding loop (one batched call = one pass)
     row_passes: int             # passes summed over rows (== forward_passes at batch size 1)
     tokens: int                 # new tokens over all rows
@@ -243,15 +245,21 @@ def padded(rows: list[list[int]], pad_id: int, device):
     return tokens, torch.tensor([len(x) for x in rows], device=device) if ragged else None
 
 
-def prefill(model, cache, prompts: list[list[int]], pad_id: int):
-    """Write every prompt except its last token into the cache (that token is the first pending one)."""
-    heads = [p[:-1] for p in prompts]
-    if max(len(h) for h in heads) == 0:
-        return
+def prefill(model, cache, prompts: dict[int, list[int]], pad_id: int) -> float:
+    """Start cache rows afresh: row b gets prompts[b] except its last token (which becomes the
+    first pending one); rows not in `prompts` feed nothing. Returns the seconds it took."""
+    start = time.perf_counter()
     device = cache.lengths.device
-    tokens, n_tokens = padded(heads, pad_id, device)
-    no_logits = torch.zeros(len(heads), 0, dtype=torch.long, device=device)   # only the cache is wanted
-    model(tokens, cache=cache, output_index=no_logits, n_tokens=n_tokens)
+    lengths, heads = cache.lengths.clone(), [[] for _ in range(len(cache.lengths))]
+    for b, prompt in prompts.items():
+        lengths[b], heads[b] = 0, prompt[:-1]
+    cache.rollback(lengths)                                      # a row's previous sequence is forgotten
+    if any(heads):
+        tokens, n_tokens = padded(heads, pad_id, device)
+        no_logits = torch.zeros(len(heads), 0, dtype=torch.long, device=device)   # only the cache is wanted
+        model(tokens, cache=cache, output_index=no_logits, n_tokens=n_tokens)
+    _sync(device)
+    return time.perf_counter() - start
 
 
 def decode_pass(model, cache, inputs: list[list[int]], firsts: list[int], n_preds: list[int], pad_id: int):
@@ -281,11 +289,15 @@ def _sync(device):
 
 @torch.inference_mode()
 def generate(model, prompts: list[list[int]], max_new_tokens: int, mode: DecodeConfig | None = None,
-             mask_id: int | None = None, stop_ids=()) -> tuple[list[Generation], DecodeStats]:
+             mask_id: int | None = None, stop_ids=(), batch_size: int | None = None,
+             ) -> tuple[list[Generation], DecodeStats]:
     """Continue every prompt (token ids) by up to max_new_tokens tokens; one Generation per prompt.
 
     mask_id defaults to model.config.mask_token_id (needed by every mode except greedy).
     stop_ids: generation of a row ends at the first of these tokens, which is kept.
+    batch_size: decode at most this many prompts at once (default: all). When a row finishes,
+    the next waiting prompt takes its place in the cache (continuous batching, as a server
+    does), so the batch stays full instead of shrinking to its slowest row.
     """
     mode = mode or DecodeConfig()
     mode.validate()
@@ -300,18 +312,19 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, mode: DecodeC
             raise ValueError(f"prompt of {len(p)} tokens does not fit the context of {context} tokens")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     stop_ids = set(stop_ids)
     pad_id = 0 if mask_id is None else mask_id       # padded slots are rolled back: any id will do
 
     start = time.perf_counter()
     rows = [Row(list(p), budget=min(max_new_tokens, context - len(p)), pending=[p[-1]]) for p in prompts]
+    width = min(batch_size or len(rows), len(rows))
     # Slots needed: prompt + output, plus one pass of up to 2*block - 1 tokens on top.
-    cache = model.new_cache(len(rows), max(len(r.prompt) + r.budget for r in rows) + 2 * mode.block)
-    prefill(model, cache, [r.prompt for r in rows], pad_id)
-    _sync(cache.lengths.device)
-    prefill_seconds = time.perf_counter() - start
-
-    active = list(range(len(rows)))                # batch row b of the cache is rows[active[b]]
+    cache = model.new_cache(width, max(len(r.prompt) + r.budget for r in rows) + 2 * mode.block)
+    active = list(range(width))                    # batch row b of the cache is rows[active[b]]
+    waiting = list(range(width, len(rows)))        # prompts not started yet, in order
+    prefill_seconds = prefill(model, cache, {b: rows[i].prompt for b, i in enumerate(active)}, pad_id)
     passes = fed = 0
     while active:
         batch = [rows[i] for i in active]
@@ -330,8 +343,16 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, mode: DecodeC
             take_pass(r, mode, preds[b][:n], confs[b][:n] if confs else None, stop_ids)
         # Keep exactly the accepted tokens that were fed; drop masks and rejected drafts.
         cache.rollback(torch.tensor([r.cache_length for r in batch], device=cache.lengths.device))
-        still = [b for b, r in enumerate(batch) if not r.done]
-        if len(still) < len(batch) and still:
+        # A finished row hands its cache row to the next waiting prompt; with none left, it leaves.
+        joining = {}
+        for b, r in enumerate(batch):
+            if r.done and waiting:
+                active[b] = waiting.pop(0)
+                joining[b] = rows[active[b]].prompt
+        if joining:
+            prefill_seconds += prefill(model, cache, joining, pad_id)
+        still = [b for b, i in enumerate(active) if not rows[i].done]
+        if len(still) < len(active) and still:
             cache.keep_rows(still)
         active = [active[b] for b in still]
     seconds = time.perf_counter() - start
@@ -340,7 +361,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, mode: DecodeC
     n_tokens = sum(len(g.tokens) for g in gens)
     row_passes = sum(g.forward_passes for g in gens)
     hist = Counter(n for g in gens for n in g.chunk_sizes)
-    stats = DecodeStats(mode=mode.describe(), batch_size=len(rows), forward_passes=passes, row_passes=row_passes,
+    stats = DecodeStats(mode=mode.describe(), batch_size=width, forward_passes=passes, row_passes=row_passes,
                         tokens=n_tokens, effective_k=n_tokens / max(1, row_passes), fed_tokens=fed,
                         accept_hist=dict(sorted(hist.items())),
                         seconds=seconds, prefill_seconds=prefill_seconds,
@@ -479,8 +500,9 @@ def bench(model, prompts: list[list[int]], max_new_tokens: int, modes: list[Deco
     """Time every mode at every batch size on the same workload.
 
     The workload is the prompts cycled up to n_rows rows (default: as many as the prompts or the
-    largest batch size); batch size b decodes it in consecutive batches of b rows, so every batch
-    size and mode decodes the same rows. The modes take turns, `repeats` rounds, and each keeps
+    largest batch size); batch size b decodes it b rows at a time, a finished row's place going
+    to the next waiting one (generate's continuous batching), so every batch size and mode
+    decodes the same rows. The modes take turns, `repeats` rounds, and each keeps
     its fastest round (decoding is deterministic, so only the time varies; taking turns spreads
     a busy moment of the machine over all modes instead of one).
     Tokens/second counts decoding time (prefill excluded, as in DecodeStats); speed-up is over
@@ -493,33 +515,29 @@ def bench(model, prompts: list[list[int]], max_new_tokens: int, modes: list[Deco
     rows = [prompts[i % len(prompts)] for i in range(n_rows)]
     results, latency = [], {}
     for bs in batch_sizes:
-        batches = [rows[i:i + bs] for i in range(0, n_rows, bs)]
         for mode in modes[:1] + modes[-1:]:                       # warm-up (allocator, kernels)
-            generate(model, batches[0], min(8, max_new_tokens), mode, mask_id, stop_ids)
-        rounds = [[[generate(model, b, max_new_tokens, mode, mask_id, stop_ids)[1] for b in batches] for mode in modes]
-                  for _ in range(repeats)]                                   # rounds[r][m]: stats per batch
+            generate(model, rows[:bs], min(8, max_new_tokens), mode, mask_id, stop_ids)
+        rounds = [[generate(model, rows, max_new_tokens, mode, mask_id, stop_ids, batch_size=bs)[1] for mode in modes]
+                  for _ in range(repeats)]                                   # rounds[r][m]: DecodeStats
+
         def decoding_seconds(stats):                               # prefill excluded
-            return sum(s.seconds - s.prefill_seconds for s in stats)
+            return stats.seconds - stats.prefill_seconds
 
         greedy_tps = None
         for m, mode in enumerate(modes):
             best = min((r[m] for r in rounds), key=decoding_seconds)
-            tokens, row_passes = sum(s.tokens for s in best), sum(s.row_passes for s in best)
-            seconds = decoding_seconds(best)
-            hist = Counter()
-            for s in best:
-                hist.update(s.accept_hist)
+            tokens, row_passes, seconds = best.tokens, best.row_passes, decoding_seconds(best)
             tps = tokens / max(seconds, 1e-9)
             if mode.kind == "greedy":
                 greedy_tps = tps
             speedup = tps / greedy_tps if greedy_tps else float("nan")
             effective_k = tokens / max(1, row_passes)
             results.append({"batch_size": bs, "mode": mode.describe(), "kind": mode.kind, "tokens": tokens,
-                            "forward_passes": sum(s.forward_passes for s in best), "effective_k": effective_k,
-                            "fed_per_token": sum(s.fed_tokens for s in best) / max(1, tokens),
+                            "forward_passes": best.forward_passes, "effective_k": effective_k,
+                            "fed_per_token": best.fed_tokens / max(1, tokens),
                             "tokens_per_second": tps, "seconds": seconds,
                             "speedup": speedup, "efficiency": speedup / effective_k,
-                            "accept_hist": dict(sorted(hist.items()))})
+                            "accept_hist": best.accept_hist})
         context = max(len(p) for p in rows) + max_new_tokens // 2
         latency[bs] = forward_latency(model, bs, context, list(latency_sizes))
     return {"results": results, "latency_seconds": latency}

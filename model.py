@@ -9,7 +9,9 @@ transformer with three things MTP leans on:
     packed training layout (data.py) interleaves mask blocks with ground-truth tokens that keep
     their original positions;
   * a KV cache written at explicit slots that can be rolled back, because decoding
-    (confadapt.py) appends `accepted tokens + masks`, then drops the mask entries;
+    (confadapt.py) appends `accepted tokens + masks`, then drops the mask entries; and ragged
+    cached passes (`n_tokens`), because each row of a batch accepts its own number of tokens
+    and so feeds its own number next time;
   * `add_mask_token`, which grows (or reuses a spare row of) the embedding matrix.
 
 The same module loads real Llama-3.x and Qwen3 (and Qwen2) checkpoints in the Hugging Face
@@ -201,7 +203,7 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.write(layer, slots, k.transpose(1, 2), v.transpose(1, 2), real)
             k, v = k[:, :, : mask.shape[-1]], v[:, :, : mask.shape[-1]]        # (rows, n_kv, S, hd)
-        if real is not None:                  # spread the packed queries out to (rows, heads, T', hd)
+        if real is not None:                  # spread the packed queries out to the batch's (rows, heads, T, hd)
             q = unpack(q.transpose(1, 2), real).transpose(1, 2)
         # Each group of n_heads / n_kv_heads query heads shares one key/value head (GQA).
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv_heads != self.n_heads)
@@ -269,7 +271,8 @@ class Transformer(nn.Module):
         positions    (B, T) RoPE position ids. Default: 0..T-1, or continuing the cache.
         attn_mask    bool, True = may attend; (T, T) or (B, T, T). Default: causal. Not with a cache.
         cache        KVCache: the T tokens are written at slots cache.lengths[b] + t and attend
-                     causally by slot; cache.lengths advances by T (roll back masks yourself).
+                     causally by slot; cache.lengths advances by T, or by n_tokens (roll back
+                     masks yourself).
         output_index (B, N) positions whose logits are wanted -> (B, N, V); default all (B, T, V).
         n_tokens     (B,) with a cache: row b is only its first n_tokens[b] tokens, the rest is
                      right-padding (rows of a batch feed different numbers of tokens). The

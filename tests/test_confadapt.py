@@ -129,6 +129,8 @@ def test_bad_inputs(random_model):
         generate(random_model, [[1] * 96], 4, DecodeConfig("greedy"))
     with pytest.raises(ValueError, match="empty"):
         generate(random_model, [[]], 4, DecodeConfig("greedy"))
+    with pytest.raises(ValueError, match="batch_size"):
+        generate(random_model, [[1, 2]], 4, DecodeConfig("greedy"), batch_size=0)
 
 
 def _without_mask(model):
@@ -207,8 +209,9 @@ def test_cache_after_rollbacks_matches_full_recompute(random_model):
     then the cached logits of the real continuation equal a full recompute."""
     seqs = [torch.randint(0, 30, (40,), generator=torch.Generator().manual_seed(s)).tolist() for s in (1, 2)]
     cache = random_model.new_cache(2, 96)
-    prefill(random_model, cache, [seqs[0][:8], seqs[1][:3]], MASK)                # caches 7 and 2 tokens
-    assert cache.lengths.tolist() == [7, 2]
+    prefill(random_model, cache, {0: seqs[1][:30], 1: seqs[1][:3]}, MASK)
+    prefill(random_model, cache, {0: seqs[0][:8]}, MASK)         # row 0 starts afresh (a prompt joins)
+    assert cache.lengths.tolist() == [7, 2]                      # caches 7 and 2 tokens
     done = [7, 2]
     for step in [(3, 5), (1, 6), (6, 2)]:                                          # tokens fed per row
         inputs = [seqs[b][done[b]:done[b] + step[b]] + [MASK] * 4 for b in range(2)]
@@ -245,12 +248,17 @@ MODES = [DecodeConfig("greedy"), DecodeConfig("static", k=3), DecodeConfig("conf
 def test_batched_equals_one_at_a_time(random_model, toy_model, mode):
     for model, prompts in [(random_model, PROMPTS), (toy_model, TOY_PROMPTS)]:
         stop_ids = {prompts[0][0]}                       # some rows stop early: the batch shrinks
+        alone = [generate(model, [p], 25, mode, stop_ids=stop_ids)[0][0] for p in prompts]
         batched, stats = generate(model, prompts, 25, mode, stop_ids=stop_ids)
-        for p, gen in zip(prompts, batched):
-            [alone], _ = generate(model, [p], 25, mode, stop_ids=stop_ids)
-            assert (gen.tokens, gen.chunk_sizes, gen.stopped) == (alone.tokens, alone.chunk_sizes, alone.stopped)
         assert stats.batch_size == len(prompts)
         assert stats.forward_passes == max(g.forward_passes for g in batched)
+        # Two rows at a time: a finished row's place goes to the next waiting prompt.
+        joined, joined_stats = generate(model, prompts, 25, mode, stop_ids=stop_ids, batch_size=2)
+        assert joined_stats.batch_size == 2
+        assert max(g.forward_passes for g in batched) <= joined_stats.forward_passes < stats.row_passes
+        for a, b, j in zip(alone, batched, joined):
+            assert (b.tokens, b.chunk_sizes, b.stopped) == (a.tokens, a.chunk_sizes, a.stopped)
+            assert (j.tokens, j.chunk_sizes, j.stopped) == (a.tokens, a.chunk_sizes, a.stopped)
 
 
 def test_statistics_add_up(toy_model):
