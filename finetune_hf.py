@@ -808,19 +808,18 @@ def decoding_modes(args) -> list[DecodeConfig]:
 
 
 def run_mode(setup: EvalSetup, mode: DecodeConfig, max_new_tokens: int, batch_size: int) -> tuple[dict, list]:
-    """Decode every prompt with one mode (in length-sorted batches); score; summarise."""
+    """Decode every prompt with one mode (longest first, batch_size at a time, a finished row's
+    place going to the next prompt); score; summarise."""
     order = sorted(range(len(setup.prompts)), key=lambda i: -len(setup.prompts[i]))
-    samples, seconds = [None] * len(order), 0.0
-    for start in range(0, len(order), batch_size):
-        idx = order[start:start + batch_size]
-        gens, stats = generate(setup.model, [setup.prompts[i] for i in idx], max_new_tokens, mode,
-                               setup.mask_id, setup.stop_ids)
-        seconds += stats.seconds - stats.prefill_seconds
-        for i, gen in zip(idx, gens):
-            text, n_tokens, passes = completion_of(setup.tok, gen, setup.stop_ids)
-            samples[i] = {"index": i, "completion": text, "gold": setup.golds[i], "tokens": n_tokens,
-                          "passes": passes, "effective_k": n_tokens / max(1, passes),
-                          **score(text, setup.golds[i])}
+    gens, stats = generate(setup.model, [setup.prompts[i] for i in order], max_new_tokens, mode,
+                           setup.mask_id, setup.stop_ids, batch_size=batch_size)
+    seconds = stats.seconds - stats.prefill_seconds
+    samples = [None] * len(order)
+    for i, gen in zip(order, gens):
+        text, n_tokens, passes = completion_of(setup.tok, gen, setup.stop_ids)
+        samples[i] = {"index": i, "completion": text, "gold": setup.golds[i], "tokens": n_tokens,
+                      "passes": passes, "effective_k": n_tokens / max(1, passes),
+                      **score(text, setup.golds[i])}
     flex, flex_se = mean_and_stderr(s["flexible_ok"] for s in samples)
     strict, strict_se = mean_and_stderr(s["strict_ok"] for s in samples)
     eff = [s["effective_k"] for s in samples]
@@ -995,11 +994,9 @@ def analyze(args) -> dict:
     model, tok, _, fmt = load_for_inference(args)
     prompts = [prompt_tokens(tok, fmt, q) for q in read_questions(args.data)[: args.limit or None]]
     stop_ids = stop_ids_for(model, tok, fmt)
-    confs = []
-    for start in range(0, len(prompts), args.batch_size):
-        batch = prompts[start:start + args.batch_size]
-        gens, _ = generate(model, batch, args.max_new_tokens, DecodeConfig("greedy"), stop_ids=stop_ids)
-        confs += [answer_confidences(model, p, g.tokens) for p, g in zip(batch, gens) if g.tokens]
+    gens, _ = generate(model, prompts, args.max_new_tokens, DecodeConfig("greedy"), stop_ids=stop_ids,
+                       batch_size=args.batch_size)
+    confs = [answer_confidences(model, p, g.tokens) for p, g in zip(prompts, gens) if g.tokens]
     flat = [c for cs in confs for c in cs]
     if not flat:
         raise ValueError("the model produced no answer tokens")
