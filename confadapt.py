@@ -315,7 +315,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, mode: DecodeC
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     stop_ids = set(stop_ids)
-    pad_id = 0 if mask_id is None else mask_id       # padded slots are rolled back: any id will do
+    pad_id = 0 if mask_id is None else mask_id       # padding is never computed (ragged passes): any id will do
 
     start = time.perf_counter()
     rows = [Row(list(p), budget=min(max_new_tokens, context - len(p)), pending=[p[-1]]) for p in prompts]
@@ -324,7 +324,8 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, mode: DecodeC
     cache = model.new_cache(width, max(len(r.prompt) + r.budget for r in rows) + 2 * mode.block)
     active = list(range(width))                    # batch row b of the cache is rows[active[b]]
     waiting = list(range(width, len(rows)))        # prompts not started yet, in order
-    prefill_seconds = prefill(model, cache, {b: rows[i].prompt for b, i in enumerate(active)}, pad_id)
+    prefill(model, cache, {b: rows[i].prompt for b, i in enumerate(active)}, pad_id)
+    prefill_seconds = time.perf_counter() - start            # setting up counts as prefill, not decoding
     passes = fed = 0
     while active:
         batch = [rows[i] for i in active]
