@@ -1100,7 +1100,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--k-max", type=int, default=16, help="ConfAdapt: most tokens per pass")
     e.add_argument("--lossless-k", type=int, default=0, help="also run the lossless mode with this k (0: no)")
     e.add_argument("--max-new-tokens", type=int, default=256)
-    e.add_argument("--batch-size", type=int, default=16)
+    e.add_argument("--batch-size", type=int, default=16,
+                   help="prompts decoded at once (a finished one hands its place to the next)")
     e.add_argument("--limit", type=int, default=0, help="first N questions only (0: all)")
     add_device(e)
 
@@ -1112,7 +1113,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--taus", type=float, nargs="+", default=[0.99, 0.95, 0.9, 0.8, 0.7, 0.5])
     a.add_argument("--k-max", type=int, default=16)
     a.add_argument("--max-new-tokens", type=int, default=256)
-    a.add_argument("--batch-size", type=int, default=16)
+    a.add_argument("--batch-size", type=int, default=16, help="prompts decoded at once")
     a.add_argument("--out", default=None, help="also write analysis.json and analysis.md here")
     add_device(a)
 
