@@ -1,6 +1,7 @@
-"""Data for multi-token prediction: tokenizers, toy tasks, the packed MTP layout, word problems.
+"""Data for multi-token prediction: tokenizers, toy tasks, the packed MTP layout, prompt formats,
+word problems.
 
-Four sections, each one part of the lesson:
+Five sections, each one part of the lesson:
 
   Tokenizers           byte-level BPE over tiktoken, read from (and written back to) a Hugging
                        Face tokenizer.json or a Llama tokenizer.model, plus the toy vocabulary.
@@ -10,6 +11,8 @@ Four sections, each one part of the lesson:
   MTP training layout  one ground-truth sequence -> one packed sequence holding many MTP
                        problems: mask slots, re-placed copies, positions, the block-causal
                        attention mask and the prediction targets (METHOD.md section 4).
+  Prompt formats       how finetune_hf.py turns (prompt, response) pairs into token ids
+                       (Llama-3 chat, Qwen, plain).
   Word problems        synthetic grade-school arithmetic in MetaMathQA and GSM8K formats, for
                        the miniature reproduction in finetune_hf.py.
 """
@@ -848,6 +851,79 @@ def plot_attention_mask(batch: MTPBatch, path, row: int = 0, token_str=str):
 
 
 # =============================================================================================
+# Prompt formats
+# =============================================================================================
+#
+# How finetune_hf.py turns a (prompt, response) pair into token ids, one format per model family:
+#
+#   llama3-chat  <|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n{prompt}<|eot_id|>
+#                <|start_header_id|>assistant<|end_header_id|>\n\n{response}<|eot_id|>
+#                (Llama-3's template without a system turn; Llama-Magpie in the paper)
+#   qwen         <|endoftext|>{prompt}\n\n{response}<eos>   (the paper's Qwen recipe: prompt and
+#                response joined with "\n\n", token 151643 = <|endoftext|> prepended)
+#   plain        <bos>{prompt}\n\n{response}<eos>             (small models with no chat tokens)
+#
+# The prompt part and the response part are tokenized separately, so a prompt formatted for
+# generation (finetune_hf.py eval --prompt-style zeroshot, analyze) is token for token the
+# prefix seen in training. Sequences are cut to seq_len tokens and padded with `padding_token`:
+# everything from its first occurrence on is padding for the layout (mtp_layout's EOS rule).
+
+FORMATS = ("llama3-chat", "qwen", "plain")
+
+
+def end_token(tok: Tokenizer, fmt: str) -> int:
+    """The token that ends a response in this format (and pads after it)."""
+    if fmt == "llama3-chat":
+        return tok.token_id("<|eot_id|>")
+    if tok.eos_id is None:
+        raise ValueError("the tokenizer has no EOS token; give it one (tokenizer_config.json eos_token)")
+    return tok.eos_id
+
+
+def start_tokens(tok: Tokenizer, fmt: str) -> list[int]:
+    """What every sequence of this format starts with (also put before few-shot eval prompts)."""
+    if fmt == "llama3-chat":
+        return [tok.token_id("<|begin_of_text|>")]
+    if fmt == "qwen":
+        return [tok.token_id("<|endoftext|>")]
+    if fmt == "plain":
+        return [tok.bos_id] if tok.bos_id is not None else []
+    raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+
+
+def prompt_tokens(tok: Tokenizer, fmt: str, prompt: str) -> list[int]:
+    """A formatted prompt, up to where the response starts."""
+    if fmt == "llama3-chat":
+        def header(role):
+            return [tok.token_id("<|start_header_id|>"), *tok.encode(role), tok.token_id("<|end_header_id|>"),
+                    *tok.encode("\n\n")]
+        return [*start_tokens(tok, fmt), *header("user"), *tok.encode(prompt.strip()),
+                tok.token_id("<|eot_id|>"), *header("assistant")]
+    return start_tokens(tok, fmt) + tok.encode(prompt + "\n\n")
+
+
+def padding_token(tok: Tokenizer, fmt: str) -> int:
+    """Fills a sequence after its response. The layout's EOS rule treats the first one as the end
+    of the row, so for the chat template it must not be <|eot_id|>, which also closes the user
+    turn: there it is <|end_of_text|>."""
+    return tok.token_id("<|end_of_text|>") if fmt == "llama3-chat" else end_token(tok, fmt)
+
+
+def response_tokens(tok: Tokenizer, fmt: str, response: str) -> list[int]:
+    text = response.strip() if fmt == "llama3-chat" else response
+    return tok.encode(text) + [end_token(tok, fmt)]
+
+
+def training_sequences(pairs, tok: Tokenizer, fmt: str, seq_len: int) -> torch.Tensor:
+    """Formatted, cut and padded pairs -> (n_rows, seq_len) int32."""
+    out = torch.full((len(pairs), seq_len), padding_token(tok, fmt), dtype=torch.int32)
+    for i, (prompt, response) in enumerate(pairs):
+        ids = (prompt_tokens(tok, fmt, prompt) + response_tokens(tok, fmt, response))[:seq_len]
+        out[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+    return out
+
+
+# =============================================================================================
 # Word problems
 # =============================================================================================
 #
@@ -1004,20 +1080,18 @@ def word_problem_pairs(path) -> list[tuple[str, str]]:
 
 
 def word_problem_batch(tokenizer, pairs, rng: random.Random, batch_size: int, seq_len: int):
-    """A random batch for next-token pretraining, in finetune_hf.py's "plain" format:
+    """A random batch for next-token pretraining, in the "plain" prompt format:
     <bos>{query}\n\n{response}<eos>, cut to seq_len and padded with <eos>.
 
     Returns (seqs, supervised), both (batch_size, seq_len): token ids, and which tokens are
     predicted (everything after <bos> up to and including the first <eos>).
     """
-    seqs = torch.full((batch_size, seq_len), tokenizer.eos_id, dtype=torch.long)
-    supervised = torch.zeros(batch_size, seq_len, dtype=torch.bool)
-    for i in range(batch_size):
-        query, response = pairs[rng.randrange(len(pairs))]
-        ids = ([tokenizer.bos_id] + tokenizer.encode(query + "\n\n") + tokenizer.encode(response)
-               + [tokenizer.eos_id])[:seq_len]
-        seqs[i, : len(ids)] = torch.tensor(ids)
-        supervised[i, 1: len(ids)] = True
+    rows = [pairs[rng.randrange(len(pairs))] for _ in range(batch_size)]
+    seqs = training_sequences(rows, tokenizer, "plain", seq_len).long()               # (B, seq_len)
+    is_eos = seqs == tokenizer.eos_id
+    length = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, seq_len)         # (B,) through the first <eos>
+    supervised = torch.arange(seq_len)[None, :] < length[:, None]
+    supervised[:, 0] = False                                                          # <bos> is given, not predicted
     return seqs, supervised
 
 

@@ -41,7 +41,8 @@ from pathlib import Path
 import torch
 
 from confadapt import DecodeConfig, generate
-from data import Tokenizer, default_n_regions, mtp_layout, sample_k_and_offset
+from data import (FORMATS, Tokenizer, default_n_regions, end_token, mtp_layout, padding_token, prompt_tokens,
+                  response_tokens, sample_k_and_offset, start_tokens, training_sequences)
 from distill import MODES, frozen_teacher, mtp_loss
 from model import ModelConfig, Transformer, add_mask_token, atomic_save, rope_inv_freq, write_json
 
@@ -51,21 +52,8 @@ from model import ModelConfig, Transformer, add_mask_token, atomic_save, rope_in
 #
 # Training data is a list of (prompt, response) pairs: MetaMathQA as distributed (one JSON array
 # of {"query", "response", ...}) or any JSON-lines file of {"prompt", "response"}. A format turns
-# a pair into token ids:
-#
-#   llama3-chat  <|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n{prompt}<|eot_id|>
-#                <|start_header_id|>assistant<|end_header_id|>\n\n{response}<|eot_id|>
-#                (Llama-3's template without a system turn; Llama-Magpie in the paper)
-#   qwen         <|endoftext|>{prompt}\n\n{response}<eos>   (the paper's Qwen recipe: prompt and
-#                response joined with "\n\n", token 151643 = <|endoftext|> prepended)
-#   plain        <bos>{prompt}\n\n{response}<eos>             (small models with no chat tokens)
-#
-# The prompt part and the response part are tokenized separately, so a prompt formatted for
-# generation (eval --prompt-style zeroshot, analyze) is token for token the prefix seen in
-# training. Sequences are cut to --seq-len tokens and padded with `padding_token`: everything
-# from its first occurrence on is padding for the layout (data.mtp_layout's EOS rule).
+# a pair into token ids (data.py, "Prompt formats": llama3-chat, qwen, plain).
 
-FORMATS = ("llama3-chat", "qwen", "plain")
 PAIR_FIELDS = (("query", "response"), ("prompt", "response"))     # MetaMathQA, generic JSONL
 QUESTION_FIELDS = ("question", "query", "prompt")                  # GSM8K, MetaMathQA, generic
 
@@ -140,58 +128,6 @@ def default_format(tok: Tokenizer, cfg: ModelConfig) -> str:
     if cfg.model_type in ("qwen2", "qwen3") and "<|endoftext|>" in tok.special_tokens:
         return "qwen"
     return "plain"
-
-
-def end_token(tok: Tokenizer, fmt: str) -> int:
-    """The token that ends a response in this format (and pads after it)."""
-    if fmt == "llama3-chat":
-        return tok.token_id("<|eot_id|>")
-    if tok.eos_id is None:
-        raise ValueError("the tokenizer has no EOS token; give it one (tokenizer_config.json eos_token)")
-    return tok.eos_id
-
-
-def start_tokens(tok: Tokenizer, fmt: str) -> list[int]:
-    """What every sequence of this format starts with (also put before few-shot eval prompts)."""
-    if fmt == "llama3-chat":
-        return [tok.token_id("<|begin_of_text|>")]
-    if fmt == "qwen":
-        return [tok.token_id("<|endoftext|>")]
-    if fmt == "plain":
-        return [tok.bos_id] if tok.bos_id is not None else []
-    raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
-
-
-def prompt_tokens(tok: Tokenizer, fmt: str, prompt: str) -> list[int]:
-    """A formatted prompt, up to where the response starts."""
-    if fmt == "llama3-chat":
-        def header(role):
-            return [tok.token_id("<|start_header_id|>"), *tok.encode(role), tok.token_id("<|end_header_id|>"),
-                    *tok.encode("\n\n")]
-        return [*start_tokens(tok, fmt), *header("user"), *tok.encode(prompt.strip()),
-                tok.token_id("<|eot_id|>"), *header("assistant")]
-    return start_tokens(tok, fmt) + tok.encode(prompt + "\n\n")
-
-
-def padding_token(tok: Tokenizer, fmt: str) -> int:
-    """Fills a sequence after its response. The layout's EOS rule treats the first one as the end
-    of the row, so for the chat template it must not be <|eot_id|>, which also closes the user
-    turn: there it is <|end_of_text|>."""
-    return tok.token_id("<|end_of_text|>") if fmt == "llama3-chat" else end_token(tok, fmt)
-
-
-def response_tokens(tok: Tokenizer, fmt: str, response: str) -> list[int]:
-    text = response.strip() if fmt == "llama3-chat" else response
-    return tok.encode(text) + [end_token(tok, fmt)]
-
-
-def training_sequences(pairs, tok: Tokenizer, fmt: str, seq_len: int) -> torch.Tensor:
-    """Formatted, cut and padded pairs -> (n_rows, seq_len) int32."""
-    out = torch.full((len(pairs), seq_len), padding_token(tok, fmt), dtype=torch.int32)
-    for i, (prompt, response) in enumerate(pairs):
-        ids = (prompt_tokens(tok, fmt, prompt) + response_tokens(tok, fmt, response))[:seq_len]
-        out[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
-    return out
 
 
 def rows_of_step(step: int, global_batch: int, n_rows: int, seed: int) -> list[int]:
