@@ -86,9 +86,13 @@ def test_older_and_newer_config_styles_agree():
     assert config_from_hf(old).rope_scaling["factor"] == 8.0
 
 
-def test_kv_cache_matches_full_recompute():
+def small_random_model() -> Transformer:
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(vocab_size=97, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96)).eval()
+    return Transformer(ModelConfig(vocab_size=97, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96)).eval()
+
+
+def test_kv_cache_matches_full_recompute():
+    model = small_random_model()
     seq = torch.randint(0, 97, (2, 40))
     with torch.no_grad():
         full = model(seq)
@@ -118,8 +122,7 @@ def test_kv_cache_matches_full_recompute():
 
 def test_ragged_pass_matches_full_recompute_and_caches_only_real_tokens():
     """n_tokens: each row feeds its own number of tokens; the padding is neither computed nor cached."""
-    torch.manual_seed(0)
-    model = Transformer(ModelConfig(vocab_size=97, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96)).eval()
+    model = small_random_model()
     seq = torch.randint(0, 97, (3, 40))
     with torch.no_grad():
         full = model(seq)
