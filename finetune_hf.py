@@ -1056,7 +1056,6 @@ def build_parser() -> argparse.ArgumentParser:
     x = sub.add_parser("export", help="a training checkpoint -> Hugging Face folder with model card")
     x.add_argument("--checkpoint", required=True, help="a run's --out folder or one checkpoints/step_N folder")
     x.add_argument("--out", required=True)
-
     return p
 
 
