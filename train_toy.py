@@ -37,6 +37,7 @@ import os
 import random
 import sys
 import time
+import zlib
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
@@ -85,14 +86,15 @@ class RunConfig:
     max_new_tokens: int = 24           # answers are at most 13 items + <|eos|>
     seed: int = 0
 
-    def phase_key(self, phase: str) -> dict:
-        """The settings a phase's checkpoint depends on (a mismatch means: train again)."""
+    def phase_key(self, phase: str, data_id: str = "") -> dict:
+        """The settings a phase's checkpoint depends on, and its data (`data_fingerprint`); a
+        mismatch means: train again."""
         shared = ["dim", "n_layers", "n_heads", "ffn_dim", "tasks", "seq_len", "batch_size", "teacher_steps",
                   "teacher_lr", "seed"]
         if phase in STUDENT_MODE:
             shared += ["mtp_batch_size", "mtp_steps", "mtp_lr", "k_max", "n_regions", "prefix_ntp_weight",
                        "warmup_steps", "weight_decay"]
-        return {name: getattr(self, name) for name in shared}
+        return {**{name: getattr(self, name) for name in shared}, "data": data_id}
 
 
 QUICK = dict(dim=64, n_layers=2, ffn_dim=192, batch_size=16, teacher_steps=40, mtp_batch_size=8, mtp_steps=20,
@@ -206,10 +208,18 @@ def load_checkpoint(path: str, key: dict, device):
     return model.to(device).eval(), ckpt["log"], ckpt["seconds"]
 
 
-def run_phase(name, out, cfg, restart, device, train):
-    """Load the phase's checkpoint if it is there and matches, else call train() and save."""
+def data_fingerprint(tokenizer, next_batch, seed: int) -> str:
+    """What a phase trains on, in one string: the vocabulary size and a checksum of 256 sequences
+    drawn as training draws them, so that a changed tokenizer or task generator retrains."""
+    seqs, answer = next_batch(random.Random(seed), 256)
+    return f"vocab {tokenizer.n_vocab}, crc {zlib.crc32(seqs.numpy().tobytes() + answer.numpy().tobytes())}"
+
+
+def run_phase(name, out, cfg, restart, device, train, data_id: str = ""):
+    """Load the phase's checkpoint if it is there and matches (settings and `data_id`), else call
+    train() and save."""
     path = os.path.join(out, "checkpoints", f"{name}.pt")
-    key = cfg.phase_key(name)
+    key = cfg.phase_key(name, data_id)
     found = None if restart else load_checkpoint(path, key, device)
     if found is not None:
         print(f"== {name}: loaded {path} (trained in {found[2]:.0f} s; --restart to retrain)")
@@ -450,7 +460,8 @@ def word_problem_base_model(args, device) -> dict:
         return model, train_phase("base", model, teacher_loss_fn(), cfg.teacher_steps, cfg.teacher_lr, cfg.batch_size,
                                   cfg, batches, device, args.log_every)
 
-    model, _, _ = run_phase("base", folder, cfg, args.restart, device, train)
+    data_id = data_fingerprint(tokenizer, batches, cfg.seed)
+    model, _, _ = run_phase("base", folder, cfg, args.restart, device, train, data_id)
     base = os.path.join(folder, "base")
     model.save_pretrained(base)
     tokenizer.save_pretrained(base)
@@ -484,7 +495,8 @@ def main(argv=None) -> dict:
                           cfg, toy_batches, device, args.log_every)
         return model, log
 
-    teacher, teacher_log, teacher_s = run_phase("teacher", args.out, cfg, args.restart, device, train_teacher)
+    data_id = data_fingerprint(tokenizer, toy_batches, cfg.seed)
+    teacher, teacher_log, teacher_s = run_phase("teacher", args.out, cfg, args.restart, device, train_teacher, data_id)
     models, logs, seconds = {"ntp": teacher}, {"teacher": teacher_log}, {"teacher": teacher_s}
     for name, mode in STUDENT_MODE.items():
         def train_student(mode=mode, name=name):
@@ -493,7 +505,8 @@ def main(argv=None) -> dict:
             log = train_phase(name, student, student_loss_fn(frozen, mode, cfg, s_tok), cfg.mtp_steps, cfg.mtp_lr,
                               cfg.mtp_batch_size, cfg, toy_batches, device, args.log_every)
             return student, log
-        models[name], logs[name], seconds[name] = run_phase(name, args.out, cfg, args.restart, device, train_student)
+        models[name], logs[name], seconds[name] = run_phase(name, args.out, cfg, args.restart, device, train_student,
+                                                            data_id)
 
     print("== evaluation on held-out prompts")
     t_eval = time.perf_counter()

@@ -111,6 +111,18 @@ def test_sequences_are_bos_prompt_answer_eos_and_fit():
     assert (batch[~answer & (batch != tok.pad_id)] != tok.eos_id).all()   # prompts hold no <|eos|>
 
 
+def test_every_toy_number_is_one_token():
+    tok = data.toy_tokenizer()
+    rng = random.Random(0)
+    for task in ("count", "count_free", "zigzag"):
+        for start in data.COUNT_STARTS:
+            for key in [(start, shown) for shown in data.COUNT_SHOWN] if task == "count" else [(start,)]:
+                for _ in range(8):                                    # both directions, every zigzag branch
+                    items = data.toy_answer(task, key, rng)
+                    assert len(tok.encode(" " + " ".join(items))) == len(items), (task, key, items)
+                assert len(tok.encode(data.toy_prompt(task, key))) == len(data.toy_prompt(task, key).split())
+
+
 @pytest.mark.parametrize("task", data.TOY_TASKS)
 def test_heldout_prompts_are_never_trained_on(task):
     rng = random.Random(1)
@@ -155,6 +167,19 @@ def test_checkpoints_resume_without_training(tmp_path):
     with pytest.raises(AssertionError):                               # other settings: train again
         train_toy.run_phase("teacher", str(tmp_path), train_toy.RunConfig(**{**train_toy.QUICK, "dim": 32}),
                             False, "cpu", must_not_train)
+    with pytest.raises(AssertionError):                               # other data: train again
+        train_toy.run_phase("teacher", str(tmp_path), cfg, False, "cpu", must_not_train, data_id="other data")
+
+
+def test_data_fingerprint_sees_a_changed_task(monkeypatch):
+    tok = data.toy_tokenizer()
+
+    def batches(rng, batch_size):
+        return data.toy_batch(tok, rng, batch_size, seq_len=train_toy.RunConfig.seq_len)
+    before = train_toy.data_fingerprint(tok, batches, 0)
+    assert train_toy.data_fingerprint(tok, batches, 0) == before
+    monkeypatch.setattr(data, "ZIGZAG_UP", 0.8)
+    assert train_toy.data_fingerprint(tok, batches, 0) != before
 
 
 def test_quick_run_end_to_end(tmp_path):
@@ -185,5 +210,7 @@ def test_quick_run_end_to_end(tmp_path):
     assert student.config.mask_token_id == teacher.config.vocab_size
     assert (hf / "student" / "tokenizer.json").exists() and (hf / "teacher" / "tokenizer.json").exists()
     tokens = torch.tensor([[1, 2, 3]])
-    assert torch.allclose(teacher(tokens), train_toy.load_checkpoint(str(out / "checkpoints" / "teacher.pt"),
-                          train_toy.RunConfig(**train_toy.QUICK).phase_key("teacher"), "cpu")[0](tokens), atol=1e-5)
+    cfg, tok = train_toy.RunConfig(**train_toy.QUICK), data.toy_tokenizer()
+    data_id = train_toy.data_fingerprint(tok, lambda rng, n: data.toy_batch(tok, rng, n, cfg.tasks, cfg.seq_len), cfg.seed)
+    checkpoint = train_toy.load_checkpoint(str(out / "checkpoints" / "teacher.pt"), cfg.phase_key("teacher", data_id), "cpu")
+    assert torch.allclose(teacher(tokens), checkpoint[0](tokens), atol=1e-5)
