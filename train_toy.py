@@ -208,9 +208,14 @@ def load_checkpoint(path: str, key: dict, device):
     return model.to(device).eval(), ckpt["log"], ckpt["seconds"]
 
 
+def toy_batches(cfg: RunConfig, tokenizer):
+    """The toy phases' batch function: (rng, batch_size) -> (seqs, answer), tasks mixed uniformly."""
+    return lambda rng, batch_size: data.toy_batch(tokenizer, rng, batch_size, cfg.tasks, cfg.seq_len)
+
+
 def data_fingerprint(tokenizer, next_batch, seed: int) -> str:
     """What a phase trains on, in one string: the vocabulary size and a checksum of 256 sequences
-    drawn as training draws them, so that a changed tokenizer or task generator retrains."""
+    from the phase's batch function, so that a changed tokenizer or task generator retrains."""
     seqs, answer = next_batch(random.Random(seed), 256)
     return f"vocab {tokenizer.n_vocab}, crc {zlib.crc32(seqs.numpy().tobytes() + answer.numpy().tobytes())}"
 
@@ -485,17 +490,16 @@ def main(argv=None) -> dict:
     t_start = time.perf_counter()
     tokenizer = data.toy_tokenizer()
 
-    def toy_batches(rng, batch_size):                  # the same token ids with and without <mask>
-        return data.toy_batch(tokenizer, rng, batch_size, cfg.tasks, cfg.seq_len)
+    batches = toy_batches(cfg, tokenizer)              # the same token ids with and without <mask>
 
     def train_teacher():
         model = build_teacher(cfg, tokenizer, device)
         print(f"  teacher: {model.num_params() / 1e6:.2f}M parameters, vocabulary {tokenizer.n_vocab}")
         log = train_phase("teacher", model, teacher_loss_fn(), cfg.teacher_steps, cfg.teacher_lr, cfg.batch_size,
-                          cfg, toy_batches, device, args.log_every)
+                          cfg, batches, device, args.log_every)
         return model, log
 
-    data_id = data_fingerprint(tokenizer, toy_batches, cfg.seed)
+    data_id = data_fingerprint(tokenizer, batches, cfg.seed)
     teacher, teacher_log, teacher_s = run_phase("teacher", args.out, cfg, args.restart, device, train_teacher, data_id)
     models, logs, seconds = {"ntp": teacher}, {"teacher": teacher_log}, {"teacher": teacher_s}
     for name, mode in STUDENT_MODE.items():
@@ -503,7 +507,7 @@ def main(argv=None) -> dict:
             student, s_tok = student_from(teacher, device)
             frozen = frozen_teacher(student)           # the starting point, <mask> included
             log = train_phase(name, student, student_loss_fn(frozen, mode, cfg, s_tok), cfg.mtp_steps, cfg.mtp_lr,
-                              cfg.mtp_batch_size, cfg, toy_batches, device, args.log_every)
+                              cfg.mtp_batch_size, cfg, batches, device, args.log_every)
             return student, log
         models[name], logs[name], seconds[name] = run_phase(name, args.out, cfg, args.restart, device, train_student,
                                                             data_id)

@@ -281,8 +281,10 @@ def test_eval_sweep_writes_table_and_plot(tiny, tmp_path):
 def test_analyze_estimates(tiny, tmp_path):
     # ConfAdapt simulated on hand-made confidences
     conf = [0.5, 0.95, 0.95, 0.5]
-    assert F.simulated_passes(conf, 0.9, 16, joint=False) == 2       # [0.5 .95 .95] [0.5]
-    assert F.simulated_passes(conf, 0.9, 16, joint=True) == 3        # [0.5] [.95 .95] [0.5]
+    assert F.simulated_passes(conf, 0.9, 16, joint=False) == 3       # [0.5] [.95 .95] [0.5]: a pass stops at
+    assert F.simulated_passes(conf, 0.9, 16, joint=True) == 3        # an unsure token, as ConfAdapt does
+    assert F.simulated_passes([0.95] * 4, 0.9, 16, joint=False) == 1  # [.95 .95 .95 .95]
+    assert F.simulated_passes([0.95] * 4, 0.9, 16, joint=True) == 2   # [.95 .95] [.95 .95]: .95^3 < 0.9
     assert F.simulated_passes([1.0] * 10, 0.9, 4, joint=True) == 3   # k_max caps a pass
     out = tmp_path / "an"
     assert F.main(["analyze", "--model", str(tiny / "base"), "--data", str(tiny / "wp" / "test.jsonl"),

@@ -173,9 +173,7 @@ def test_checkpoints_resume_without_training(tmp_path):
 
 def test_data_fingerprint_sees_a_changed_task(monkeypatch):
     tok = data.toy_tokenizer()
-
-    def batches(rng, batch_size):
-        return data.toy_batch(tok, rng, batch_size, seq_len=train_toy.RunConfig.seq_len)
+    batches = train_toy.toy_batches(train_toy.RunConfig(), tok)
     before = train_toy.data_fingerprint(tok, batches, 0)
     assert train_toy.data_fingerprint(tok, batches, 0) == before
     monkeypatch.setattr(data, "ZIGZAG_UP", 0.8)
@@ -211,6 +209,6 @@ def test_quick_run_end_to_end(tmp_path):
     assert (hf / "student" / "tokenizer.json").exists() and (hf / "teacher" / "tokenizer.json").exists()
     tokens = torch.tensor([[1, 2, 3]])
     cfg, tok = train_toy.RunConfig(**train_toy.QUICK), data.toy_tokenizer()
-    data_id = train_toy.data_fingerprint(tok, lambda rng, n: data.toy_batch(tok, rng, n, cfg.tasks, cfg.seq_len), cfg.seed)
+    data_id = train_toy.data_fingerprint(tok, train_toy.toy_batches(cfg, tok), cfg.seed)
     checkpoint = train_toy.load_checkpoint(str(out / "checkpoints" / "teacher.pt"), cfg.phase_key("teacher", data_id), "cpu")
     assert torch.allclose(teacher(tokens), checkpoint[0](tokens), atol=1e-5)
