@@ -324,7 +324,7 @@ def read_token_roles(folder: Path, specials: dict[str, int]) -> tuple[dict, list
 
 
 # --- the toy tokenizer -------------------------------------------------------------------------
-TOY_PROMPT_WORDS = ["count", "from", "by", "repeat", "then", "and", "step", "times"]
+TOY_PROMPT_WORDS = ["count", "from", "by", "repeat", "then", "and", "step", "times", "alternate", "with"]
 TOY_WORDS = TOY_PROMPT_WORDS + [
     "the", "a", "is", "to", "of", "in", "up", "down", "sum", "list", "add", "next",   # glue
     "cat", "dog", "cow", "pig", "hen", "fox", "owl", "bee", "ant", "bat", "rat", "yak",  # animals
@@ -367,11 +367,11 @@ def toy_tokenizer() -> Tokenizer:
 # answer is a list of items (one token each: a number or a word with its leading space; NUM_ITEMS
 # of them except for count), then <|eos|>; a sequence is <|bos|> prompt answer <|eos|>.
 #
-#   task        prompt                           answer (one valid continuation)
-#   count       count 17 18 19                   20 21 22 ... 32                 determined
-#   repeat      repeat cat red pie cat red pie   cat red pie cat red pie ...     determined
-#   count_free  count from 17                    18 19 20 ...  or  16 15 14 ...  BRANCHING
-#   zigzag      step up and down from 17         17 18 17 18 ...  or  19 17 19 17 ...  BRANCHING
+#   task        prompt                               answer (one valid continuation)
+#   count       count 17 18 19                       20 21 22 ... 32                          determined
+#   repeat      repeat cat red pie cat red pie       cat red pie cat red pie ...              determined
+#   count_free  count from 17                        18 19 20 ...  or  16 15 14 ...           BRANCHING
+#   alternate   alternate the with cat red pie fox   the cat the cat ...  or  red the red ...  BRANCHING
 #
 # count and repeat answers carry on from the prompt: "count 17 18 19 20 21 ..." is one count and
 # "repeat cat red pie cat red pie cat red pie ..." one pattern, so every answer token follows the
@@ -387,15 +387,22 @@ def toy_tokenizer() -> Tokenizer:
 #               kept. Trained on ground truth, the prediction j ahead is a 50/50 mixture of
 #               a+j and a-j, so the argmax at each position picks a branch on its own, e.g.
 #               "18 15 20 13": an incoherent mixture.
-#   zigzag      alternate the start a with ONE neighbour b. Half the answers start with a,
-#               then b = a+1 (70%) or a-1: "17 18 17 18", "17 16 17 16"; the other half start
-#               with b, one of a-2, a-1, a+1, a+2 (equally likely): "19 17 19 17", ... Every
-#               position holds a half the time and any other number at most 35%, so the
-#               ground-truth marginal's argmax is a at EVERY position: "17 17 17 17":
-#               far-future collapse onto the most frequent token. Greedy decoding of the
-#               conditionals has clear favourites at both choices (a first: 50% against
-#               12.5%; then a+1: 70% against 30%) and gives "17 18 17 18".
+#   alternate   alternate the glue word "the" with ONE of the prompt's four words. 40% of the
+#               answers start with "the", and then the first word always follows: "the cat
+#               the cat"; the other 60% start with a word, any of the four (15% each), and
+#               "the" follows: "red the red the". "the" is the most frequent item at EVERY
+#               position (40% against 15% at even positions, 60% against 40% at odd ones),
+#               so the ground-truth marginal's argmax is "the the the the": far-future
+#               collapse onto the most frequent token, METHOD.md's own example. Greedy
+#               decoding of the conditionals has a clear favourite at the one real choice
+#               ("the" first: 40% against 15%) and gives "the cat the cat".
 # A teacher decoding one token at a time never mixes branches: after "17 16" it counts down.
+# alternate needs only copies and the identity of one fixed word, and its word tuples are so many
+# that no two prompts repeat: a model cannot memorize it prompt by prompt and must learn the rule,
+# which then holds on held-out tuples. (Two earlier designs taught us this, README: a number
+# version, "step up and down from 17", was learned start by start and broke on held-out starts;
+# a version whose glue was a prompt word, "alternate cat with red pie ...", needed a comparison
+# of the answer's first word with the prompt that the students' mask slots did not learn.)
 #
 # Checkers score an output three ways: `accuracy` (exactly right; for a branching task: a valid
 # answer of the right length), `coherence` (obeys the task's rule, length aside) and
@@ -405,25 +412,25 @@ def toy_tokenizer() -> Tokenizer:
 # Held-out evaluation: the prompt parameters ("key") are split by a fixed rule (start numbers,
 # or a hash of the word tuple); training never samples a held-out key.
 
-TOY_TASKS = ("count", "repeat", "count_free", "zigzag")
-BRANCHING_TASKS = ("count_free", "zigzag")
+TOY_TASKS = ("count", "repeat", "count_free", "alternate")
+BRANCHING_TASKS = ("count_free", "alternate")
 NUM_ITEMS = 12                               # items in every answer but count's
 COUNT_STARTS = range(12, 150)                # start numbers: every count stays within 0..164
 COUNT_SHOWN = (3, 4, 5)                      # count: how many numbers the prompt shows
 COUNT_LENGTH = 16                            # count: numbers in prompt + answer
 DIRECTIONS = {"up": 1, "down": -1}           # count_free: either way, equally likely
 REPEAT_GROUP = 3                             # repeat: words in the repeated group
-ZIGZAG_UP = 0.7                              # zigzag, a first: how often the neighbour is a+1 (else a-1)
-ZIGZAG_FIRST_STEPS = (-2, -1, 1, 2)          # zigzag, neighbour first: b = a + one of these, equally likely
+ALTERNATE_GLUE = "the"                       # alternate: the word every answer alternates with
+ALTERNATE_WORDS = 4                          # alternate: words in the prompt to pick the other one from
+ALTERNATE_GLUE_FIRST = 0.4                   # alternate: how often the glue comes first (else a word)
 DEGENERATE_RUN = 3                           # "the the the": this many equal items in a row
 TOY_CONTENT_WORDS = TOY_WORDS[TOY_WORDS.index("cat"):]   # animals, colours, foods, objects
 
 
 def start_heldout(task: str, start: int) -> bool:
     """One start number in five is held out: 13, 18, 23, ... for count, 15, 20, 25, ... for
-    count_free, 11, 16, 21, ... for zigzag. Every step a held-out prompt needs (13 -> 14 -> ...)
-    is trained elsewhere."""
-    return start % 5 == {"count": 3, "count_free": 0, "zigzag": 1}[task]
+    count_free. Every step a held-out prompt needs (13 -> 14 -> ...) is trained elsewhere."""
+    return start % 5 == {"count": 3, "count_free": 0}[task]
 
 
 def words_heldout(words: tuple) -> bool:
@@ -433,19 +440,21 @@ def words_heldout(words: tuple) -> bool:
 
 def is_heldout(task: str, key: tuple) -> bool:
     """Whether a prompt's parameters belong to the evaluation split."""
-    if task in ("count", "count_free", "zigzag"):
+    if task in ("count", "count_free"):
         return start_heldout(task, key[0])
     return words_heldout(key)
 
 
 def sample_key(task: str, rng: random.Random) -> tuple:
-    """Random prompt parameters: count (start, shown), count_free / zigzag (start,), repeat (the words)."""
+    """Random prompt parameters: count (start, shown), count_free (start,), repeat and alternate (the words)."""
     if task == "count":
         return rng.choice(COUNT_STARTS), rng.choice(COUNT_SHOWN)
-    if task in ("count_free", "zigzag"):
+    if task == "count_free":
         return (rng.choice(COUNT_STARTS),)
     if task == "repeat":
         return tuple(rng.sample(TOY_CONTENT_WORDS, REPEAT_GROUP))
+    if task == "alternate":
+        return tuple(rng.sample(TOY_CONTENT_WORDS, ALTERNATE_WORDS))
     raise ValueError(f"unknown toy task {task!r}; tasks: {', '.join(TOY_TASKS)}")
 
 
@@ -456,8 +465,8 @@ def toy_prompt(task: str, key: tuple) -> str:
         return f"count from {key[0]}"
     if task == "repeat":
         return "repeat " + " ".join(key + key)
-    if task == "zigzag":
-        return f"step up and down from {key[0]}"
+    if task == "alternate":
+        return f"alternate {ALTERNATE_GLUE} with " + " ".join(key)
     raise ValueError(f"unknown toy task {task!r}")
 
 
@@ -474,13 +483,9 @@ def toy_answer(task: str, key: tuple, rng: random.Random) -> list[str]:
         return counting(key[0], rng.choice(list(DIRECTIONS.values())))
     if task == "repeat":
         return [key[i % len(key)] for i in range(NUM_ITEMS)]
-    if task == "zigzag":
-        start = key[0]
-        if rng.random() < 0.5:
-            a, b = start, start + (1 if rng.random() < ZIGZAG_UP else -1)
-        else:
-            a, b = start + rng.choice(ZIGZAG_FIRST_STEPS), start
-        return [str((a, b)[i % 2]) for i in range(NUM_ITEMS)]
+    if task == "alternate":
+        pair = (ALTERNATE_GLUE, key[0]) if rng.random() < ALTERNATE_GLUE_FIRST else (rng.choice(key), ALTERNATE_GLUE)
+        return [pair[i % 2] for i in range(NUM_ITEMS)]
     raise ValueError(f"unknown toy task {task!r}")
 
 
@@ -573,12 +578,11 @@ def follows_rule(task: str, key: tuple, items: list[str]) -> bool:
         return step in DIRECTIONS.values() and all(b - a == step for a, b in zip([last] + nums, nums))
     if task == "repeat":
         return all(item == key[i % len(key)] for i, item in enumerate(items))
-    if task == "zigzag":
-        nums = as_numbers(items)
-        if nums is None:
+    if task == "alternate":                                             # a pair the generator can draw
+        pair = (items[0], items[1])
+        if pair != (ALTERNATE_GLUE, key[0]) and not (pair[0] in key and pair[1] == ALTERNATE_GLUE):
             return False
-        a, b = nums[0], nums[1]
-        return key[0] in (a, b) and abs(a - b) in (1, 2) and all(x == (a, b)[i % 2] for i, x in enumerate(nums))
+        return all(item == pair[i % 2] for i, item in enumerate(items))
     raise ValueError(f"unknown toy task {task!r}")
 
 

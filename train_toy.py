@@ -80,7 +80,7 @@ class RunConfig:
     warmup_steps: int = 20
     weight_decay: float = 0.1
     # phase 3: evaluation
-    n_eval: int = 200                  # held-out prompts per task, at most (count 84, count_free and zigzag 27)
+    n_eval: int = 200                  # held-out prompts per task, at most (count 84, count_free 27)
     static_ks: tuple = (1, 2, 3, 4, 5, 6, 7, 8)
     taus: tuple = (0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
     max_new_tokens: int = 24           # answers are at most 13 items + <|eos|>

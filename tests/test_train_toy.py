@@ -61,30 +61,36 @@ def test_branching_checkers_accept_every_branch_and_reject_mixtures():
     score = data.check_toy("count_free", (17,), mixture)
     assert (score.accuracy, score.coherence) == (False, False)
 
-    for answer in (" 17 18" * 6, " 17 16" * 6, " 18 17" * 6, " 15 17" * 6, " 19 17" * 6):
-        assert data.check_toy("zigzag", (17,), answer).accuracy
-    assert not data.check_toy("zigzag", (17,), " 17 18 17 16 17 18 17 16 17 18 17 16").coherence   # branches mixed
-    assert not data.check_toy("zigzag", (17,), " 18 19 18 19 18 19 18 19 18 19 18 19").coherence   # start missing
-    assert not data.check_toy("zigzag", (17,), " 17 20 17 20 17 20 17 20 17 20 17 20").coherence   # too far
+    key = ("red", "pie", "fox", "cup")                                # "alternate the with red pie fox cup"
+    for answer in (" the red" * 6, " red the" * 6, " pie the" * 6, " fox the" * 6, " cup the" * 6):
+        assert data.check_toy("alternate", key, answer).accuracy
+    assert not data.check_toy("alternate", key, " the red the pie the red the pie the red the pie").coherence  # mixed
+    assert not data.check_toy("alternate", key, " red pie" * 6).coherence                  # "the" missing
+    assert not data.check_toy("alternate", key, " the dog" * 6).coherence                  # not a prompt word
+    assert not data.check_toy("alternate", key, " the pie" * 6).coherence      # after a leading "the": the first word
+    short = data.check_toy("alternate", key, " the red" * 5 + " the")
+    assert short.coherence and not short.accuracy                                   # right rule, wrong length
 
 
-def test_zigzag_marginals_collapse_while_greedy_stays_coherent():
-    """Why naive MTP degenerates on zigzag: the most frequent number at EVERY position is the
-    start, yet decoding the conditionals greedily (start first, then its likeliest neighbour)
-    gives a valid answer."""
+def test_alternate_marginals_collapse_while_greedy_stays_coherent():
+    """Why naive MTP degenerates on alternate: the most frequent word at EVERY position is "the",
+    yet decoding the conditionals greedily ("the" first, then what follows it) gives a valid
+    answer."""
     rng = random.Random(0)
-    answers = [data.toy_answer("zigzag", (50,), rng) for _ in range(4000)]
+    key = ("red", "pie", "fox", "cup")
+    answers = [data.toy_answer("alternate", key, rng) for _ in range(4000)]
     for i in range(data.NUM_ITEMS):
-        assert Counter(a[i] for a in answers).most_common(1)[0][0] == "50", i
+        counts = Counter(a[i] for a in answers).most_common(2)
+        assert counts[0][0] == "the" and counts[0][1] > 1.2 * counts[1][1], (i, counts)
     first = Counter(a[0] for a in answers).most_common(2)
-    second = Counter(a[1] for a in answers if a[0] == "50").most_common(2)
-    assert first[0][0] == "50" and first[0][1] > 3 * first[1][1]         # clear favourites at both choices
-    assert second[0][0] == "51" and second[0][1] > 2 * second[1][1]
-    assert data.check_toy("zigzag", (50,), " 50 51" * 6).accuracy
+    second = Counter(a[1] for a in answers if a[0] == "the")
+    assert first[0][0] == "the" and first[0][1] > 2 * first[1][1]       # a clear favourite at the choice
+    assert second == Counter({"red": second["red"]})                    # then no choice left
+    assert data.check_toy("alternate", key, " the red" * 6).accuracy
 
 
 def test_degeneration_is_a_run_of_one_item():
-    collapsed = data.check_toy("zigzag", (17,), " 17" * 12)            # the most frequent number everywhere
+    collapsed = data.check_toy("alternate", ("red", "pie", "fox", "cup"), " the" * 12)   # "the the the"
     assert collapsed.degenerate and not collapsed.coherence
     assert data.check_toy("count", (5, 2), " 7 8 8 8 9").degenerate
     assert data.check_toy("repeat", ("red", "cup"), " red cup cup cup red").degenerate
@@ -114,10 +120,10 @@ def test_sequences_are_bos_prompt_answer_eos_and_fit():
 def test_every_toy_number_is_one_token():
     tok = data.toy_tokenizer()
     rng = random.Random(0)
-    for task in ("count", "count_free", "zigzag"):
+    for task in ("count", "count_free"):
         for start in data.COUNT_STARTS:
             for key in [(start, shown) for shown in data.COUNT_SHOWN] if task == "count" else [(start,)]:
-                for _ in range(8):                                    # both directions, every zigzag branch
+                for _ in range(8):                                    # both directions
                     items = data.toy_answer(task, key, rng)
                     assert len(tok.encode(" " + " ".join(items))) == len(items), (task, key, items)
                 assert len(tok.encode(data.toy_prompt(task, key))) == len(data.toy_prompt(task, key).split())
@@ -135,12 +141,11 @@ def test_heldout_prompts_are_never_trained_on(task):
     assert [ex.prompt for ex in data.heldout_examples(task, 48)] == [ex.prompt for ex in heldout]   # fixed
 
 
-@pytest.mark.parametrize("task", ["count", "count_free", "zigzag"])
+@pytest.mark.parametrize("task", ["count", "count_free"])
 def test_heldout_counts_only_take_steps_seen_in_training(task):
-    """A held-out start is new as a prompt, but every step of its count (a -> a+1) was trained on
-    (zigzag: every step within its answer; the prompt's start is not a step of the zigzag)."""
+    """A held-out start is new as a prompt, but every step of its count (a -> a+1) was trained on."""
     def steps(ex):
-        shown = [int(x) for x in ex.prompt.split()[1:] if x.isdigit()] if task != "zigzag" else []
+        shown = [int(x) for x in ex.prompt.split()[1:] if x.isdigit()]
         nums = shown + [int(x) for x in ex.answer.split()]
         return set(zip(nums, nums[1:]))
     rng = random.Random(2)
@@ -176,7 +181,7 @@ def test_data_fingerprint_sees_a_changed_task(monkeypatch):
     batches = train_toy.toy_batches(train_toy.RunConfig(), tok)
     before = train_toy.data_fingerprint(tok, batches, 0)
     assert train_toy.data_fingerprint(tok, batches, 0) == before
-    monkeypatch.setattr(data, "ZIGZAG_UP", 0.8)
+    monkeypatch.setattr(data, "ALTERNATE_GLUE_FIRST", 0.3)
     assert train_toy.data_fingerprint(tok, batches, 0) != before
 
 
