@@ -126,7 +126,8 @@ def mtp_loss(student, teacher, batch: MTPBatch, mode: str = "hard",
         else:
             q = t_logits.softmax(-1)                                        # (B, M, k, V)
             targets = t_logits.argmax(-1)                                   # for the agreement stats
-        per_pred = cross_entropy(q, s_logits) - cross_entropy(q, t_logits)  # (B, M, k)
+        student_ce = cross_entropy(q, s_logits)                             # (B, M, k)
+        per_pred = student_ce - cross_entropy(q, t_logits)                  # (B, M, k)
 
     mtp = masked_mean(per_pred, valid)
     loss = mtp
@@ -138,7 +139,7 @@ def mtp_loss(student, teacher, batch: MTPBatch, mode: str = "hard",
         "gt_acc": per_position_mean(proposals == batch.targets, valid),
     }
     if mode != "gt":
-        stats["ce"] = float(masked_mean(cross_entropy(q, s_logits).detach(), valid))
+        stats["ce"] = float(masked_mean(student_ce.detach(), valid))
     if want_ntp:
         ntp_logits = logits[:, M * k:]                                      # (B, N-1, V)
         ntp = masked_mean(cross_entropy(batch.ntp_targets, ntp_logits), batch.ntp_valid)

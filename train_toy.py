@@ -68,11 +68,11 @@ class RunConfig:
     seq_len: int = 21                  # every toy sequence fits (the longest, repeat, is 21 tokens)
     # phase 1: teacher (next-token prediction)
     batch_size: int = 32
-    teacher_steps: int = 2500
+    teacher_steps: int = 3000
     teacher_lr: float = 4e-3
     # phase 2: students (multi-token prediction), the same budget for both
     mtp_batch_size: int = 16
-    mtp_steps: int = 900
+    mtp_steps: int = 700
     mtp_lr: float = 2e-3
     k_max: int = 8
     n_regions: int = 21                # = seq_len: every token ends a region (paper: N / (2 k_max), 1 here)
