@@ -72,7 +72,7 @@ class RunConfig:
     teacher_lr: float = 4e-3
     # phase 2: students (multi-token prediction), the same budget for both
     mtp_batch_size: int = 16
-    mtp_steps: int = 700               # an MTP step costs about 3x a teacher step
+    mtp_steps: int = 700               # an MTP step costs 3-4x a teacher step
     mtp_lr: float = 2e-3
     k_max: int = 8
     n_regions: int = 21                # = seq_len: every token ends a region (paper: N / (2 k_max), 1 here)
