@@ -897,7 +897,7 @@ def evaluate(args) -> list[dict]:
 #                           its last token, which is what the mask position has to predict.
 # Simulating ConfAdapt's accept rule on these gives two estimates of the effective k. Both assume
 # a student that has learned everything the teacher knows, so read them as ceilings (on the
-# word-problem miniature: 10.9 by both estimates at tau = 0.9, 6.7 reached after 1,000 steps).
+# word-problem miniature: 10.9-11.2 by both estimates at tau = 0.9, 6.7 reached after 1,000 steps).
 
 def simulated_passes(conf: list[float], tau: float, k_max: int, joint: bool) -> int:
     """Forward passes ConfAdapt(tau, k_max) would need for this answer under one estimate: the
