@@ -128,6 +128,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         from gguf import GGUFReader
+        import accelerate  # noqa: F401  (transformers' GGUF loader needs it)
         import transformers  # noqa: F401
     except ImportError as e:
         fail(f"{e.name} is not installed: pip install -r requirements-get.txt")
