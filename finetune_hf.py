@@ -484,7 +484,7 @@ def check_train_args(args):
     if args.warmup > args.steps // 2:
         reached = min(1.0, args.steps / max(1, args.warmup))
         print(f"warning: --warmup {args.warmup} is over half of --steps {args.steps}: the learning rate "
-              f"{'only reaches ' + format(reached, '.0%') + ' of' if reached < 1 else 'reaches'} --lr "
+              f"{f'only reaches {100 * reached:.2g}% of' if reached < 1 else 'reaches'} --lr "
               f"{args.lr:g}{'' if reached < 1 else ' only at step ' + str(args.warmup)}", flush=True)
 
 
