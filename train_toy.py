@@ -227,7 +227,10 @@ def load_checkpoint(path: str, key: dict, device):
     other settings is an error: it belongs to another run (check_run_folder)."""
     if not os.path.exists(path):
         return None
-    ckpt = read_checkpoint(path, "toy checkpoint")
+    try:
+        ckpt = read_checkpoint(path, "toy checkpoint")
+    except ValueError as e:
+        raise CliError(f"{e}; --restart trains every phase again") from None
     if ckpt["key"] != key:
         raise CliError(f"{path} was trained with other settings ({key_changes(ckpt['key'], key)}): "
                        f"choose another --out, or add --restart to train again")
@@ -436,9 +439,9 @@ def plot_training(logs: dict, path: str):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    titles = {"teacher": "teacher: next-token cross-entropy",
-              "naive": "naive: cross-entropy against the true next k",
-              "distill": "distill: excess cross-entropy over the teacher's"}     # 0 at the start
+    titles = {"teacher": "teacher: next-token cross-entropy",          # the students' add prefix_ntp_weight x that
+              "naive": "naive: cross-entropy to the true next k (+ NTP)",
+              "distill": "distill: cross-entropy over the teacher's (+ NTP)"}
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     for ax, (name, title) in zip(axes, titles.items()):
         log = logs[name]
@@ -447,7 +450,7 @@ def plot_training(logs: dict, path: str):
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
-        if name != "distill":                  # distill's loss is relative to the teacher: it can go below 0
+        if name != "distill":                  # distill's MTP term is relative to the teacher: it can go below 0
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
     fig.tight_layout()
