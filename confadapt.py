@@ -670,7 +670,7 @@ def output_folder(path, flag: str) -> str:
 class Progress:
     """When to print a progress line: at most one every `seconds`, the first and the last always,
     so a long run prints a readable page instead of one line per step."""
-    def __init__(self, seconds: float = 5.0):
+    def __init__(self, seconds: float = 10.0):
         self.seconds, self.last = seconds, None
 
     def due(self, last: bool = False) -> bool:
