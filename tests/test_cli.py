@@ -153,6 +153,7 @@ def finetune_cases(r, broken, bad):
         ("--seq-len", "1"), ("--seq-len", "63"), ("--k-max", "1"), ("--k-max", "40"), ("--regions", "33"),
         ("--micro-batch", "3"), ("--warmup", "-1"), ("--weight-decay", "-0.1"), ("--beta1", "1"), ("--beta2", "-0.5"),
         ("--limit-rows", "-1"), ("--seed", "-1"), ("--mode", "best"), ("--format", "chat"), ("--device", "gpu"),
+        ("--threads", "0"), ("--threads", "x"), ("--dtype", "float16"), ("--prefix-ntp-weight", "-1"),
         ("--device", "cuda" if not torch.cuda.is_available() else "cuda:99")]]
     cases += [[*train, "--resume", "--overwrite"], [*train, "--unknown"], ["train", "--model", "base"]]
     paths = {"--model": ["missing", "a_file", *broken.values()], "--data": ["missing.json", "wp", *bad.values()],
@@ -171,7 +172,8 @@ def finetune_cases(r, broken, bad):
                                               ("--limit", "-1"), ("--n-shot", "9"), ("--n-shot", "-1"),
                                               ("--prompt-style", "fewest"), ("--out", "a_file"),
                                               ("--data", "missing.jsonl"), ("--data", "wp/train.json"),
-                                              ("--model", "missing")]]
+                                              ("--model", "missing"), ("--reference", "missing"),
+                                              ("--reference", "a_file")]]
     cases += [[*ev, "--static-k", "--taus"]]                               # nothing to evaluate
     an = ["analyze", "--model", "base", "--data", "wp/test.jsonl"]
     cases += [[*an, flag, v] for flag in ("--max-new-tokens", "--batch-size") for v in NUMBERS]
@@ -179,6 +181,11 @@ def finetune_cases(r, broken, bad):
                                               ("--k-max", "1"), ("--limit", "-1"), ("--out", "a_file"),
                                               ("--data", "missing.jsonl"), ("--data", bad["wrong_rows"]),
                                               ("--data", bad["latin1"]), ("--model", broken["mistral"])]]
+    cases += [[*an, "--domains", "lists"], ["analyze", "--model", "base", "--domains", "poetry"], an[:3]]
+    rows = ["data", "--model", "base", "--out", "rows.jsonl", "--domains", "lists"]
+    cases += [[*rows, flag, v] for flag in ("--per-domain", "--max-new-tokens", "--batch-size") for v in NUMBERS]
+    cases += [[*rows, "--domains", "poetry"], [*rows, "--split", "dev"], [*rows, "--out", "wp"],
+              [*rows, "--out", "a_file/rows.jsonl"], [*rows, "--model", "missing"], [*rows, "--device", "gpu"]]
     cases += [["export", "--checkpoint", c, "--out", "exp"] for c in ("missing", "a_file", "wp", "truncated")]
     cases += [["export", "--checkpoint", "ft", "--out", "a_file"], ["export", "--checkpoint", "ft"], ["serve"], []]
     return [("finetune_hf", c) for c in cases]
@@ -231,9 +238,10 @@ def test_error_lines_name_what_is_wrong(at_root, capsys):
          "config.json: expected a JSON object"),
         ("finetune_hf", ["train", "--model", broken["no_heads"], "--data", "x", "--out", "o"],
          "config.json: missing field 'num_attention_heads'"),
-        ("finetune_hf", ["train", "--model", broken["bad_tokenizer"], "--data", "wp/train.json", "--out", "o"],
+        ("finetune_hf", ["train", "--model", broken["bad_tokenizer"], "--data", "wp/train.json", "--out", "o", *TRAIN],
          "tokenizer.json"),
-        ("finetune_hf", ["train", "--model", "base", "--data", bad["latin1"], "--out", "o"], "latin1: not UTF-8"),
+        ("finetune_hf", ["train", "--model", "base", "--data", bad["latin1"], "--out", "o", *TRAIN],
+         "latin1: not UTF-8"),
         ("finetune_hf", ["train", "--model", "base", "--data", "wp/train.json", "--out", "ft"],
          "add --resume to continue it, or --overwrite"),
         ("finetune_hf", ["train", "--model", "base", "--data", "wp/train.json", "--out", "o", "--steps", "0"],
@@ -242,7 +250,7 @@ def test_error_lines_name_what_is_wrong(at_root, capsys):
         ("finetune_hf", ["analyze", "--model", "base", "--data", "x", "--taus", "0"], "--taus: must be in (0, 1]"),
     ]
     if not torch.cuda.is_available():
-        expected.append(("finetune_hf", ["eval", "--model", "base", "--data", "x", "--device", "cuda"],
+        expected.append(("finetune_hf", ["eval", "--model", "base", "--data", "wp/test.jsonl", "--device", "cuda"],
                          "CUDA is not available on this machine"))
     for script, argv, message in expected:
         assert MAINS[script](argv) == 2
