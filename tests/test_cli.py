@@ -187,7 +187,8 @@ def finetune_cases(r, broken, bad):
     cases += [[*rows, "--domains", "poetry"], [*rows, "--split", "dev"], [*rows, "--out", "wp"],
               [*rows, "--out", "a_file/rows.jsonl"], [*rows, "--model", "missing"], [*rows, "--device", "gpu"]]
     cases += [["export", "--checkpoint", c, "--out", "exp"] for c in ("missing", "a_file", "wp", "truncated")]
-    cases += [["export", "--checkpoint", "ft", "--out", "a_file"], ["export", "--checkpoint", "ft"], ["serve"], []]
+    cases += [["export", "--checkpoint", "ft", "--out", "a_file"], ["export", "--checkpoint", "ft"], ["serve"], [],
+              ["export", "--checkpoint", "ft", "--out", "exp", "--threads", "0"]]
     return [("finetune_hf", c) for c in cases]
 
 
