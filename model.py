@@ -622,7 +622,7 @@ def read_json(path, what="file") -> dict:
 def read_model_config(path) -> ModelConfig:
     """The ModelConfig of a Hugging Face folder; a missing or mistyped field names config.json."""
     file = os.path.join(path, "config.json")
-    hf = read_json(file, "model config (config.json)")
+    hf = read_json(file, "model config")
     try:
         return config_from_hf(hf)
     except (KeyError, TypeError, ValueError) as e:
