@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -414,15 +415,22 @@ def save_chunks_png(path: str, prompt_text: str, texts: list[str], sizes: list[i
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cells, row, col = [], 0, 0                     # (row, col, char, chunk index or -1 for prompt)
-    for chunk, text in [(-1, prompt_text)] + list(enumerate(texts)):
-        for ch in text.replace("\t", "    "):
-            if ch == "\n" or col >= width:
-                row, col = row + 1, 0
-                if ch == "\n":
-                    continue
-            cells.append((row, col, ch, chunk))
-            col += 1
+    chars = [(ch, chunk) for chunk, text in [(-1, prompt_text)] + list(enumerate(texts))
+             for ch in text.replace("\t", "    ")]
+    cells, row, col, wrapped = [], 0, 0, False    # cells: (row, col, char, chunk index or -1 for prompt)
+    for i, (ch, chunk) in enumerate(chars):
+        if ch not in " \n" and col > 0 and chars[i - 1][0] == " ":               # a word starts here
+            word = next((j for j in range(i, len(chars)) if chars[j][0] in " \n"), len(chars)) - i
+            if col + min(word, width) > width:     # wrap before it (a word longer than a line is cut)
+                row, col, wrapped = row + 1, 0, True
+        if ch == "\n" or col >= width:
+            row, col, wrapped = row + 1, 0, ch != "\n"
+            if ch == "\n":
+                continue
+        if ch == " " and col == 0 and wrapped:     # a wrapped line starts with its word, not a space
+            continue
+        cells.append((row, col, ch, chunk))
+        col += 1
     n_rows = row + 1
     n_cols = max((c for _, c, _, _ in cells), default=0) + 1
     fig, ax = plt.subplots(figsize=(n_cols * 0.11 + 0.4, n_rows * 0.26 + 0.6))
@@ -565,35 +573,162 @@ def format_bench(report: dict) -> str:
 # Command line
 # ----------------------------------------------------------------------------------------------
 
+# The three command lines (this file's, train_toy.py's and finetune_hf.py's) share what follows:
+# argparse types that range-check a number where it is parsed, checks of the paths and the device
+# before any work starts, and one error path: a mistake a user can make ends in one line
+# `error: ...` on stderr and exit status 2, never a traceback; Ctrl-C in one line saying what is
+# saved and how to continue (exit status 130).
+
 class CliError(Exception):
     pass
 
 
+class Help(argparse.HelpFormatter):
+    """--help shows a flag's default where it has a real one, never "(default: None)"."""
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or action.default == argparse.SUPPRESS \
+                or "default" in (action.help or ""):
+            return action.help
+        default = " ".join(map(str, action.default)) if isinstance(action.default, list) else action.default
+        return f"{action.help or ''} (default: {default})".strip().replace("%", "%%")
+
+
 class Parser(argparse.ArgumentParser):
-    def error(self, message):             # one line, no usage dump; main() prints it and exits 2
+    def __init__(self, *args, formatter_class=Help, **kwargs):
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
+
+    def error(self, message):             # one line, no usage dump; run_cli prints it and exits 2
         raise CliError(message)
+
+
+def number(kind, low=None, high=None, low_open=False, name=None):
+    """An argparse type: `kind` (int or float) within [low, high] ((low, high] if low_open)."""
+    def parse(text):
+        try:
+            x = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'a whole number' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        if (low is not None and (x <= low if low_open else x < low)) or (high is not None and x > high) or x != x:
+            where = (f"in ({low:g}, {high:g}]" if low_open else f"in [{low:g}, {high:g}]") if high is not None \
+                else f"{'above' if low_open else 'at least'} {low:g}"
+            raise argparse.ArgumentTypeError(f"must be {where}, got {text}")
+        return x
+    parse.__name__ = name or kind.__name__
+    return parse
+
+
+positive_int = number(int, 1)                          # sizes, steps, counts
+count = number(int, 0)                                 # 0 allowed (usually: "all" or "off")
+positive_float = number(float, 0, low_open=True)       # learning rates, clipping norms, seconds
+probability = number(float, 0, 1, low_open=True)       # thresholds tau
+
+
+def device_from(name: str) -> torch.device:
+    """`auto` (cuda if available, else cpu), `cpu`, `cuda`, `cuda:N`, `mps`, checked against this machine."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise CliError(f"--device {name}: not a device (expected auto, cpu, cuda or cuda:N)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CliError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise CliError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise CliError(f"--device {name}: MPS is not available on this machine")
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise CliError(f"--device {name}: not supported here (use cpu or cuda)")
+    return device
+
+
+def input_path(path, flag: str, folder: bool = False) -> str:
+    """A path the command reads: it must exist, and be a folder (folder=True) or a file."""
+    if not os.path.exists(path):
+        raise CliError(f"{flag} {path}: no such {'folder' if folder else 'file'}")
+    if folder != os.path.isdir(path):
+        raise CliError(f"{flag} {path}: is {'a file' if folder else 'a folder'}, expected a {'folder' if folder else 'file'}")
+    return path
+
+
+def output_folder(path, flag: str) -> str:
+    """A folder the command writes: it may not exist yet, but it must not be a file, and the
+    nearest folder that exists on the way to it must be writable (checked before any work)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CliError(f"{flag} {path}: is a file, expected a folder")
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise CliError(f"{flag} {path}: {parent} is a file, so no folder can be made there")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CliError(f"{flag} {path}: {parent} is not writable")
+    return path
+
+
+class Progress:
+    """When to print a progress line: at most one every `seconds`, the first and the last always,
+    so a long run prints a readable page instead of one line per step."""
+    def __init__(self, seconds: float = 10.0):
+        self.seconds, self.last = seconds, None
+
+    def due(self, last: bool = False) -> bool:
+        now = time.perf_counter()
+        if last or self.last is None or now - self.last >= self.seconds:
+            self.last = now
+            return True
+        return False
+
+
+def run_cli(body, argv) -> int:
+    """Call body(argv) and turn what a user can cause into one line on stderr: bad flags and
+    files (exit 2), Ctrl-C (exit 130, its message saying what is saved and how to continue)."""
+    try:
+        body(argv)
+        return 0
+    except (CliError, ValueError, OSError) as e:        # OSError: files (FileNotFoundError too)
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as e:
+        print(f"interrupted{': ' + str(e) if e.args else ''}", file=sys.stderr)
+        return 130
 
 
 def add_model_args(p):
     g = p.add_argument_group("model")
     g.add_argument("--model", required=True,
                    help="Hugging Face layout folder (config.json, safetensors, tokenizer.json)")
-    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... or auto")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights")
     g.add_argument("--no-bos", action="store_true", help="do not prepend the model's BOS token to the prompt")
-    g.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for torch (small models on a busy machine: 1 is fastest and steadiest)")
+    g.add_argument("--threads", type=positive_int, default=None,
+                   help="CPU threads for torch (default: torch's choice; small models on a busy machine: 1 is "
+                        "fastest and steadiest)")
+
+
+def load_tokenizer(path):
+    """data.Tokenizer.from_pretrained, with a malformed tokenizer file named in the error."""
+    from data import Tokenizer
+
+    try:
+        return Tokenizer.from_pretrained(path)
+    except (KeyError, TypeError, AttributeError, ValueError) as e:   # JSON syntax, UTF-8, a missing field
+        if isinstance(e, ValueError) and str(path) in str(e):
+            raise
+        raise ValueError(f"cannot read the tokenizer in {path} (tokenizer.json): {type(e).__name__}: {e}") from None
 
 
 def load(args):
     """Model, tokenizer, mask id and stop ids from a model folder; errors as ValueError."""
-    from data import Tokenizer
     from model import Transformer
 
+    device = device_from(args.device)
+    input_path(args.model, "--model", folder=True)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = Transformer.from_pretrained(args.model, device=args.device, dtype=getattr(torch, args.dtype))
-    tokenizer = Tokenizer.from_pretrained(args.model)
+    model = Transformer.from_pretrained(args.model, device=device, dtype=getattr(torch, args.dtype))
+    tokenizer = load_tokenizer(args.model)
     cfg = model.config
     mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else tokenizer.mask_id
     if mask_id is not None and not 0 <= mask_id < cfg.vocab_size:
@@ -618,19 +753,22 @@ def generate_main(argv) -> int:
     p = Parser(prog="confadapt.py", description="Multi-token decoding of an MTP model with a KV cache.")
     add_model_args(p)
     d = p.add_argument_group("decoding (default: ConfAdapt tau=0.9, k_max=16)")
-    d.add_argument("--prompt", required=True)
-    d.add_argument("--max-new-tokens", type=int, default=128)
-    d.add_argument("--tau", type=float, default=None, help="ConfAdapt confidence threshold in (0, 1] (default 0.9)")
-    d.add_argument("--k-max", type=int, default=None, help="ConfAdapt / lossless: most tokens per pass (default 16)")
+    d.add_argument("--prompt", required=True, help="the text to continue")
+    d.add_argument("--max-new-tokens", type=positive_int, default=128, help="most tokens to generate")
+    d.add_argument("--tau", type=probability, default=None, help="ConfAdapt confidence threshold in (0, 1] (default 0.9)")
+    d.add_argument("--k-max", type=positive_int, default=None,
+                   help="ConfAdapt / lossless: most tokens per pass (default 16)")
     one = d.add_mutually_exclusive_group()
-    one.add_argument("--static-k", type=int, default=None, help="static k: keep all k predictions of every pass")
+    one.add_argument("--static-k", type=positive_int, default=None, help="static k: keep all k predictions of every pass")
     one.add_argument("--lossless", action="store_true", help="verify mask drafts: output == plain greedy")
     one.add_argument("--greedy", action="store_true", help="plain greedy, one token per pass")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     o.add_argument("--png", default=None, help="also draw the chunks into this PNG file")
-    o.add_argument("--color", default="auto", choices=["auto", "always", "never"])
+    o.add_argument("--color", default="auto", choices=["auto", "always", "never"], help="colour the chunks")
     args = p.parse_args(argv)
+    if args.png:
+        output_folder(os.path.dirname(args.png) or ".", f"--png {args.png}: its folder")
 
     if args.static_k is not None or args.greedy or args.lossless:
         if args.tau is not None:
@@ -680,20 +818,23 @@ def bench_main(argv) -> int:
     b = p.add_argument_group("benchmark")
     b.add_argument("--prompt", action="append", required=True,
                    help="a prompt (repeat for several; batches cycle through them)")
-    b.add_argument("--max-new-tokens", type=int, default=128)
-    b.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
-    b.add_argument("--static-k", type=int, default=4)
-    b.add_argument("--taus", type=float, nargs="+", default=[0.5, 0.7, 0.8, 0.9, 0.95, 0.99])
-    b.add_argument("--k-max", type=int, nargs="+", default=[16],
+    b.add_argument("--max-new-tokens", type=positive_int, default=128, help="most tokens per prompt")
+    b.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 4, 16], help="batch sizes to time")
+    b.add_argument("--static-k", type=positive_int, default=4, help="static k to time")
+    b.add_argument("--taus", type=probability, nargs="+", default=[0.5, 0.7, 0.8, 0.9, 0.95, 0.99],
+                   help="ConfAdapt thresholds")
+    b.add_argument("--k-max", type=positive_int, nargs="+", default=[16],
                    help="ConfAdapt: most tokens per pass (several: a sweep)")
-    b.add_argument("--lossless-k", type=int, default=None,
+    b.add_argument("--lossless-k", type=positive_int, default=None,
                    help="lossless: most tokens per pass (default: the largest --k-max)")
-    b.add_argument("--rows", type=int, default=None,
+    b.add_argument("--rows", type=positive_int, default=None,
                    help="rows in the workload, the prompts cycled (default: the number of prompts or the largest batch)")
-    b.add_argument("--repeats", type=int, default=3, help="rounds over all modes; each mode keeps its fastest")
-    b.add_argument("--latency-max", type=int, default=32, help="latency curve for 1..N new tokens per pass")
+    b.add_argument("--repeats", type=positive_int, default=3,
+                   help="rounds over all modes; each mode keeps its fastest")
+    b.add_argument("--latency-max", type=positive_int, default=32,
+                   help="latency curve for 1..N new tokens per pass")
     b.add_argument("--ignore-stop", action="store_true", help="always generate --max-new-tokens tokens")
-    b.add_argument("--json", action="store_true")
+    b.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     args = p.parse_args(argv)
 
     modes = [DecodeConfig("greedy"), DecodeConfig("static", k=args.static_k)]
@@ -701,8 +842,6 @@ def bench_main(argv) -> int:
     modes += [DecodeConfig("lossless", k=args.lossless_k or max(args.k_max))]
     for m in modes:
         m.validate()
-    if min(args.batch_sizes) < 1 or args.repeats < 1 or args.latency_max < 1 or (args.rows or 1) < 1:
-        raise CliError("batch sizes, --rows, --repeats and --latency-max must be at least 1")
     model, tokenizer, mask_id, stop_ids = load(args)
     require_mask(modes[1], mask_id, args.model)
     prompts = [encode_prompt(tokenizer, model, t, args.no_bos) for t in args.prompt]
@@ -716,13 +855,7 @@ def bench_main(argv) -> int:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    try:
-        if argv[:1] == ["bench"]:
-            return bench_main(argv[1:])
-        return generate_main(argv)
-    except (CliError, ValueError, FileNotFoundError) as e:
-        print(f"confadapt.py: error: {e}", file=sys.stderr)
-        return 2
+    return run_cli(lambda a: bench_main(a[1:]) if a[:1] == ["bench"] else generate_main(a), argv)
 
 
 if __name__ == "__main__":

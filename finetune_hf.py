@@ -42,11 +42,14 @@ from pathlib import Path
 
 import torch
 
-from confadapt import DecodeConfig, accept_confadapt, generate
+from confadapt import (CliError, DecodeConfig, Parser, Progress, accept_confadapt, count, device_from, generate,
+                       input_path, load_tokenizer, number, output_folder, positive_float, positive_int, probability,
+                       run_cli)
 from data import (DOMAINS, FORMATS, Tokenizer, default_n_regions, domain_prompts, end_token, mtp_layout, padding_token,
                   prompt_tokens, response_tokens, sample_k_and_offset, start_tokens, training_sequences)
 from distill import MODES, frozen_teacher, mtp_loss
-from model import ModelConfig, Transformer, add_mask_token, atomic_save, rope_inv_freq, write_json
+from model import (ModelConfig, Transformer, add_mask_token, atomic_save, read_checkpoint, read_model_config,
+                   rope_inv_freq, write_json)
 
 # ==============================================================================================
 # Data: rows, prompt formats, training sequences
@@ -64,8 +67,11 @@ def read_records(path) -> list[dict]:
     """A JSON array or a JSON-lines file -> its rows (dicts)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no data file at {path}")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
     if text.lstrip().startswith("["):
         try:
             rows = json.loads(text)
@@ -180,7 +186,7 @@ class Dist:
 
 def setup_processes(device: str, dtype: str = "auto") -> Dist:
     """Join the torchrun process group if there is one (nccl on GPU, gloo on CPU)."""
-    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    use_cuda = device_from(device).type == "cuda"
     compute = compute_dtype("cuda" if use_cuda else "cpu", dtype)
     if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) == 1:
         return Dist(device=torch.device("cuda" if use_cuda else "cpu"), dtype=compute)
@@ -254,7 +260,7 @@ def broadcast(obj, d: Dist):
 
 def load_student_and_teacher(args, d: Dist, with_teacher: bool = True):
     """(student, teacher or None, tokenizer, mask id) on d.device, sharded when d.sharded."""
-    tok = Tokenizer.from_pretrained(args.model)
+    tok = load_tokenizer(args.model)
     full = None
     if d.main:
         full = Transformer.from_pretrained(args.model, dtype=torch.float32)
@@ -382,6 +388,14 @@ def make_optimizer(model, args):
 
 RESUME_MUST_MATCH = ("model", "data", "format", "seq_len", "mode", "prefix_ntp_weight", "k_max", "regions",
                      "batch_size", "lr", "warmup", "weight_decay", "beta1", "beta2", "seed")
+PATH_SETTINGS = ("model", "data")             # compared as the files they name, not as spelled
+
+
+def same_setting(name: str, saved, now) -> bool:
+    if name in PATH_SETTINGS and saved is not None and now is not None:
+        paths = lambda x: [os.path.realpath(p) for p in ([x] if isinstance(x, str) else x)]   # noqa: E731
+        return paths(saved) == paths(now)
+    return saved == now
 
 
 def checkpoint_dir(out) -> Path:
@@ -431,17 +445,21 @@ def load_checkpoint(path: Path, student, optimizer, scheduler, args) -> int:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    trainer = torch.load(path / "trainer.pt", weights_only=True)
+    trainer = read_checkpoint(path / "trainer.pt", "training checkpoint", weights_only=True)
     saved = trainer["args"]
     changed = [f"--{k.replace('_', '-')} {saved.get(k)} -> {getattr(args, k)}" for k in RESUME_MUST_MATCH
-               if saved.get(k) != getattr(args, k)]
+               if not same_setting(k, saved.get(k), getattr(args, k))]
     if changed:
         raise ValueError(f"cannot resume from {path}: settings differ from the interrupted run ({'; '.join(changed)})")
     model_state, optim_state = get_state_dict(student, optimizer)
     state = {"model": model_state, "optim": optim_state}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(path))
+        try:
+            dcp.load(state, checkpoint_id=str(path))
+        except Exception as e:                        # dcp wraps the reader's error in its own exception type
+            raise ValueError(f"cannot read the checkpoint {path}: truncated or corrupt ({type(e).__name__}); "
+                             f"resume from an earlier one by pointing {path.parent}/latest at it") from None
     set_state_dict(student, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     scheduler.load_state_dict(trainer["scheduler"])
     torch.set_rng_state(trainer["rng_cpu"])
@@ -463,8 +481,35 @@ def format_seconds(s: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
+def check_train_args(args):
+    """What `train` checks before loading anything (check_paths has seen the files): the sizes, the
+    state of --out."""
+    cfg = read_model_config(args.model)
+    used = [p for p in (checkpoint_dir(args.out), Path(args.out) / "log.jsonl", Path(args.out) / "final") if p.exists()]
+    if args.resume and args.overwrite:
+        raise CliError("--resume continues the run in --out, --overwrite replaces it: give one of them")
+    if used and not (args.resume or args.overwrite):
+        raise CliError(f"--out {args.out} already holds a training run ({used[0].name}): add --resume to continue "
+                       f"it, or --overwrite to replace it")
+    if args.seq_len + args.k_max - 2 >= cfg.max_seq_len:
+        raise CliError(f"--seq-len {args.seq_len} with --k-max {args.k_max} needs positions up to "
+                       f"{args.seq_len + args.k_max - 2}; the model supports {cfg.max_seq_len}")
+    if args.regions is not None and args.regions > args.seq_len:
+        raise CliError(f"--regions {args.regions}: at most --seq-len ({args.seq_len}) regions fit in a sequence")
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if args.batch_size % (world * args.micro_batch):
+        raise CliError(f"--batch-size {args.batch_size} must be a multiple of --micro-batch {args.micro_batch} "
+                       f"x {world} processes")
+    if args.warmup > args.steps // 2:
+        reached = min(1.0, args.steps / max(1, args.warmup))
+        print(f"warning: --warmup {args.warmup} is over half of --steps {args.steps}: the learning rate "
+              f"{f'only reaches {100 * reached:.2g}% of' if reached < 1 else 'reaches'} --lr "
+              f"{args.lr:g}{'' if reached < 1 else ' only at step ' + str(args.warmup)}", flush=True)
+
+
 def train(args, on_step=None) -> Path:
     """The whole run; returns the exported model folder. `on_step(step, stats)` is a test hook."""
+    check_train_args(args)
     d = setup_processes(args.device, args.dtype)
     student, teacher, tok, mask_id = load_student_and_teacher(
         args, d, with_teacher=args.mode in ("hard", "soft"))
@@ -474,13 +519,7 @@ def train(args, on_step=None) -> Path:
     if args.regions is None:
         args.regions = default_n_regions(args.seq_len, args.k_max)
     region_len = args.seq_len // args.regions
-    if args.seq_len + args.k_max - 2 >= student.config.max_seq_len:
-        raise ValueError(f"--seq-len {args.seq_len} with --k-max {args.k_max} needs positions up to "
-                         f"{args.seq_len + args.k_max - 2}; the model supports {student.config.max_seq_len}")
     per_process = args.batch_size // d.world
-    if args.batch_size % (d.world * args.micro_batch):
-        raise ValueError(f"--batch-size {args.batch_size} must be a multiple of --micro-batch {args.micro_batch} "
-                         f"x {d.world} processes")
     pairs = [pair for path in args.data for pair in read_pairs(path)][: args.limit_rows or None]
     seqs = training_sequences(pairs, tok, fmt, args.seq_len)
     if args.activation_checkpointing:
@@ -488,6 +527,10 @@ def train(args, on_step=None) -> Path:
     optimizer, scheduler = make_optimizer(student, args)
 
     start = 0
+    if args.overwrite and d.main:                     # checked before: --overwrite was asked for
+        for old in (checkpoint_dir(args.out), Path(args.out) / "final"):
+            shutil.rmtree(old, ignore_errors=True)
+        (Path(args.out) / "log.jsonl").unlink(missing_ok=True)
     if args.resume and (ckpt := latest_checkpoint(args.out)) is not None:
         start = load_checkpoint(ckpt, student, optimizer, scheduler, args)
         log(d, f"resumed from {ckpt} at step {start}")
@@ -502,23 +545,31 @@ def train(args, on_step=None) -> Path:
            f"{per_process // args.micro_batch} micro-batch(es) of {args.micro_batch} per process and step, "
            f"{student.config.n_layers} layers, mask id {mask_id}")
 
-    t0, done_tokens = time.perf_counter(), 0
-    for step in range(start, args.steps):
-        k, offset = step_k_and_offset(step, args.seed, args.k_max, region_len)
-        rows = rows_of_step(step, args.batch_size, len(seqs), args.seed)
-        stats = train_step(student, teacher, optimizer, scheduler, micro_batches(seqs, rows, d, args.micro_batch),
-                           k, offset, args, d, mask_id, pad)
-        done_tokens += args.batch_size * args.seq_len
-        elapsed = time.perf_counter() - t0
-        if d.main and ((step + 1) % args.log_every == 0 or step + 1 == args.steps):
-            eta = elapsed / (step + 1 - start) * (args.steps - step - 1)
-            log(d, format_progress(step + 1, args.steps, stats, scheduler.get_last_lr()[0], done_tokens / elapsed, eta))
-            with open(Path(args.out) / "log.jsonl", "a") as f:
-                f.write(json.dumps({"step": step + 1, **stats, "lr": scheduler.get_last_lr()[0]}) + "\n")
-        if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
-            save_checkpoint(student, optimizer, scheduler, step + 1, args, d)
-        if on_step is not None:
-            on_step(step + 1, stats)
+    t0, done_tokens, progress = time.perf_counter(), 0, Progress()
+    try:
+        for step in range(start, args.steps):
+            k, offset = step_k_and_offset(step, args.seed, args.k_max, region_len)
+            rows = rows_of_step(step, args.batch_size, len(seqs), args.seed)
+            stats = train_step(student, teacher, optimizer, scheduler, micro_batches(seqs, rows, d, args.micro_batch),
+                               k, offset, args, d, mask_id, pad)
+            done_tokens += args.batch_size * args.seq_len
+            elapsed = time.perf_counter() - t0
+            last = step + 1 == args.steps
+            if d.main and ((step + 1) % args.log_every == 0 or last):
+                with open(Path(args.out) / "log.jsonl", "a") as f:
+                    f.write(json.dumps({"step": step + 1, **stats, "lr": scheduler.get_last_lr()[0]}) + "\n")
+            if d.main and progress.due(last):
+                eta = elapsed / (step + 1 - start) * (args.steps - step - 1)
+                log(d, format_progress(step + 1, args.steps, stats, scheduler.get_last_lr()[0], done_tokens / elapsed, eta))
+            if (step + 1) % args.save_every == 0 or last:
+                save_checkpoint(student, optimizer, scheduler, step + 1, args, d)
+                log(d, f"saved checkpoint {checkpoint_dir(args.out) / f'step_{step + 1:06d}'}")
+            if on_step is not None:
+                on_step(step + 1, stats)
+    except KeyboardInterrupt:                         # checkpoints are atomic: the last one is whole
+        saved = latest_checkpoint(args.out)
+        raise KeyboardInterrupt(f"{'the last checkpoint is ' + str(saved) if saved else 'no checkpoint yet'}; "
+                                f"run the same command with --resume to continue") from None
     final = export(student, tok, Path(args.out) / "final", args, d)
     log(d, f"exported {final}")
     return final
@@ -613,8 +664,10 @@ def export_checkpoint(args):
         ckpt = latest_checkpoint(ckpt) or ckpt
     if not (ckpt / "trainer.pt").is_file():
         raise FileNotFoundError(f"no training checkpoint (trainer.pt) in {args.checkpoint}")
-    saved = argparse.Namespace(**torch.load(ckpt / "trainer.pt", weights_only=True)["args"])
+    output_folder(args.out, "--out")
+    saved = argparse.Namespace(**read_checkpoint(ckpt / "trainer.pt", "training checkpoint", weights_only=True)["args"])
     saved.device = "cpu"
+    input_path(saved.model, "the base model this checkpoint was tuned from", folder=True)
     d = Dist()
     student, _, tok, _ = load_student_and_teacher(saved, d, with_teacher=False)
     optimizer, scheduler = make_optimizer(student, saved)
@@ -852,10 +905,9 @@ def pareto_plot(rows: list[dict], path, title: str):
 
 def load_for_inference(args) -> tuple[Transformer, Tokenizer, int | None, str]:
     """Model (eval mode, on the chosen device), tokenizer, mask id, prompt format."""
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
+    device = device_from(args.device)
     dtype = compute_dtype(device.type, args.dtype)
-    tok = Tokenizer.from_pretrained(args.model)
+    tok = load_tokenizer(args.model)
     model = Transformer.from_pretrained(args.model, device=device, dtype=dtype)
     mask_id = model.config.mask_token_id if model.config.mask_token_id is not None else tok.mask_id
     fmt = args.format if args.format != "auto" else default_format(tok, model.config)
@@ -1046,10 +1098,10 @@ def make_data(args):
 # ==============================================================================================
 
 def add_device(p):
-    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="compute dtype (auto: bfloat16 on GPUs and on CPUs with bfloat16 arithmetic, else float32)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's, one per core)")
+    p.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: torch's, one per core)")
 
 
 def add_format(p):
@@ -1063,39 +1115,43 @@ def add_training_args(p):
     g.add_argument("--data", required=True, nargs="+",
                    help="MetaMathQA JSON array / JSONL (query, response) or JSONL (prompt, response); several are joined")
     add_format(g)
-    g.add_argument("--seq-len", type=int, default=160, help="tokens per training sequence")
-    g.add_argument("--limit-rows", type=int, default=0, help="use only the first N rows (0: all)")
+    g.add_argument("--seq-len", type=number(int, 2), default=160, help="tokens per training sequence")
+    g.add_argument("--limit-rows", type=count, default=0, help="use only the first N rows (0: all)")
     o = p.add_argument_group("optimization (defaults: the paper's full-scale recipe)")
-    o.add_argument("--steps", type=int, default=100_000)
-    o.add_argument("--batch-size", type=int, default=128, help="global batch (sequences per step)")
-    o.add_argument("--micro-batch", type=int, default=8,
+    o.add_argument("--steps", type=positive_int, default=100_000, help="optimizer steps")
+    o.add_argument("--batch-size", type=positive_int, default=128, help="global batch (sequences per step)")
+    o.add_argument("--micro-batch", type=positive_int, default=8,
                    help="sequences per forward pass and process; the rest is gradient accumulation")
-    o.add_argument("--lr", type=float, default=1e-5)
-    o.add_argument("--warmup", type=int, default=2000, help="linear warm-up steps, then constant")
-    o.add_argument("--weight-decay", type=float, default=0.1)
-    o.add_argument("--beta1", type=float, default=0.9)
-    o.add_argument("--beta2", type=float, default=0.95)
-    o.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping")
-    o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--lr", type=positive_float, default=1e-5, help="peak learning rate (AdamW)")
+    o.add_argument("--warmup", type=count, default=2000,
+                   help="linear warm-up steps, then constant (a warning when over half of --steps)")
+    o.add_argument("--weight-decay", type=number(float, 0), default=0.1, help="AdamW weight decay")
+    o.add_argument("--beta1", type=number(float, 0, 0.9999), default=0.9, help="AdamW beta1")
+    o.add_argument("--beta2", type=number(float, 0, 0.9999), default=0.95, help="AdamW beta2")
+    o.add_argument("--clip", type=positive_float, default=1.0, help="gradient norm clipping")
+    o.add_argument("--seed", type=count, default=0, help="data order and every step's k and offset")
     m = p.add_argument_group("multi-token prediction")
     m.add_argument("--mode", default="hard", choices=MODES,
                    help="hard / soft: self-distillation; gt: the naive ground-truth ablation")
-    m.add_argument("--k-max", type=int, default=16, help="k is drawn uniformly from [2, k_max] every step")
-    m.add_argument("--regions", type=int, default=None, help="MTP problems per sequence (default seq_len / (2 k_max))")
-    m.add_argument("--prefix-ntp-weight", type=float, default=0.0,
+    m.add_argument("--k-max", type=number(int, 2), default=16, help="k is drawn uniformly from [2, k_max] every step")
+    m.add_argument("--regions", type=positive_int, default=None,
+                   help="MTP problems per sequence (default seq_len / (2 k_max))")
+    m.add_argument("--prefix-ntp-weight", type=number(float, 0), default=0.0,
                    help="add this much plain next-token loss on the ground-truth tokens (an ablation; 0: off)")
     c = p.add_argument_group("checkpoints and system")
     c.add_argument("--out", required=True, help="output folder: checkpoints/, log.jsonl, final/ (the exported model)")
-    c.add_argument("--save-every", type=int, default=1000, help="checkpoint every N steps")
-    c.add_argument("--keep", type=int, default=2, help="checkpoints to keep")
+    c.add_argument("--save-every", type=positive_int, default=1000, help="checkpoint every N steps")
+    c.add_argument("--keep", type=positive_int, default=2, help="checkpoints to keep")
     c.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    c.add_argument("--overwrite", action="store_true", help="replace the run already in --out (checkpoints, log)")
     c.add_argument("--activation-checkpointing", action="store_true", help="recompute block activations in backward")
-    c.add_argument("--log-every", type=int, default=1, help="progress line every N steps")
+    c.add_argument("--log-every", type=positive_int, default=1,
+                   help="a log.jsonl row every N steps (the terminal gets a progress line every few seconds)")
     add_device(c)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="finetune_hf.py", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="finetune_hf.py", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="MTP fine-tuning by self-distillation (torchrun for several GPUs)")
@@ -1103,74 +1159,97 @@ def build_parser() -> argparse.ArgumentParser:
     add_training_args(t)
 
     e = sub.add_parser("eval", help="GSM8K sweep over static k and ConfAdapt thresholds")
-    e.add_argument("--model", required=True)
+    e.add_argument("--model", required=True, help="Hugging Face layout folder (a tuned model, or any for k = 1)")
     e.add_argument("--data", required=True, help="GSM8K test JSONL (question, answer)")
     e.add_argument("--out", default="gsm8k_eval", help="folder for results.json/.md, pareto.png, samples.jsonl")
     e.add_argument("--prompt-style", default="fewshot", choices=("fewshot", "zeroshot"),
                    help="fewshot: lm-eval gsm8k_cot; zeroshot: the question in the training format (small models)")
-    e.add_argument("--n-shot", type=int, default=8)
+    e.add_argument("--n-shot", type=number(int, 0, 8), default=8, help="fewshot: exemplars before the question")
     add_format(e)
-    e.add_argument("--static-k", type=int, nargs="*", default=[1, 2, 3, 4], help="static k values (1 = greedy)")
-    e.add_argument("--taus", type=float, nargs="*", default=[0.99, 0.95, 0.9, 0.8, 0.7, 0.5], help="ConfAdapt thresholds")
-    e.add_argument("--k-max", type=int, default=16, help="ConfAdapt: most tokens per pass")
-    e.add_argument("--lossless-k", type=int, default=0, help="also run the lossless mode with this k (0: no)")
-    e.add_argument("--max-new-tokens", type=int, default=256)
-    e.add_argument("--batch-size", type=int, default=16,
+    e.add_argument("--static-k", type=positive_int, nargs="*", default=[1, 2, 3, 4], help="static k values (1 = greedy)")
+    e.add_argument("--taus", type=probability, nargs="*", default=[0.99, 0.95, 0.9, 0.8, 0.7, 0.5],
+                   help="ConfAdapt thresholds, each in (0, 1]")
+    e.add_argument("--k-max", type=positive_int, default=16, help="ConfAdapt: most tokens per pass")
+    e.add_argument("--lossless-k", type=count, default=0, help="also run the lossless mode with this k (0: no)")
+    e.add_argument("--max-new-tokens", type=positive_int, default=256, help="most tokens per answer")
+    e.add_argument("--batch-size", type=positive_int, default=16,
                    help="prompts decoded at once (a finished one hands its place to the next)")
-    e.add_argument("--limit", type=int, default=0, help="first N questions only (0: all)")
+    e.add_argument("--limit", type=count, default=0, help="first N questions only (0: all)")
     e.add_argument("--reference", default=None,
                    help="an earlier eval's --out folder: report how often each answer equals its k=1 answer")
     add_device(e)
 
     a = sub.add_parser("analyze", help="before tuning: how predictable are the model's answers on this domain?")
-    a.add_argument("--model", required=True)
+    a.add_argument("--model", required=True, help="Hugging Face layout folder: the base model, before tuning")
     src = a.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", help="the domain's prompts: rows with question, query or prompt")
     src.add_argument("--domains", nargs="+", choices=DOMAINS, help="held-out prompts generated in code, per domain")
     add_format(a)
-    a.add_argument("--limit", type=int, default=64)
-    a.add_argument("--taus", type=float, nargs="+", default=[0.99, 0.95, 0.9, 0.8, 0.7, 0.5])
-    a.add_argument("--k-max", type=int, default=16)
-    a.add_argument("--max-new-tokens", type=int, default=256)
-    a.add_argument("--batch-size", type=int, default=16, help="prompts decoded at once")
+    a.add_argument("--limit", type=count, default=64, help="first N prompts only (0: all)")
+    a.add_argument("--taus", type=probability, nargs="+", default=[0.99, 0.95, 0.9, 0.8, 0.7, 0.5],
+                   help="ConfAdapt thresholds to estimate, each in (0, 1]")
+    a.add_argument("--k-max", type=number(int, 2), default=16, help="ConfAdapt: most tokens per pass")
+    a.add_argument("--max-new-tokens", type=positive_int, default=256, help="most tokens per answer")
+    a.add_argument("--batch-size", type=positive_int, default=16, help="prompts decoded at once")
     a.add_argument("--out", default=None, help="also write analysis.json and analysis.md here")
     add_device(a)
 
     g = sub.add_parser("data", help="training rows from the model itself: its greedy answers to domain prompts")
-    g.add_argument("--model", required=True)
+    g.add_argument("--model", required=True, help="Hugging Face layout folder")
     g.add_argument("--out", required=True, help="JSONL file of {domain, prompt, response} rows (train --data takes it)")
-    g.add_argument("--domains", nargs="+", choices=DOMAINS, default=list(DOMAINS))
-    g.add_argument("--per-domain", type=int, default=100, help="prompts per domain (fewer if the domain has fewer)")
-    g.add_argument("--split", default="train", choices=("train", "test"))
+    g.add_argument("--domains", nargs="+", choices=DOMAINS, default=list(DOMAINS), help="prompt domains")
+    g.add_argument("--per-domain", type=positive_int, default=100,
+                   help="prompts per domain (fewer if the domain has fewer)")
+    g.add_argument("--split", default="train", choices=("train", "test"), help="which prompts of each domain")
     add_format(g)
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--batch-size", type=int, default=16, help="prompts decoded at once")
+    g.add_argument("--max-new-tokens", type=positive_int, default=128, help="most tokens per answer")
+    g.add_argument("--batch-size", type=positive_int, default=16, help="prompts decoded at once")
     add_device(g)
 
     x = sub.add_parser("export", help="a training checkpoint -> Hugging Face folder with model card")
     x.add_argument("--checkpoint", required=True, help="a run's --out folder or one checkpoints/step_N folder")
-    x.add_argument("--out", required=True)
-    x.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's, one per core)")
+    x.add_argument("--out", required=True, help="the Hugging Face folder to write")
+    x.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: torch's, one per core)")
     return p
 
 
 COMMANDS = {"train": train, "eval": evaluate, "analyze": analyze, "data": make_data, "export": export_checkpoint}
 
 
-def main(argv=None) -> int:
+def check_paths(args):
+    """Before any work: the files and folders a command reads exist, the one it writes can be made."""
+    if getattr(args, "model", None) is not None:
+        input_path(args.model, "--model", folder=True)
+        read_model_config(args.model)                 # the config first: it says most about a wrong folder
+    for path in [args.data] if isinstance(getattr(args, "data", None), str) else getattr(args, "data", None) or []:
+        input_path(path, "--data")
+    for flag in ("checkpoint", "reference"):
+        if getattr(args, flag, None) is not None:
+            input_path(getattr(args, flag), f"--{flag}", folder=True)
+    if args.command == "data":                        # --out is a file there
+        if os.path.isdir(args.out):
+            raise CliError(f"--out {args.out}: is a folder, expected a file name")
+        output_folder(os.path.dirname(args.out) or ".", f"--out {args.out}: its folder")
+    elif getattr(args, "out", None) is not None:
+        output_folder(args.out, "--out")
+    if getattr(args, "device", None) is not None:
+        device_from(args.device)
+
+
+def command(argv):
     args = build_parser().parse_args(argv)
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     try:
+        check_paths(args)
         COMMANDS[args.command](args)
-    except (ValueError, FileNotFoundError, KeyError) as e:
-        message = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"error: {message}", file=sys.stderr)
-        return 2
     finally:
         if "WORLD_SIZE" in os.environ and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-    return 0
+
+
+def main(argv=None) -> int:
+    return run_cli(command, sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
 import re
 from dataclasses import dataclass
 
@@ -343,7 +344,7 @@ class Transformer(nn.Module):
         Tensor names and shapes are checked against what this config expects before anything is
         copied, so a mismatched checkpoint fails loudly instead of producing a wrong model.
         """
-        cfg = config_from_hf(read_json(os.path.join(path, "config.json"), "model config"))
+        cfg = read_model_config(path)
         tensors = read_safetensors(path)
         expected = {hf: tuple(shape) for hf, shape in hf_shapes(cfg).items()}
         check_tensor_names(expected, {name: tuple(t.shape) for name, t in tensors.items()}, path)
@@ -605,13 +606,36 @@ def config_to_hf(cfg: ModelConfig, dtype=torch.float32) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 def read_json(path, what="file") -> dict:
+    """A JSON object from `path`; every failure is a one-line error that names the file."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no {what} at {path}")
     try:
-        with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"malformed JSON in {path}: {e}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}: expected a JSON object, found a {type(obj).__name__}")
+    return obj
+
+
+def read_model_config(path) -> ModelConfig:
+    """The ModelConfig of a Hugging Face folder; a missing or mistyped field names config.json."""
+    file = os.path.join(path, "config.json")
+    hf = read_json(file, "model config")
+    try:
+        return config_from_hf(hf)
+    except (KeyError, TypeError, ValueError) as e:
+        problem = f"missing field {e}" if isinstance(e, KeyError) else str(e).replace(" in config.json", "")
+        raise ValueError(f"{file}: {problem}") from None
+
+
+def read_checkpoint(path, what="checkpoint", weights_only=False):
+    """torch.load, with a truncated or corrupt file reported in one line that names it."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=weights_only)
+    except (EOFError, RuntimeError, OSError, ValueError, pickle.UnpicklingError) as e:
+        raise ValueError(f"cannot read the {what} {path}: truncated or corrupt ({type(e).__name__})") from None
 
 
 def write_json(path, obj):

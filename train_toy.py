@@ -1,8 +1,9 @@
 """The whole method on a CPU in minutes: NTP teacher -> naive vs distilled MTP -> evaluation -> plots.
 
-    python train_toy.py                      full run (7-10 minutes on 2 CPU cores)
-    python train_toy.py --quick              smoke test (about 12 seconds)
-    python train_toy.py --export-hf hf_toy   also save teacher and student in Hugging Face layout
+    python train_toy.py                      full run (about 9 minutes on 2 CPU cores), into runs/toy
+    python train_toy.py --quick              smoke test (about 12 seconds), into runs/toy-quick
+    python train_toy.py --export-hf hf_toy   after a run: save its teacher and both students in
+                                             Hugging Face layout (hf_toy/teacher, naive, distill)
     python train_toy.py --word-problems runs/wp   phase 1 only, on word problems: the base model
                                              of finetune_hf.py's miniature (see the end of this file)
 
@@ -25,7 +26,10 @@ What happens (data.py describes the four toy tasks, two of which have branch poi
                generation drawn as coloured chunks, one chunk per forward pass.
 
 Each phase checkpoints OUT/checkpoints/<phase>.pt atomically; running again with the same
-settings skips finished phases (--restart retrains everything).
+settings skips finished phases (--restart retrains everything). The default OUT is named after
+the settings that change the results (runs/toy, runs/toy-quick, runs/toy-seed1, ...), and a
+folder holding a run of other settings is only replaced with --restart: a smoke test or another
+seed never overwrites the full run.
 """
 
 from __future__ import annotations
@@ -44,9 +48,10 @@ import torch
 import torch.nn.functional as F
 
 import data
-from confadapt import DecodeConfig, chunk_texts, generate, save_chunks_png
+from confadapt import (CliError, DecodeConfig, Parser, Progress, chunk_texts, count, device_from, generate, output_folder,
+                       positive_int, run_cli, save_chunks_png)
 from distill import frozen_teacher, mtp_loss
-from model import ModelConfig, Transformer, add_mask_token, atomic_save
+from model import ModelConfig, Transformer, add_mask_token, atomic_save, read_checkpoint, read_json
 
 MODELS = ("ntp", "naive", "distill")          # names used in results.json
 STUDENT_MODE = {"naive": "gt", "distill": "hard"}
@@ -125,10 +130,25 @@ def format_seconds(s: float) -> str:
     return f"{int(s // 60)}m{int(s % 60):02d}s"
 
 
+# What one unit of each phase costs, in teacher steps, for the run's overall ETA: an MTP step
+# packs up to 8x more positions per row (distill adds the teacher's forward); one prompt decoded
+# with one setting is a few cached passes. Measured with --threads 1 on the 2-core AMD EPYC.
+COST = {"base": 1.0, "teacher": 1.0, "naive": 3.0, "distill": 3.9, "evaluation": 0.02}
+
+
+def run_eta(plan: dict, phase: str, done: int, total: int, elapsed: float) -> float:
+    """Seconds to the end of the run: the rest of this phase at its measured pace, then every
+    later phase of `plan` (phase -> units to do, in order) at the same pace per teacher step."""
+    per_unit = elapsed / max(1, done)
+    later = list(plan)[list(plan).index(phase) + 1:] if phase in plan else []
+    return per_unit * (total - done) + per_unit / COST[phase] * sum(plan[p] * COST[p] for p in later)
+
+
 def train_phase(name: str, model, loss_fn, steps: int, lr: float, batch_size: int, cfg: RunConfig, next_batch,
-                device, log_every: int = 1) -> list[dict]:
+                device, plan: dict | None = None) -> list[dict]:
     """AdamW over fresh batches `next_batch(rng, batch_size) -> (seqs, answer)`, the data stream
-    depending only on the seed; returns the log."""
+    depending only on the seed; returns the log. A progress line every few seconds, with the
+    ETA of this phase and of the whole run (`plan`: the phases still to come, see run_eta)."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
@@ -137,7 +157,7 @@ def train_phase(name: str, model, loss_fn, steps: int, lr: float, batch_size: in
     rng = random.Random(cfg.seed + 1)                    # the same batches for every student
     gen = torch.Generator().manual_seed(cfg.seed + 2)    # the same k / offset draws too
     model.train()
-    log, start = [], time.perf_counter()
+    log, start, progress = [], time.perf_counter(), Progress()
     for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = learning_rate(step, steps, lr, cfg.warmup_steps)
@@ -150,12 +170,13 @@ def train_phase(name: str, model, loss_fn, steps: int, lr: float, batch_size: in
         elapsed = time.perf_counter() - start
         stats.update(step=step, seconds=elapsed, lr=opt.param_groups[0]["lr"])
         log.append(stats)
-        if (step + 1) % log_every == 0 or step + 1 == steps:
+        if progress.due(last=step + 1 == steps):
             tok_s = (step + 1) * seqs.numel() / elapsed
             eta = elapsed / (step + 1) * (steps - step - 1)
             extra = f" k {stats['k']}" if "k" in stats else ""
-            print(f"[{name}] step {step + 1:4d}/{steps} | loss {stats['loss']:.4f}{extra} | "
-                  f"{tok_s:,.0f} tok/s | elapsed {format_seconds(elapsed)} | eta {format_seconds(eta)}", flush=True)
+            print(f"[{name}] step {step + 1:4d}/{steps} | loss {stats['loss']:.4f}{extra} | {tok_s:,.0f} tok/s | "
+                  f"{format_seconds(elapsed)} | eta {format_seconds(eta)}, run "
+                  f"{format_seconds(run_eta(plan or {}, name, step + 1, steps, elapsed))}", flush=True)
     model.eval()
     return log
 
@@ -195,14 +216,24 @@ def save_checkpoint(path: str, model, log: list[dict], seconds: float, key: dict
     atomic_save(lambda tmp: torch.save(ckpt, tmp), path)   # a crash leaves the old file or the new, never half
 
 
+def key_changes(saved: dict, key: dict) -> str:
+    """What differs between two settings dicts, as `name old -> new, ...`."""
+    return ", ".join(f"{k} {saved.get(k)} -> {key.get(k)}" for k in sorted({*saved, *key}, key=str)
+                     if saved.get(k) != key.get(k))
+
+
 def load_checkpoint(path: str, key: dict, device):
-    """(model, log, seconds) if `path` holds a finished phase trained with these settings, else None."""
+    """(model, log, seconds) if `path` holds a finished phase, else None. A phase trained with
+    other settings is an error: it belongs to another run (check_run_folder)."""
     if not os.path.exists(path):
         return None
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        ckpt = read_checkpoint(path, "toy checkpoint")
+    except ValueError as e:
+        raise CliError(f"{e}; --restart trains every phase again") from None
     if ckpt["key"] != key:
-        print(f"  {path} was trained with other settings: training again")
-        return None
+        raise CliError(f"{path} was trained with other settings ({key_changes(ckpt['key'], key)}): "
+                       f"choose another --out, or add --restart to train again")
     model = Transformer(ModelConfig(**ckpt["model_config"]))
     model.load_state_dict(ckpt["state"])
     return model.to(device).eval(), ckpt["log"], ckpt["seconds"]
@@ -234,7 +265,26 @@ def run_phase(name, out, cfg, restart, device, train, data_id: str = ""):
     model, log = train()
     seconds = time.perf_counter() - start
     save_checkpoint(path, model, log, seconds, key)
+    print(f"== {name}: trained in {format_seconds(seconds)} (final loss {log[-1]['loss']:.4f}), saved {path}")
     return model, log, seconds
+
+
+def check_run_folder(out: str, cfg: RunConfig, data_id: str, phases) -> list[str]:
+    """Before any work: the phases whose checkpoints in `out` can be reused. A checkpoint or a
+    results.json of other settings means `out` holds another run: an error (--restart replaces it)."""
+    done = []
+    for phase in phases:
+        path = os.path.join(out, "checkpoints", f"{phase}.pt")
+        if os.path.exists(path):
+            load_checkpoint(path, cfg.phase_key(phase, data_id), "cpu")      # raises if it is another run's
+            done.append(phase)
+    results = os.path.join(out, "results.json")
+    if os.path.exists(results):
+        saved, now = read_json(results, "results file").get("config", {}), json.loads(json.dumps(asdict(cfg)))
+        if saved != now:
+            raise CliError(f"{results} comes from other settings ({key_changes(saved, now)}): choose another "
+                           f"--out, or add --restart to replace that run")
+    return done
 
 
 # ----------------------------------------------------------------------------------------------
@@ -258,8 +308,10 @@ def answer_text(tokenizer, tokens: list[int]) -> tuple[str, bool]:
     return tokenizer.decode(tokens), False
 
 
-def evaluate(name: str, model, tokenizer, eval_sets: dict, cfg: RunConfig) -> tuple[list[dict], dict]:
-    """One results row per (decoding, task), plus a few sample outputs for the log."""
+def evaluate(name: str, model, tokenizer, eval_sets: dict, cfg: RunConfig, tick=lambda n: None
+             ) -> tuple[list[dict], dict]:
+    """One results row per (decoding, task), plus a few sample outputs for the log; tick(n) after
+    each row, n its prompts (for the progress line)."""
     rows, samples = [], {}
     for decode, mode in decodings(cfg, model.config.mask_token_id is not None):
         for task, examples in eval_sets.items():
@@ -282,6 +334,7 @@ def evaluate(name: str, model, tokenizer, eval_sets: dict, cfg: RunConfig) -> tu
                 "n_prompts": n,
             })
             samples[f"{task} | {mode.describe()}"] = examples[0].prompt + answer_text(tokenizer, gens[0].tokens)[0]
+            tick(n)
     return rows, samples
 
 
@@ -290,23 +343,43 @@ def cell(rows, **match) -> dict | None:
     return found[0] if found else None
 
 
-def acceptance(rows: list[dict]) -> dict:
-    """The figures the toy is meant to show (see the README), read off the results rows."""
+# The closing table, the README's claims one row per task: (column, the results row, its metrics).
+SUMMARY = (("teacher k=1", dict(model="ntp", decode="static", k=1), ("accuracy",)),
+           ("naive k=4", dict(model="naive", decode="static", k=4), ("coherence", "degeneration")),
+           ("distill k=4", dict(model="distill", decode="static", k=4), ("coherence", "degeneration")),
+           ("naive tau=0.9", dict(model="naive", decode="confadapt", tau=0.9), ("accuracy", "effective_k")),
+           ("distill tau=0.9", dict(model="distill", decode="confadapt", tau=0.9), ("accuracy", "effective_k")))
+
+
+def summary(rows: list[dict]) -> dict:
+    """{task: {"column: metric": value}} at full precision (results.json); format_summary rounds it."""
     out = {}
-    for task in data.BRANCHING_TASKS:
-        naive = cell(rows, model="naive", decode="static", k=4, task=task)
-        dist = cell(rows, model="distill", decode="static", k=4, task=task)
-        if naive and dist:
-            out[f"{task}_static4"] = {"naive_coherence": naive["coherence"], "distill_coherence": dist["coherence"],
-                                      "naive_degeneration": naive["degeneration"],
-                                      "distill_degeneration": dist["degeneration"]}
-    for task in ("count", "repeat"):
-        teacher = cell(rows, model="ntp", decode="static", k=1, task=task)
-        dist = cell(rows, model="distill", decode="confadapt", tau=0.9, task=task)
-        if teacher and dist:
-            out[f"{task}_confadapt0.9"] = {"teacher_k1_accuracy": teacher["accuracy"],
-                                          "distill_accuracy": dist["accuracy"], "distill_effective_k": dist["effective_k"]}
+    for task in sorted({r["task"] for r in rows}, key=data.TOY_TASKS.index):
+        out[task] = {}
+        for column, match, metrics in SUMMARY:
+            found = cell(rows, task=task, **match)
+            out[task].update({f"{column}: {m}": found[m] for m in metrics if found})
     return out
+
+
+def format_summary(table: dict) -> str:
+    """The table for people: percentages, and tokens per forward pass in brackets."""
+    def text(row, column, metrics):
+        if f"{column}: {metrics[0]}" not in row:
+            return "-"
+        a, b = (row.get(f"{column}: {m}") for m in (*metrics, None)[:2])
+        return (f"{100 * a:.0f}%" + ("" if b is None else f" / {100 * b:.0f}%" if metrics[1] == "degeneration"
+                                     else f" ({b:.2f})"))
+    short = {"accuracy": "acc.", "coherence": "coh.", "degeneration": "degen.", "effective_k": "(tok/pass)"}
+    lines = [["", *(c for c, _, _ in SUMMARY)],
+             ["task", *(" / ".join(short[m] for m in ms).replace(" / (", " (") for _, _, ms in SUMMARY)]]
+    lines += [[t + (" (branching)" if t in data.BRANCHING_TASKS else "")] + [text(row, c, ms) for c, _, ms in SUMMARY]
+              for t, row in table.items()]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    body = ["  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(line, widths)))
+            for line in lines]
+    return "\n".join(body + ["held-out prompts; acc. = accuracy, coh. = coherent, degen. = degenerate (one item "
+                              "repeated); k=4: static k, tau=0.9: ConfAdapt; tok/pass: tokens per forward pass"])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -317,61 +390,68 @@ STYLE = {"ntp": ("black", "*"), "naive": ("tab:red", "o"), "distill": ("tab:blue
 
 
 def plot_pareto(rows: list[dict], path: str):
-    """Accuracy and coherence against effective k, one column per task: static k (solid),
-    ConfAdapt's tau sweep (dashed), lossless (hollow marker), the teacher at k = 1 (star)."""
+    """Accuracy and degeneration against effective k, one column per task: static k (solid),
+    ConfAdapt's tau sweep (dashed), lossless (hollow marker), the teacher at k = 1 (star); each
+    student point is labelled with its k or tau. (Coherence is not drawn: a trained model's
+    answers have the right length, so on these tasks it equals accuracy.)"""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     tasks = sorted({r["task"] for r in rows}, key=data.TOY_TASKS.index)
-    fig, axes = plt.subplots(2, len(tasks), figsize=(4 * len(tasks), 7), squeeze=False)
+    fig, axes = plt.subplots(2, len(tasks), figsize=(4 * len(tasks), 7.5), squeeze=False)
     for col, task in enumerate(tasks):
-        for row, metric in enumerate(("accuracy", "coherence")):
+        for row, metric in enumerate(("accuracy", "degeneration")):
             ax = axes[row][col]
             for name in MODELS:
                 colour, marker = STYLE[name]
                 for decode, line in (("static", "-"), ("confadapt", "--")):
                     cells = [r for r in rows if r["model"] == name and r["task"] == task and r["decode"] == decode]
                     cells.sort(key=lambda r: r["k"] if decode == "static" else -r["tau"])   # in sweep order
-                    pts = [(r["effective_k"], r[metric]) for r in cells]
-                    if pts:
-                        ax.plot(*zip(*pts), line, color=colour, marker=marker, ms=4 if name != "ntp" else 12,
-                                label=f"{name} {decode}")
+                    if not cells:
+                        continue
+                    ax.plot([r["effective_k"] for r in cells], [r[metric] for r in cells], line, color=colour,
+                            marker=marker, ms=4 if name != "ntp" else 12, label=f"{name} {decode}")
+                    for r in cells if name != "ntp" else []:
+                        ax.annotate(f"k{r['k']}" if decode == "static" else f"τ{r['tau']:g}",
+                                    (r["effective_k"], r[metric]), textcoords="offset points", color=colour,
+                                    xytext=(3, 4 if decode == "static" else -9), fontsize=6)
                 for r in rows:
                     if r["model"] == name and r["task"] == task and r["decode"] == "lossless":
                         ax.plot(r["effective_k"], r[metric], marker="D", mfc="none", color=colour, ms=8,
                                 ls="none", label=f"{name} lossless")
             ax.set_title(f"{task}{' (branching)' if task in data.BRANCHING_TASKS else ''}")
             ax.set_xlabel("effective k (tokens per forward pass)")
-            ax.set_ylabel(metric)
+            ax.set_ylabel(metric if metric == "accuracy" else "degeneration (one item repeated)")
             ax.set_ylim(-0.05, 1.05)
             ax.grid(alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8)
-    fig.suptitle("held-out prompts: quality against tokens per forward pass")
+    fig.suptitle("held-out prompts: quality against tokens per forward pass (labels: static k, ConfAdapt tau)")
     fig.tight_layout(rect=(0, 0.08, 1, 0.96))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def plot_training(logs: dict, path: str):
+    """One panel per phase: the three losses are different quantities, so they get their own axes."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    teacher = logs["teacher"]
-    axes[0].plot([s["step"] for s in teacher], [s["loss"] for s in teacher], color="black", lw=0.8)
-    axes[0].set_title("teacher: next-token cross-entropy")
-    for name in ("naive", "distill"):
+    titles = {"teacher": "teacher: next-token cross-entropy",          # the students' add prefix_ntp_weight x that
+              "naive": "naive: cross-entropy to the true next k (+ NTP)",
+              "distill": "distill: cross-entropy over the teacher's (+ NTP)"}
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for ax, (name, title) in zip(axes, titles.items()):
         log = logs[name]
-        axes[1].plot([s["step"] for s in log], [s["loss"] for s in log], color=STYLE[name][0], lw=0.8,
-                     label=f"{name} ({STUDENT_MODE[name]})")
-    axes[1].set_title("students: MTP loss (distill: relative to the teacher)")
-    axes[1].legend()
-    for ax in axes:
+        ax.plot([s["step"] for s in log], [s["loss"] for s in log], color=STYLE["ntp" if name == "teacher" else name][0],
+                lw=0.8)
+        ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
-        ax.set_yscale("log")
+        ax.set_ylabel("loss")
+        if name != "distill":                  # distill's MTP term is relative to the teacher: it can go below 0
+            ax.set_yscale("log")
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -418,14 +498,15 @@ def student_from(teacher: Transformer, device) -> tuple[Transformer, object]:
     return student.to(device), tokenizer
 
 
-def export_hf(path: str, teacher, student):
-    """DIR/teacher and DIR/student in Hugging Face layout, each with its tokenizer."""
-    teacher.save_pretrained(os.path.join(path, "teacher"))
-    data.toy_tokenizer().save_pretrained(os.path.join(path, "teacher"))
-    student.save_pretrained(os.path.join(path, "student"))
-    _, tokenizer = student_from(teacher, "cpu")
-    tokenizer.save_pretrained(os.path.join(path, "student"))
-    print(f"exported {path}/teacher and {path}/student (Hugging Face layout)")
+def export_hf(path: str, models: dict):
+    """DIR/teacher, DIR/naive and DIR/distill in Hugging Face layout, each with its tokenizer (the
+    students' knows <mask>): both students, so confadapt.py can show the naive one's collapse too."""
+    _, student_tokenizer = student_from(models["ntp"], "cpu")
+    for name, model in models.items():
+        folder = os.path.join(path, "teacher" if name == "ntp" else name)
+        model.save_pretrained(folder)
+        (data.toy_tokenizer() if name == "ntp" else student_tokenizer).save_pretrained(folder)
+    print(f"exported {path}/teacher, {path}/naive and {path}/distill (Hugging Face layout)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -449,24 +530,29 @@ def word_problem_base_model(args, device) -> dict:
     if args.teacher_steps is not None:
         cfg = replace(cfg, teacher_steps=args.teacher_steps)
     folder = args.word_problems
-    start = time.perf_counter()
-    train_file, test_file = data.write_word_problems(os.path.join(folder, "data"), n_train=200 if args.quick else 20_000,
-                                                     n_test=10 if args.quick else 500, seed=args.seed)
-    pairs = data.word_problem_pairs(train_file)
     tokenizer = data.word_problem_tokenizer()
-    print(f"wrote {train_file} ({len(pairs)} MetaMathQA-format rows) and {test_file} (GSM8K-format rows)")
+    n_train = 200 if args.quick else 20_000
 
     def batches(rng, batch_size):
         return data.word_problem_batch(tokenizer, pairs, rng, batch_size, cfg.seq_len)
+
+    start = time.perf_counter()
+    train_file, test_file = data.write_word_problems(os.path.join(folder, "data"), n_train=n_train,
+                                                     n_test=10 if args.quick else 500, seed=args.seed)
+    pairs = data.word_problem_pairs(train_file)
+    print(f"wrote {train_file} ({len(pairs)} MetaMathQA-format rows) and {test_file} (GSM8K-format rows)")
 
     def train():
         model = build_teacher(cfg, tokenizer, device, tie_embeddings=False, context=WORD_PROBLEM_CONTEXT)
         print(f"  base model: {model.num_params() / 1e6:.2f}M parameters, vocabulary {tokenizer.n_vocab}")
         return model, train_phase("base", model, teacher_loss_fn(), cfg.teacher_steps, cfg.teacher_lr, cfg.batch_size,
-                                  cfg, batches, device, args.log_every)
+                                  cfg, batches, device, {"base": cfg.teacher_steps})
 
     data_id = data_fingerprint(tokenizer, batches, cfg.seed)
-    model, _, _ = run_phase("base", folder, cfg, args.restart, device, train, data_id)
+    if not args.restart:
+        check_run_folder(folder, cfg, data_id, ["base"])
+    model, _, _ = interruptible(folder, ["base"], lambda: run_phase("base", folder, cfg, args.restart, device, train,
+                                                                     data_id))
     base = os.path.join(folder, "base")
     model.save_pretrained(base)
     tokenizer.save_pretrained(base)
@@ -476,120 +562,176 @@ def word_problem_base_model(args, device) -> dict:
     return {"base": base, "train": str(train_file), "test": str(test_file), "seconds": seconds}
 
 
+def interruptible(out: str, phases, work):
+    """work(), with Ctrl-C turned into one line: which phases are saved and how to go on."""
+    try:
+        return work()
+    except KeyboardInterrupt:
+        saved = [p for p in phases if os.path.exists(os.path.join(out, "checkpoints", f"{p}.pt"))]
+        raise KeyboardInterrupt(f"{out}/checkpoints holds {', '.join(saved) or 'no finished phase yet'}; "
+                                f"run the same command again to continue from there") from None
+
+
+def default_out(args, cfg: RunConfig) -> str:
+    """runs/toy for the default settings; each setting that changes the results adds to the name
+    (runs/toy-quick, runs/toy-seed1, runs/toy-teacher300-mtp40), so runs never share a folder."""
+    base = RunConfig(**(QUICK if args.quick else {}))
+    parts = ["quick"] if args.quick else []
+    parts += [f"{short}{getattr(cfg, name)}" for name, short in (("seed", "seed"), ("teacher_steps", "teacher"),
+                                                                ("mtp_steps", "mtp"), ("n_eval", "eval"))
+              if getattr(cfg, name) != getattr(base, name)]
+    return os.path.join("runs", "-".join(["toy"] + parts))
+
+
 def main(argv=None) -> dict:
+    """The toy run (or --export-hf, or --word-problems); returns what it wrote to results.json."""
     args = parse_args(argv)
     cfg = RunConfig(seed=args.seed, **(QUICK if args.quick else {}))
     for name in ("teacher_steps", "mtp_steps", "n_eval"):
         if getattr(args, name) is not None:
             cfg = replace(cfg, **{name: getattr(args, name)})
+    device = device_from(args.device)
     torch.set_num_threads(args.threads)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.word_problems:
+        output_folder(args.word_problems, "--word-problems")
         return word_problem_base_model(args, device)
-    os.makedirs(args.out, exist_ok=True)
-    t_start = time.perf_counter()
+    out = args.out or default_out(args, cfg)
+    output_folder(out, "--out")
     tokenizer = data.toy_tokenizer()
-
     batches = toy_batches(cfg, tokenizer)              # the same token ids with and without <mask>
+    data_id = data_fingerprint(tokenizer, batches, cfg.seed)
+    phases = ["teacher", *STUDENT_MODE]
+    done = [] if args.restart else check_run_folder(out, cfg, data_id, phases)
+    if args.export_hf:
+        return export_run(args.export_hf, out, cfg, data_id, device, done)
+    os.makedirs(out, exist_ok=True)
+    t_start = time.perf_counter()
+    eval_sets = {task: data.heldout_examples(task, cfg.n_eval) for task in cfg.tasks}
+    eval_units = sum(map(len, eval_sets.values())) * (len(decodings(cfg, False)) + 2 * len(decodings(cfg, True)))
+    plan = {"teacher": cfg.teacher_steps, "naive": cfg.mtp_steps, "distill": cfg.mtp_steps}
+    plan = {**{p: n for p, n in plan.items() if p not in done}, "evaluation": eval_units}
+    print(f"== {out}: {', '.join(p for p in plan if p != 'evaluation') or 'nothing'} to train, "
+          f"{', '.join(done) or 'nothing'} loaded from checkpoints/")
 
     def train_teacher():
         model = build_teacher(cfg, tokenizer, device)
         print(f"  teacher: {model.num_params() / 1e6:.2f}M parameters, vocabulary {tokenizer.n_vocab}")
         log = train_phase("teacher", model, teacher_loss_fn(), cfg.teacher_steps, cfg.teacher_lr, cfg.batch_size,
-                          cfg, batches, device, args.log_every)
+                          cfg, batches, device, plan)
         return model, log
 
-    data_id = data_fingerprint(tokenizer, batches, cfg.seed)
-    teacher, teacher_log, teacher_s = run_phase("teacher", args.out, cfg, args.restart, device, train_teacher, data_id)
-    models, logs, seconds = {"ntp": teacher}, {"teacher": teacher_log}, {"teacher": teacher_s}
-    for name, mode in STUDENT_MODE.items():
-        def train_student(mode=mode, name=name):
-            student, s_tok = student_from(teacher, device)
-            frozen = frozen_teacher(student)           # the starting point, <mask> included
-            log = train_phase(name, student, student_loss_fn(frozen, mode, cfg, s_tok), cfg.mtp_steps, cfg.mtp_lr,
-                              cfg.mtp_batch_size, cfg, batches, device, args.log_every)
-            return student, log
-        models[name], logs[name], seconds[name] = run_phase(name, args.out, cfg, args.restart, device, train_student,
-                                                            data_id)
+    def train_all():
+        teacher, teacher_log, teacher_s = run_phase("teacher", out, cfg, args.restart, device, train_teacher, data_id)
+        models, logs, seconds = {"ntp": teacher}, {"teacher": teacher_log}, {"teacher": teacher_s}
+        for name, mode in STUDENT_MODE.items():
+            def train_student(mode=mode, name=name):
+                student, s_tok = student_from(teacher, device)
+                frozen = frozen_teacher(student)           # the starting point, <mask> included
+                log = train_phase(name, student, student_loss_fn(frozen, mode, cfg, s_tok), cfg.mtp_steps,
+                                  cfg.mtp_lr, cfg.mtp_batch_size, cfg, batches, device, plan)
+                return student, log
+            models[name], logs[name], seconds[name] = run_phase(name, out, cfg, args.restart, device, train_student,
+                                                                data_id)
+        return models, logs, seconds
 
-    print("== evaluation on held-out prompts")
-    t_eval = time.perf_counter()
-    eval_sets = {task: data.heldout_examples(task, cfg.n_eval) for task in cfg.tasks}
-    _, s_tok = student_from(teacher, "cpu")
+    models, logs, seconds = interruptible(out, phases, train_all)
+    print(f"== evaluation on held-out prompts: {', '.join(models)}")
+    t_eval, progress, evaluated = time.perf_counter(), Progress(), [0]
+    _, s_tok = student_from(models["ntp"], "cpu")
+
+    def tick(n):
+        evaluated[0] += n
+        if progress.due(last=evaluated[0] == eval_units):
+            eta = run_eta(plan, "evaluation", evaluated[0], eval_units, time.perf_counter() - t_eval)
+            print(f"[evaluation] {evaluated[0]:,}/{eval_units:,} prompts x settings | "
+                  f"{format_seconds(time.perf_counter() - t_eval)} | eta {format_seconds(eta)}", flush=True)
+
     rows, samples = [], {}
     for name, model in models.items():
-        r, s = evaluate(name, model, tokenizer if name == "ntp" else s_tok, eval_sets, cfg)
+        r, samples[name] = interruptible(out, phases, lambda: evaluate(name, model, tokenizer if name == "ntp"
+                                                                       else s_tok, eval_sets, cfg, tick))
         rows += r
-        samples[name] = s
-        print_summary(name, r)
     seconds["evaluation"] = time.perf_counter() - t_eval
+    print(f"== evaluation: {len(rows)} rows in {format_seconds(seconds['evaluation'])}")
 
-    draw_examples(models["distill"], s_tok, cfg, args.out)
-    plot_pareto(rows, os.path.join(args.out, "pareto.png"))
-    plot_training(logs, os.path.join(args.out, "training_curves.png"))
-    if args.export_hf:
-        export_hf(args.export_hf, teacher, models["distill"])
+    draw_examples(models["distill"], s_tok, cfg, out)
+    plot_pareto(rows, os.path.join(out, "pareto.png"))
+    plot_training(logs, os.path.join(out, "training_curves.png"))
     seconds["total"] = time.perf_counter() - t_start
     results = {
         "rows": rows,
-        "acceptance": acceptance(rows),
+        "summary": summary(rows),
         "samples": samples,
         "seconds": seconds,
         "device": str(device),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "n_params": teacher.num_params(),
+        "n_params": models["ntp"].num_params(),
         "config": asdict(cfg),
         "quick": args.quick,
     }
-    with open(os.path.join(args.out, "results.json.tmp"), "w") as f:
+    with open(os.path.join(out, "results.json.tmp"), "w") as f:
         json.dump(results, f, indent=1)
-    os.replace(os.path.join(args.out, "results.json.tmp"), os.path.join(args.out, "results.json"))
-    print(json.dumps(results["acceptance"], indent=1))
-    print(f"== done in {format_seconds(seconds['total'])}: {args.out}/results.json, pareto.png, training_curves.png, "
-          f"attention_mask.png, chunks.png")
+    os.replace(os.path.join(out, "results.json.tmp"), os.path.join(out, "results.json"))
+    print(format_summary(results["summary"]))
+    print(f"== done in {format_seconds(seconds['total'])}: {out}/results.json (every row, full precision), "
+          f"pareto.png, training_curves.png, attention_mask.png, chunks.png")
     return results
 
 
-def print_summary(name: str, rows: list[dict]):
-    """One line per decoding setting: accuracy / coherence / degeneration / effective k per task."""
-    by_setting = {}
-    for r in rows:
-        label = {"static": f"static k={r['k']}", "confadapt": f"confadapt tau={r['tau']}",
-                 "lossless": f"lossless k={r['k']}"}[r["decode"]]
-        by_setting.setdefault(label, []).append(r)
-    print(f"-- {name}: task acc/coh/degen effk")
-    for label, rs in by_setting.items():
-        cells = "  ".join(f"{r['task']} {r['accuracy']:.2f}/{r['coherence']:.2f}/{r['degeneration']:.2f} "
-                          f"{r['effective_k']:.1f}" for r in rs)
-        print(f"   {label:<18} {cells}")
+def export_run(path: str, out: str, cfg: RunConfig, data_id: str, device, done: list[str]) -> dict:
+    """--export-hf: the finished run in `out` (these settings) as Hugging Face folders; no training."""
+    missing = [p for p in ("teacher", *STUDENT_MODE) if p not in done]
+    if missing:
+        raise CliError(f"--export-hf: {out} has no finished {', '.join(missing)} for these settings; run the "
+                       f"same command without --export-hf first")
+    output_folder(path, "--export-hf")
+    models = {"ntp" if p == "teacher" else p: load_checkpoint(os.path.join(out, "checkpoints", f"{p}.pt"),
+                                                             cfg.phase_key(p, data_id), device)[0]
+              for p in ("teacher", *STUDENT_MODE)}
+    export_hf(path, models)
+    return {"export": path, "models": list(models)}
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(description=__doc__.split("\n")[0])
     run = p.add_argument_group("run")
-    run.add_argument("--out", default="runs/toy", help="output folder: results.json, plots, checkpoints/")
+    run.add_argument("--out", default=None,
+                     help="output folder: results.json, plots, checkpoints/ (default: runs/toy, or named after the "
+                          "settings that differ from the default, e.g. runs/toy-quick, runs/toy-seed1)")
     run.add_argument("--quick", action="store_true", help="tiny model and few steps (for tests; about 10 seconds)")
-    run.add_argument("--seed", type=int, default=0, help="seed for weights, data and layouts")
-    run.add_argument("--restart", action="store_true", help="ignore checkpoints in --out and train every phase again")
+    run.add_argument("--seed", type=count, default=0, help="seed for weights, data and layouts")
+    run.add_argument("--restart", action="store_true",
+                     help="train every phase again, replacing the checkpoints and results in --out")
     hw = p.add_argument_group("hardware")
-    hw.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    hw.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    hw.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda or cuda:N")
+    hw.add_argument("--threads", type=positive_int, default=1,
+                    help="torch CPU threads: the toy's matrices are small, and a second thread made steps 4-15x "
+                         "slower whenever another job was using a core (README)")
     budget = p.add_argument_group("budget (override the defaults)")
-    budget.add_argument("--teacher-steps", type=int, default=None, help="next-token training steps of the teacher")
-    budget.add_argument("--mtp-steps", type=int, default=None, help="MTP training steps of each student")
-    budget.add_argument("--n-eval", type=int, default=None, help="held-out prompts per task")
-    output = p.add_argument_group("output")
+    budget.add_argument("--teacher-steps", type=positive_int, default=None,
+                        help=f"next-token training steps of the teacher (default: {RunConfig.teacher_steps}, "
+                             f"--quick {QUICK['teacher_steps']})")
+    budget.add_argument("--mtp-steps", type=positive_int, default=None,
+                        help=f"MTP training steps of each student (default: {RunConfig.mtp_steps}, "
+                             f"--quick {QUICK['mtp_steps']})")
+    budget.add_argument("--n-eval", type=positive_int, default=None,
+                        help=f"held-out prompts per task, at most (default: {RunConfig.n_eval}, "
+                             f"--quick {QUICK['n_eval']})")
+    output = p.add_argument_group("export")
     output.add_argument("--export-hf", default=None, metavar="DIR",
-                        help="also save DIR/teacher and DIR/student (distilled) in Hugging Face layout")
-    output.add_argument("--log-every", type=int, default=1, help="print a progress line every this many steps")
+                        help="only export the finished run in --out (same settings): DIR/teacher, DIR/naive and "
+                             "DIR/distill in Hugging Face layout, in seconds")
     other = p.add_argument_group("the miniature of finetune_hf.py (README)")
     other.add_argument("--word-problems", default=None, metavar="DIR",
                        help="instead of the toy run: write word-problem data to DIR/data and train a small "
                             "Llama-layout base model on them, saved to DIR/base (Hugging Face layout)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.word_problems and (args.export_hf or args.out or args.mtp_steps or args.n_eval):
+        raise CliError("--word-problems DIR trains the base model alone: --out, --export-hf, --mtp-steps "
+                       "and --n-eval do not apply")
+    return args
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(main, sys.argv[1:]))

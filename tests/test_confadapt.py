@@ -329,8 +329,8 @@ def test_bench_smoke(toy_model):
 @pytest.mark.parametrize("argv, message", [
     (["--tau", "1.5"], "tau"),
     (["--tau", "0"], "tau"),
-    (["--static-k", "0"], "k must be at least 1"),
-    (["--k-max", "0"], "k must be at least 1"),
+    (["--static-k", "0"], "--static-k: must be at least 1"),
+    (["--k-max", "0"], "--k-max: must be at least 1"),
     (["--static-k", "2", "--lossless"], "not allowed with"),
     (["--static-k", "2", "--tau", "0.5"], "ConfAdapt only"),
 ])
@@ -343,7 +343,7 @@ def test_cli_bad_arguments(capsys, argv, message):
 def test_cli_missing_model(capsys):
     assert confadapt.main(["--model", "/nonexistent", "--prompt", "x"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("confadapt.py: error:") and err.count("\n") == 1
+    assert err.startswith("error: --model /nonexistent: no such folder") and err.count("\n") == 1
 
 
 @pytest.fixture(scope="module")

@@ -333,7 +333,7 @@ def test_bad_input_gives_one_error_line(tiny, tmp_path, capsys):
          "no tokenizer.json"),
         (["eval", "--model", str(tiny / "base"), "--data", str(tiny / "wp" / "train.json"), "--out", str(tmp_path / "o")],
          "'question' and 'answer'"),
-        (["analyze", "--model", str(tiny / "base"), "--data", str(tmp_path / "missing.jsonl")], "no data file"),
+        (["analyze", "--model", str(tiny / "base"), "--data", str(tmp_path / "missing.jsonl")], "no such file"),
         (["eval", "--model", str(tiny / "base"), "--data", str(tiny / "wp" / "test.jsonl"), "--static-k", "2",
           "--taus", "--out", str(tmp_path / "o")], "mask"),
     ]

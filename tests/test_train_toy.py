@@ -169,11 +169,14 @@ def test_checkpoints_resume_without_training(tmp_path):
     assert log == [{"loss": 1.0}]
     for a, b in zip(first[0].state_dict().values(), again.state_dict().values()):
         assert torch.equal(a, b)
-    with pytest.raises(AssertionError):                               # other settings: train again
+    # Other settings or other data: another run's checkpoint, never silently replaced ...
+    with pytest.raises(train_toy.CliError, match="dim 64 -> 32"):
         train_toy.run_phase("teacher", str(tmp_path), train_toy.RunConfig(**{**train_toy.QUICK, "dim": 32}),
                             False, "cpu", must_not_train)
-    with pytest.raises(AssertionError):                               # other data: train again
+    with pytest.raises(train_toy.CliError, match="other settings"):
         train_toy.run_phase("teacher", str(tmp_path), cfg, False, "cpu", must_not_train, data_id="other data")
+    with pytest.raises(AssertionError):                               # ... but retrained with restart
+        train_toy.run_phase("teacher", str(tmp_path), cfg, True, "cpu", must_not_train, data_id="other data")
 
 
 def test_data_fingerprint_sees_a_changed_task(monkeypatch):
@@ -187,7 +190,7 @@ def test_data_fingerprint_sees_a_changed_task(monkeypatch):
 
 def test_quick_run_end_to_end(tmp_path):
     out, hf = tmp_path / "run", tmp_path / "hf"
-    results = train_toy.main(["--quick", "--out", str(out), "--export-hf", str(hf), "--log-every", "50"])
+    results = train_toy.main(["--quick", "--out", str(out)])
     on_disk = json.loads((out / "results.json").read_text())
     assert on_disk["rows"] == json.loads(json.dumps(results["rows"]))
     rows = on_disk["rows"]
@@ -207,11 +210,21 @@ def test_quick_run_end_to_end(tmp_path):
     for png in ("pareto.png", "training_curves.png", "attention_mask.png", "chunks.png"):
         assert (out / png).stat().st_size > 1000, png
 
+    assert set(on_disk["summary"]) == set(data.TOY_TASKS)
+    assert on_disk["summary"]["count"]["distill tau=0.9: accuracy"] == train_toy.cell(
+        rows, model="distill", decode="confadapt", tau=0.9, task="count")["accuracy"]     # full precision
+
+    # --export-hf only exports the finished run: the teacher and both students, named.
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    assert train_toy.main(["--quick", "--out", str(out), "--export-hf", str(hf)])["models"] == ["ntp", "naive",
+                                                                                               "distill"]
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
     teacher = Transformer.from_pretrained(hf / "teacher")
-    student = Transformer.from_pretrained(hf / "student")
-    assert teacher.config.mask_token_id is None
-    assert student.config.mask_token_id == teacher.config.vocab_size
-    assert (hf / "student" / "tokenizer.json").exists() and (hf / "teacher" / "tokenizer.json").exists()
+    for name in ("naive", "distill"):
+        student = Transformer.from_pretrained(hf / name)
+        assert teacher.config.mask_token_id is None
+        assert student.config.mask_token_id == teacher.config.vocab_size
+        assert (hf / name / "tokenizer.json").exists() and (hf / "teacher" / "tokenizer.json").exists()
     tokens = torch.tensor([[1, 2, 3]])
     cfg, tok = train_toy.RunConfig(**train_toy.QUICK), data.toy_tokenizer()
     data_id = train_toy.data_fingerprint(tok, train_toy.toy_batches(cfg, tok), cfg.seed)

@@ -1,0 +1,354 @@
+"""What the three command lines do with what a user gives them.
+
+Every bad value of every flag, and every broken file or folder, ends in one line `error: ...` on
+stderr and a non-zero exit status, with no traceback, and leaves every existing run folder as it
+was (each file's bytes and modification time). Ctrl-C ends in one line saying how to go on. And a
+run never lands in another run's folder: a second run, a --quick run and a run with another seed
+leave a finished run's checkpoints and results alone.
+
+The commands are called in-process (main(argv) through confadapt.run_cli, what `python X.py`
+runs), on a tiny model written here and two tiny finished runs, so the whole file takes seconds.
+"""
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import confadapt
+import data
+import finetune_hf
+import train_toy
+from model import ModelConfig, Transformer
+
+pytestmark = pytest.mark.usefixtures("one_thread")                     # conftest.py
+
+# The toy run of the tests: the full-size model for a few steps, one prompt per task.
+TOY = ["--teacher-steps", "2", "--mtp-steps", "1", "--n-eval", "1"]
+TRAIN = ["--seq-len", "32", "--batch-size", "2", "--micro-batch", "2", "--k-max", "4", "--warmup", "1",
+         "--save-every", "1"]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    """A tiny model with <mask> (Hugging Face layout), word-problem data, a finished finetune_hf
+    run in ft/ and a finished toy run in runs/toy-teacher2-mtp1-eval1 (its default folder)."""
+    root = tmp_path_factory.mktemp("cli")
+    tok = data.word_problem_tokenizer()
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=tok.n_vocab, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32,
+                                    max_seq_len=64, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id))
+    model.save_pretrained(root / "base")
+    tok.save_pretrained(root / "base")
+    data.write_word_problems(root / "wp", n_train=8, n_test=2, seed=0)
+    (root / "a_file").write_text("not a folder\n")
+    cwd = os.getcwd()
+    os.chdir(root)                                      # the toy's default folders are relative: runs/...
+    try:
+        assert finetune_hf.main(["train", "--model", "base", "--data", "wp/train.json", "--out", "ft", "--steps", "2",
+                                 *TRAIN]) == 0
+        train_toy.main(TOY)
+    finally:
+        os.chdir(cwd)
+    assert (root / "runs" / "toy-teacher2-mtp1-eval1" / "results.json").is_file()
+    return root
+
+
+@pytest.fixture
+def at_root(root, monkeypatch):
+    monkeypatch.chdir(root)
+    return root
+
+
+def snapshot(folder) -> dict:
+    return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+def broken_models(root) -> dict:
+    """Model folders broken in each way a user can break one (made once, beside the good one)."""
+    made = root / "broken"
+    if not made.exists():
+        base = root / "base"
+        config = json.loads((base / "config.json").read_text())
+        cases = {"no_config": None, "bad_json": "{not json", "a_list": "[1, 2]",
+                 "mistral": json.dumps({**config, "model_type": "mistral"}),
+                 "no_heads": json.dumps({k: v for k, v in config.items() if k != "num_attention_heads"}),
+                 "bad_tokenizer": json.dumps(config)}
+        for name, text in cases.items():
+            folder = made / name
+            shutil.copytree(base, folder)
+            if text is None:
+                (folder / "config.json").unlink()
+            else:
+                (folder / "config.json").write_text(text)
+        (made / "bad_tokenizer" / "tokenizer.json").write_bytes(b'{"model": {"vocab": ')
+    return {p.name: str(p) for p in made.iterdir()}
+
+
+def bad_data_files(root) -> dict:
+    made = root / "bad_data"
+    made.mkdir(exist_ok=True)
+    files = {"wrong_rows": '{"instruction": "x", "output": "y"}\n', "bad_json": '[{"query": "x",',
+             "empty": "", "not_objects": "[1, 2]"}
+    out = {}
+    for name, text in files.items():
+        (made / name).write_text(text)
+        out[name] = str(made / name)
+    (made / "latin1").write_bytes('{"query": "caf\xe9", "response": "x"}\n'.encode("latin-1"))
+    out["latin1"] = str(made / "latin1")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The matrix: (script, argv) -> must fail in one line and change nothing
+# ----------------------------------------------------------------------------------------------
+
+MAINS = {"confadapt": confadapt.main, "train_toy": lambda argv: confadapt.run_cli(train_toy.main, argv),
+         "finetune_hf": finetune_hf.main}
+
+NUMBERS = ["0", "-1", "x", "nan"]
+
+
+def confadapt_cases(r, broken):
+    run = ["--model", "base", "--prompt", "1 2"]
+    cases = [[*run, flag, v] for flag in ("--max-new-tokens", "--k-max", "--static-k", "--threads") for v in NUMBERS]
+    cases += [[*run, "--tau", v] for v in ("0", "1.5", "-0.1", "x", "nan")]
+    cases += [[*run, "--device", "cuda"] if not torch.cuda.is_available() else [*run, "--device", "cuda:99"],
+              [*run, "--device", "gpu"], [*run, "--dtype", "int8"], [*run, "--color", "pink"],
+              [*run, "--static-k", "2", "--lossless"], [*run, "--static-k", "2", "--tau", "0.5"],
+              [*run, "--greedy", "--k-max", "4"], [*run, "--png", "a_file/chunks.png"], [*run, "--unknown"],
+              ["--model", "base"], ["--prompt", "1 2"], ["--model", "missing", "--prompt", "1"],
+              ["--model", "a_file", "--prompt", "1"]]
+    cases += [["--model", path, "--prompt", "1"] for path in broken.values()]
+    bench = ["bench", "--model", "base", "--prompt", "1 2"]
+    cases += [[*bench, flag, v] for flag in ("--max-new-tokens", "--batch-sizes", "--static-k", "--k-max",
+                                             "--lossless-k", "--rows", "--repeats", "--latency-max") for v in NUMBERS]
+    cases += [[*bench, "--taus", v] for v in ("0", "1.5", "x")] + [["bench", "--model", "base"]]
+    return [("confadapt", c) for c in cases]
+
+
+def train_toy_cases(r):
+    cases = [[flag, v] for flag in ("--teacher-steps", "--mtp-steps", "--n-eval", "--threads") for v in NUMBERS]
+    cases += [["--seed", "-1"], ["--seed", "x"], ["--device", "cuda" if not torch.cuda.is_available() else "cuda:99"],
+              ["--device", "gpu"], ["--out", "a_file"], ["--out", "a_file/run"], ["--unknown"],
+              ["--export-hf", "a_file", *TOY], ["--export-hf", "hf", "--seed", "3", *TOY],     # nothing to export
+              ["--word-problems", "a_file"], ["--word-problems", "wp2", "--out", "x"],
+              # a folder that holds another run: refused, whatever the difference
+              ["--out", "runs/toy-teacher2-mtp1-eval1", "--quick", *TOY],
+              ["--out", "runs/toy-teacher2-mtp1-eval1", "--seed", "1", *TOY],
+              ["--out", "runs/toy-teacher2-mtp1-eval1", "--teacher-steps", "3", "--mtp-steps", "1", "--n-eval", "1"],
+              ["--out", "runs/toy-teacher2-mtp1-eval1", "--teacher-steps", "2", "--mtp-steps", "1", "--n-eval", "2"],
+              ["--out", "truncated_toy", *TOY], ["--out", "truncated_toy", "--export-hf", "hf", *TOY]]
+    return [("train_toy", c) for c in cases]
+
+
+def finetune_cases(r, broken, bad):
+    train = ["train", "--model", "base", "--data", "wp/train.json", "--out", "new", *TRAIN]
+    cases = [[*train, flag, v] for flag in ("--steps", "--batch-size", "--micro-batch", "--regions", "--save-every",
+                                            "--keep", "--log-every", "--lr", "--clip") for v in NUMBERS]
+    cases += [[*train, flag, v] for flag, v in [
+        ("--seq-len", "1"), ("--seq-len", "63"), ("--k-max", "1"), ("--k-max", "40"), ("--regions", "33"),
+        ("--micro-batch", "3"), ("--warmup", "-1"), ("--weight-decay", "-0.1"), ("--beta1", "1"), ("--beta2", "-0.5"),
+        ("--limit-rows", "-1"), ("--seed", "-1"), ("--mode", "best"), ("--format", "chat"), ("--device", "gpu"),
+        ("--threads", "0"), ("--threads", "x"), ("--dtype", "float16"), ("--prefix-ntp-weight", "-1"),
+        ("--device", "cuda" if not torch.cuda.is_available() else "cuda:99")]]
+    cases += [[*train, "--resume", "--overwrite"], [*train, "--unknown"], ["train", "--model", "base"]]
+    paths = {"--model": ["missing", "a_file", *broken.values()], "--data": ["missing.json", "wp", *bad.values()],
+             "--out": ["a_file", "a_file/run", "ft"]}                 # ft: a used folder, no --resume / --overwrite
+    for flag, values in paths.items():
+        for v in values:
+            argv = list(train)
+            argv[argv.index(flag) + 1] = v
+            cases.append(argv)
+    ft = ["train", "--model", "base", "--data", "wp/train.json", "--out", "ft", "--steps", "2", *TRAIN, "--resume"]
+    cases += [[*ft, "--lr", "0.5"], [*ft, "--seed", "1"]]                # resume with other settings
+    ev = ["eval", "--model", "base", "--data", "wp/test.jsonl", "--out", "ev"]
+    cases += [[*ev, flag, v] for flag in ("--static-k", "--k-max", "--max-new-tokens", "--batch-size")
+              for v in NUMBERS]
+    cases += [[*ev, flag, v] for flag, v in [("--taus", "0"), ("--taus", "1.5"), ("--lossless-k", "-1"),
+                                              ("--limit", "-1"), ("--n-shot", "9"), ("--n-shot", "-1"),
+                                              ("--prompt-style", "fewest"), ("--out", "a_file"),
+                                              ("--data", "missing.jsonl"), ("--data", "wp/train.json"),
+                                              ("--model", "missing"), ("--reference", "missing"),
+                                              ("--reference", "a_file")]]
+    cases += [[*ev, "--static-k", "--taus"]]                               # nothing to evaluate
+    an = ["analyze", "--model", "base", "--data", "wp/test.jsonl"]
+    cases += [[*an, flag, v] for flag in ("--max-new-tokens", "--batch-size") for v in NUMBERS]
+    cases += [[*an, flag, v] for flag, v in [("--taus", "0"), ("--taus", "1.5"), ("--taus", "x"), ("--k-max", "0"),
+                                              ("--k-max", "1"), ("--limit", "-1"), ("--out", "a_file"),
+                                              ("--data", "missing.jsonl"), ("--data", bad["wrong_rows"]),
+                                              ("--data", bad["latin1"]), ("--model", broken["mistral"])]]
+    cases += [[*an, "--domains", "lists"], ["analyze", "--model", "base", "--domains", "poetry"], an[:3]]
+    rows = ["data", "--model", "base", "--out", "rows.jsonl", "--domains", "lists"]
+    cases += [[*rows, flag, v] for flag in ("--per-domain", "--max-new-tokens", "--batch-size") for v in NUMBERS]
+    cases += [[*rows, "--domains", "poetry"], [*rows, "--split", "dev"], [*rows, "--out", "wp"],
+              [*rows, "--out", "a_file/rows.jsonl"], [*rows, "--model", "missing"], [*rows, "--device", "gpu"]]
+    cases += [["export", "--checkpoint", c, "--out", "exp"] for c in ("missing", "a_file", "wp", "truncated")]
+    cases += [["export", "--checkpoint", "ft", "--out", "a_file"], ["export", "--checkpoint", "ft"], ["serve"], [],
+              ["export", "--checkpoint", "ft", "--out", "exp", "--threads", "0"]]
+    return [("finetune_hf", c) for c in cases]
+
+
+def all_cases(r):
+    broken, bad = broken_models(r), bad_data_files(r)
+    toy = r / "runs" / "toy-teacher2-mtp1-eval1"
+    if not (r / "truncated_toy").exists():                               # a toy checkpoint cut short
+        shutil.copytree(toy, r / "truncated_toy")
+        teacher = (toy / "checkpoints" / "teacher.pt").read_bytes()
+        (r / "truncated_toy" / "checkpoints" / "teacher.pt").write_bytes(teacher[: len(teacher) // 3])
+    if not (r / "truncated").exists():                                   # a checkpoint cut short mid-write
+        latest = r / "ft" / "checkpoints" / (r / "ft" / "checkpoints" / "latest").read_text().strip()
+        shutil.copytree(latest, r / "truncated")
+        trainer = (r / "truncated" / "trainer.pt").read_bytes()
+        (r / "truncated" / "trainer.pt").write_bytes(trainer[: len(trainer) // 2])
+    return confadapt_cases(r, broken) + train_toy_cases(r) + finetune_cases(r, broken, bad)
+
+
+def test_every_bad_input_fails_in_one_line_and_changes_nothing(at_root, capsys):
+    cases = all_cases(at_root)
+    before = snapshot(at_root)
+    failures = []
+    for script, argv in cases:
+        status = MAINS[script](argv)
+        err = capsys.readouterr().err
+        lines = err.strip().splitlines()
+        if status == 0 or len(lines) != 1 or not lines[0].startswith("error: ") or "Traceback" in err:
+            failures.append(f"{script} {' '.join(argv)} -> {status}: {err!r}")
+    assert not failures, "\n".join(failures)
+    assert snapshot(at_root) == before                                   # not one file written or touched
+    assert len(cases) > 200
+
+
+def test_error_lines_name_what_is_wrong(at_root, capsys):
+    broken, bad = broken_models(at_root), bad_data_files(at_root)
+    all_cases(at_root)
+    expected = [
+        ("confadapt", ["--model", "base", "--prompt", "1", "--tau", "1.5"], "--tau: must be in (0, 1], got 1.5"),
+        ("confadapt", ["--model", "base", "--prompt", "1", "--device", "gpu"], "--device gpu: not a device"),
+        ("train_toy", ["--teacher-steps", "-5"], "--teacher-steps: must be at least 1, got -5"),
+        ("train_toy", ["--out", "a_file"], "--out a_file: is a file"),
+        ("train_toy", ["--export-hf", "hf", "--seed", "3", *TOY], "no finished teacher, naive, distill"),
+        ("train_toy", ["--out", "runs/toy-teacher2-mtp1-eval1", "--quick", *TOY], "dim 128 -> 64"),
+        ("finetune_hf", ["train", "--model", broken["no_config"], "--data", "x", "--out", "o"], "no model config"),
+        ("finetune_hf", ["train", "--model", broken["mistral"], "--data", "x", "--out", "o"],
+         "config.json: unsupported model_type 'mistral'"),
+        ("finetune_hf", ["train", "--model", broken["a_list"], "--data", "x", "--out", "o"],
+         "config.json: expected a JSON object"),
+        ("finetune_hf", ["train", "--model", broken["no_heads"], "--data", "x", "--out", "o"],
+         "config.json: missing field 'num_attention_heads'"),
+        ("finetune_hf", ["train", "--model", broken["bad_tokenizer"], "--data", "wp/train.json", "--out", "o", *TRAIN],
+         "tokenizer.json"),
+        ("finetune_hf", ["train", "--model", "base", "--data", bad["latin1"], "--out", "o", *TRAIN],
+         "latin1: not UTF-8"),
+        ("finetune_hf", ["train", "--model", "base", "--data", "wp/train.json", "--out", "ft"],
+         "add --resume to continue it, or --overwrite"),
+        ("finetune_hf", ["train", "--model", "base", "--data", "wp/train.json", "--out", "o", "--steps", "0"],
+         "--steps: must be at least 1, got 0"),
+        ("finetune_hf", ["export", "--checkpoint", "truncated", "--out", "exp"], "truncated/trainer.pt: truncated"),
+        ("finetune_hf", ["analyze", "--model", "base", "--data", "x", "--taus", "0"], "--taus: must be in (0, 1]"),
+    ]
+    if not torch.cuda.is_available():
+        expected.append(("finetune_hf", ["eval", "--model", "base", "--data", "wp/test.jsonl", "--device", "cuda"],
+                         "CUDA is not available on this machine"))
+    for script, argv, message in expected:
+        assert MAINS[script](argv) == 2
+        err = capsys.readouterr().err
+        assert message in err, (argv, err)
+
+
+# ----------------------------------------------------------------------------------------------
+# Runs are never mixed or lost
+# ----------------------------------------------------------------------------------------------
+
+def test_default_folders_are_named_after_the_settings():
+    def out(*argv):
+        args = train_toy.parse_args(list(argv))
+        cfg = train_toy.RunConfig(seed=args.seed, **(train_toy.QUICK if args.quick else {}))
+        for name in ("teacher_steps", "mtp_steps", "n_eval"):
+            if getattr(args, name) is not None:
+                cfg = train_toy.replace(cfg, **{name: getattr(args, name)})
+        return train_toy.default_out(args, cfg)
+    assert out() == out("--teacher-steps", "3000") == os.path.join("runs", "toy")
+    assert out("--quick") == os.path.join("runs", "toy-quick")
+    assert out("--seed", "1") == os.path.join("runs", "toy-seed1")
+    assert out("--quick", "--seed", "2", "--n-eval", "3") == os.path.join("runs", "toy-quick-seed2-eval3")
+
+
+def test_other_runs_leave_a_finished_toy_run_untouched(at_root):
+    run = at_root / "runs" / "toy-teacher2-mtp1-eval1"
+    checkpoints = snapshot(run / "checkpoints")
+    results = json.loads((run / "results.json").read_text())
+    others = set()
+    for argv in (["--quick", *TOY], ["--seed", "1", *TOY]):           # into their own default folders
+        train_toy.main(argv)
+        others |= {p.name for p in (at_root / "runs").iterdir()}
+        assert snapshot(run / "checkpoints") == checkpoints
+        assert json.loads((run / "results.json").read_text()) == results
+    assert {"toy-quick-teacher2-mtp1-eval1", "toy-seed1-teacher2-mtp1-eval1"} <= others
+
+    again = train_toy.main(TOY)                                      # the same run again: nothing retrained
+    assert snapshot(run / "checkpoints") == checkpoints
+    timing = {"tokens_per_s"}
+    assert [{k: v for k, v in r.items() if k not in timing} for r in again["rows"]] == \
+        [{k: v for k, v in r.items() if k not in timing} for r in results["rows"]]
+
+
+def test_finetune_resume_compares_paths_by_meaning_and_overwrite_replaces(at_root, capsys, tmp_path):
+    shutil.copytree(at_root / "ft", tmp_path / "ft")
+    shutil.copytree(at_root / "base", tmp_path / "base")
+    shutil.copytree(at_root / "wp", tmp_path / "wp")
+    os.chdir(tmp_path)
+    absolute = ["train", "--model", str(tmp_path / "base"), "--data", str(tmp_path / "wp" / "train.json"),
+                "--out", "ft", "--steps", "3", *TRAIN]
+    assert finetune_hf.main([*absolute, "--resume"]) == 0           # first run: relative paths, now absolute
+    assert "resumed from" in capsys.readouterr().out
+    steps = [json.loads(line)["step"] for line in (tmp_path / "ft" / "log.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+    assert finetune_hf.main([*absolute, "--steps", "1", "--overwrite"]) == 0
+    assert [json.loads(line)["step"] for line in (tmp_path / "ft" / "log.jsonl").read_text().splitlines()] == [1]
+    assert sorted(p.name for p in (tmp_path / "ft" / "checkpoints").glob("step_*")) == ["step_000001"]
+
+
+def test_warmup_longer_than_the_run_is_announced(at_root, capsys, tmp_path):
+    assert finetune_hf.main(["train", "--model", "base", "--data", "wp/train.json", "--out", str(tmp_path / "w"),
+                             *TRAIN, "--steps", "1", "--warmup", "2000"]) == 0
+    out = capsys.readouterr().out
+    assert "warning: --warmup 2000 is over half of --steps 1: the learning rate only reaches 0.05% of --lr" in out
+
+
+# ----------------------------------------------------------------------------------------------
+# Ctrl-C: one line, saying what is saved and how to continue
+# ----------------------------------------------------------------------------------------------
+
+def test_ctrl_c_in_finetune_says_how_to_resume(at_root, capsys, monkeypatch, tmp_path):
+    real, calls = finetune_hf.train_step, []
+
+    def interrupted_at_step_2(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+    monkeypatch.setattr(finetune_hf, "train_step", interrupted_at_step_2)
+    out = tmp_path / "cut"
+    assert finetune_hf.main(["train", "--model", "base", "--data", "wp/train.json", "--out", str(out), "--steps", "3",
+                             *TRAIN]) == 130
+    err = capsys.readouterr().err.strip()
+    assert err == (f"interrupted: the last checkpoint is {out / 'checkpoints' / 'step_000001'}; "
+                   f"run the same command with --resume to continue")
+
+
+def test_ctrl_c_in_the_toy_says_what_is_saved(at_root, capsys, monkeypatch):
+    real = train_toy.train_phase
+
+    def interrupted_students(name, *args, **kwargs):
+        if name == "naive":
+            raise KeyboardInterrupt
+        return real(name, *args, **kwargs)
+    monkeypatch.setattr(train_toy, "train_phase", interrupted_students)
+    assert MAINS["train_toy"](["--seed", "5", *TOY]) == 130
+    err = capsys.readouterr().err.strip()
+    assert err == (f"interrupted: {os.path.join('runs', 'toy-seed5-teacher2-mtp1-eval1')}/checkpoints holds "
+                   f"teacher; run the same command again to continue from there")
