@@ -106,11 +106,9 @@ def write_tokenizer(reader, out: Path):
 
 def write_model(gguf: Path, out: Path):
     """Dequantised float32 weights + config.json + generation_config.json, via transformers."""
+    os.environ.setdefault("TQDM_DISABLE", "1")   # the loader's per-tensor progress bar
     import torch
     from transformers import AutoModelForCausalLM
-    from transformers.utils import logging
-
-    logging.disable_progress_bar()
 
     quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = quantized.config
