@@ -234,15 +234,16 @@ def take_pass(row: Row, mode: DecodeConfig, preds: list[int], confs: list[float]
 # ----------------------------------------------------------------------------------------------
 
 def padded(rows: list[list[int]], pad_id: int, device):
-    """Right-pad token lists to one (B, T) tensor; also the real lengths (B,), or None if all equal.
+    """Right-pad token lists to one (B, T) tensor; also the real lengths (a list), or None if all equal.
 
     With the lengths, model.forward skips the padding (a ragged pass): a row that feeds 2 tokens
-    beside one that feeds 15 costs 2 positions, not 15.
+    beside one that feeds 15 costs 2 positions, not 15. They stay on the host, where the pass
+    builds its index tensors from them without asking the device.
     """
     T = max(len(x) for x in rows)
     tokens = torch.tensor([x + [pad_id] * (T - len(x)) for x in rows], device=device)        # (B, T)
     ragged = any(len(x) != T for x in rows)
-    return tokens, torch.tensor([len(x) for x in rows], device=device) if ragged else None
+    return tokens, [len(x) for x in rows] if ragged else None
 
 
 def prefill(model, cache, prompts: dict[int, list[int]], pad_id: int) -> float:
@@ -578,7 +579,7 @@ def add_model_args(p):
     g = p.add_argument_group("model")
     g.add_argument("--model", required=True,
                    help="Hugging Face layout folder (config.json, safetensors, tokenizer.json)")
-    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (cuda when available)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--no-bos", action="store_true", help="do not prepend the model's BOS token to the prompt")
     g.add_argument("--threads", type=int, default=None,
@@ -588,11 +589,11 @@ def add_model_args(p):
 def load(args):
     """Model, tokenizer, mask id and stop ids from a model folder; errors as ValueError."""
     from data import Tokenizer
-    from model import Transformer
+    from model import Transformer, parse_device
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = Transformer.from_pretrained(args.model, device=args.device, dtype=getattr(torch, args.dtype))
+    model = Transformer.from_pretrained(args.model, device=parse_device(args.device), dtype=getattr(torch, args.dtype))
     tokenizer = Tokenizer.from_pretrained(args.model)
     cfg = model.config
     mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else tokenizer.mask_id
