@@ -46,7 +46,7 @@ import torch.nn.functional as F
 import data
 from confadapt import DecodeConfig, chunk_texts, generate, save_chunks_png
 from distill import frozen_teacher, mtp_loss
-from model import ModelConfig, Transformer, add_mask_token, atomic_save
+from model import ModelConfig, Transformer, add_mask_token, atomic_save, parse_device
 
 MODELS = ("ntp", "naive", "distill")          # names used in results.json
 STUDENT_MODE = {"naive": "gt", "distill": "hard"}
@@ -483,7 +483,10 @@ def main(argv=None) -> dict:
         if getattr(args, name) is not None:
             cfg = replace(cfg, **{name: getattr(args, name)})
     torch.set_num_threads(args.threads)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        device = parse_device(args.device)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     if args.word_problems:
         return word_problem_base_model(args, device)
     os.makedirs(args.out, exist_ok=True)
@@ -574,7 +577,7 @@ def parse_args(argv=None):
     run.add_argument("--seed", type=int, default=0, help="seed for weights, data and layouts")
     run.add_argument("--restart", action="store_true", help="ignore checkpoints in --out and train every phase again")
     hw = p.add_argument_group("hardware")
-    hw.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    hw.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (cuda when available)")
     hw.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     budget = p.add_argument_group("budget (override the defaults)")
     budget.add_argument("--teacher-steps", type=int, default=None, help="next-token training steps of the teacher")
