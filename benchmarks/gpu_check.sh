@@ -45,8 +45,7 @@ step() {   # step NAME TIMEOUT_S COMMAND...: run it, log it, record its status a
     >> "$W/steps.jsonl"
 }
 
-figures() { "$PY" benchmarks/gpu_figures.py "$1" --device "$DEV" --dtype "$DT" --json "$FIG/$1.json"; }
-ft() { "$PY" finetune_hf.py "$@"; }
+FT=("$PY" finetune_hf.py)     # `timeout` runs programs, not shell functions: commands are arrays
 WP=$W/wp TRAIN=(--data "$W/wp/data/train.json" --seq-len 64 --batch-size 16 --micro-batch 8 --lr 3e-4 --warmup 5
                 --regions 8 --save-every 10 --log-every 5 --device "$DEV")
 
@@ -55,21 +54,21 @@ WP=$W/wp TRAIN=(--data "$W/wp/data/train.json" --seq-len 64 --batch-size 16 --mi
 step env 60 bash -c 'nvidia-smi; "$0" benchmarks/gpu_figures.py env --device "$1" --json "$2"' "$PY" "$DEV" "$FIG/env.json"
 step gpu_tests 150 "$PY" -m pytest -q tests "${TESTS[@]}" -p no:cacheprovider --junitxml "$FIG/gpu_tests.xml"
 # 2. kernels, memory, host syncs
-step attention 60 figures attention
-step syncs 60 figures syncs
+step attention 60 "$PY" benchmarks/gpu_figures.py attention --device "$DEV" --dtype "$DT" --json "$FIG/attention.json"
+step syncs 60 "$PY" benchmarks/gpu_figures.py syncs --device "$DEV" --dtype "$DT" --json "$FIG/syncs.json"
 # 3. finetune_hf.py on the word-problem miniature: train, interrupted + resumed, export, eval, analyze
 step wp_base 60 "$PY" train_toy.py --word-problems "$WP" --quick --device "$DEV"
 Q=$("$PY" -c "import json, sys; print(json.loads(open(sys.argv[1]).readline())['question'])" "$WP/data/test.jsonl" \
     2>/dev/null || echo "Tom has 3 apples.")
-step ft_train 60 ft train --model "$WP/base" "${TRAIN[@]}" --steps 20 --out "$W/full"
-step ft_train_half 60 ft train --model "$WP/base" "${TRAIN[@]}" --steps 10 --out "$W/cut"
-step ft_resume 60 ft train --model "$WP/base" "${TRAIN[@]}" --steps 20 --out "$W/cut" --resume
+step ft_train 60 "${FT[@]}" train --model "$WP/base" "${TRAIN[@]}" --steps 20 --out "$W/full"
+step ft_train_half 60 "${FT[@]}" train --model "$WP/base" "${TRAIN[@]}" --steps 10 --out "$W/cut"
+step ft_resume 60 "${FT[@]}" train --model "$WP/base" "${TRAIN[@]}" --steps 20 --out "$W/cut" --resume
 step ft_resume_diff 30 "$PY" benchmarks/gpu_figures.py compare "$W/full/final" "$W/cut/final" --json "$FIG/ft_resume_diff.json"
-step ft_export 60 ft export --checkpoint "$W/full" --out "$W/exported"
+step ft_export 60 "${FT[@]}" export --checkpoint "$W/full" --out "$W/exported"
 step ft_export_diff 30 "$PY" benchmarks/gpu_figures.py compare "$W/full/final" "$W/exported" --json "$FIG/ft_export_diff.json"
-step ft_eval 90 ft eval --model "$W/full/final" --data "$WP/data/test.jsonl" --out "$W/eval" --prompt-style zeroshot \
+step ft_eval 90 "${FT[@]}" eval --model "$W/full/final" --data "$WP/data/test.jsonl" --out "$W/eval" --prompt-style zeroshot \
   --limit 32 --max-new-tokens 48 --batch-size 16 --static-k 1 3 --taus 0.9 --lossless-k 4 --device "$DEV"
-step ft_analyze 60 ft analyze --model "$WP/base" --data "$WP/data/test.jsonl" --limit 16 --max-new-tokens 48 \
+step ft_analyze 60 "${FT[@]}" analyze --model "$WP/base" --data "$WP/data/test.jsonl" --limit 16 --max-new-tokens 48 \
   --out "$W/analysis" --device "$DEV"
 # 4. FSDP2 under torchrun at world size 1 (NCCL on a GPU, gloo on the CPU), against the plain run
 step fsdp_train 120 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 finetune_hf.py train \
@@ -81,8 +80,8 @@ step confadapt 60 bash -c '"$0" confadapt.py --model "$1" --device "$2" --dtype 
 step bench 90 bash -c '"$0" confadapt.py bench --model "$1" --device "$2" --dtype "$3" --json --prompt "$4" \
   --max-new-tokens 48 --batch-sizes 1 16 --taus 0.9 --repeats 2 --latency-max 16 > "$5"' \
   "$PY" "$W/full/final" "$DEV" "$DT" "$Q" "$FIG/bench.json"
-step bf16 60 figures bf16
-step decode 60 figures decode
+step bf16 60 "$PY" benchmarks/gpu_figures.py bf16 --device "$DEV" --dtype "$DT" --json "$FIG/bf16.json"
+step decode 60 "$PY" benchmarks/gpu_figures.py decode --device "$DEV" --dtype "$DT" --json "$FIG/decode.json"
 # 6. train_toy.py end to end (the laptop users' command), last: the longest step
 step train_toy 240 "$PY" train_toy.py --device "$DEV" --out "$W/toy" "${TOY[@]}"
 
