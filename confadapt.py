@@ -235,15 +235,16 @@ def take_pass(row: Row, mode: DecodeConfig, preds: list[int], confs: list[float]
 # ----------------------------------------------------------------------------------------------
 
 def padded(rows: list[list[int]], pad_id: int, device):
-    """Right-pad token lists to one (B, T) tensor; also the real lengths (B,), or None if all equal.
+    """Right-pad token lists to one (B, T) tensor; also the real lengths (a list), or None if all equal.
 
     With the lengths, model.forward skips the padding (a ragged pass): a row that feeds 2 tokens
-    beside one that feeds 15 costs 2 positions, not 15.
+    beside one that feeds 15 costs 2 positions, not 15. They stay on the host, where the pass
+    builds its index tensors from them without asking the device.
     """
     T = max(len(x) for x in rows)
     tokens = torch.tensor([x + [pad_id] * (T - len(x)) for x in rows], device=device)        # (B, T)
     ragged = any(len(x) != T for x in rows)
-    return tokens, torch.tensor([len(x) for x in rows], device=device) if ragged else None
+    return tokens, [len(x) for x in rows] if ragged else None
 
 
 def prefill(model, cache, prompts: dict[int, list[int]], pad_id: int) -> float:
@@ -624,25 +625,6 @@ positive_float = number(float, 0, low_open=True)       # learning rates, clippin
 probability = number(float, 0, 1, low_open=True)       # thresholds tau
 
 
-def device_from(name: str) -> torch.device:
-    """`auto` (cuda if available, else cpu), `cpu`, `cuda`, `cuda:N`, `mps`, checked against this machine."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise CliError(f"--device {name}: not a device (expected auto, cpu, cuda or cuda:N)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise CliError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise CliError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise CliError(f"--device {name}: MPS is not available on this machine")
-    if device.type not in ("cpu", "cuda", "mps"):
-        raise CliError(f"--device {name}: not supported here (use cpu or cuda)")
-    return device
-
-
 def input_path(path, flag: str, folder: bool = False) -> str:
     """A path the command reads: it must exist, and be a folder (folder=True) or a file."""
     if not os.path.exists(path):
@@ -699,7 +681,7 @@ def add_model_args(p):
     g = p.add_argument_group("model")
     g.add_argument("--model", required=True,
                    help="Hugging Face layout folder (config.json, safetensors, tokenizer.json)")
-    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... or auto")
+    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (cuda when available)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights")
     g.add_argument("--no-bos", action="store_true", help="do not prepend the model's BOS token to the prompt")
     g.add_argument("--threads", type=positive_int, default=None,
@@ -721,9 +703,9 @@ def load_tokenizer(path):
 
 def load(args):
     """Model, tokenizer, mask id and stop ids from a model folder; errors as ValueError."""
-    from model import Transformer
+    from model import Transformer, parse_device
 
-    device = device_from(args.device)
+    device = parse_device(args.device)
     input_path(args.model, "--model", folder=True)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -88,11 +88,26 @@ def masked_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return (values * valid).sum() / valid.sum().clamp(min=1)
 
 
-def per_position_mean(values: torch.Tensor, valid: torch.Tensor) -> list[float]:
-    """Mean of values (B, M, k) over batch and regions, one number per prediction j."""
-    num = (values.float() * valid).sum((0, 1))
-    den = valid.sum((0, 1))
-    return [float(n / d) if d > 0 else float("nan") for n, d in zip(num, den)]
+def per_position_sums(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Sums of values (B, M, k) and of valid over batch and regions, per prediction j -> (2, k)."""
+    return torch.stack([(values.float() * valid).sum((0, 1)), valid.sum((0, 1)).float()])
+
+
+def to_host(**tensors) -> dict:
+    """Statistics in one device-to-host copy (each float() would wait for the GPU on its own):
+    a 0-d tensor becomes a float, an (r, c) one r lists of c floats."""
+    flat = torch.cat([t.detach().float().reshape(-1) for t in tensors.values()]).tolist()
+    out, i = {}, 0
+    for name, t in tensors.items():
+        values, c = flat[i:i + t.numel()], t.shape[-1] if t.dim() else 1
+        out[name] = values[0] if t.dim() == 0 else [values[r:r + c] for r in range(0, len(values), c)]
+        i += t.numel()
+    return out
+
+
+def per_position_mean(sums) -> list[float]:
+    """[sums of values, counts] per prediction j -> the means (NaN where j has no valid prediction)."""
+    return [n / d if d > 0 else float("nan") for n, d in zip(*sums)]
 
 
 def mtp_loss(student, teacher, batch: MTPBatch, mode: str = "hard",
@@ -131,19 +146,17 @@ def mtp_loss(student, teacher, batch: MTPBatch, mode: str = "hard",
 
     mtp = masked_mean(per_pred, valid)
     loss = mtp
-    stats = {
-        "mtp_loss": float(mtp.detach()),
-        "n_pred": int(valid.sum()),
-        "k": k,
-        "acc": per_position_mean(proposals == targets, valid),       # student argmax == target, per j
-        "gt_acc": per_position_mean(proposals == batch.targets, valid),
-    }
+    stats = {"mtp_loss": mtp, "n_pred": valid.sum(),
+             "acc": per_position_sums(proposals == targets, valid),         # student argmax == target, per j
+             "gt_acc": per_position_sums(proposals == batch.targets, valid)}
     if mode != "gt":
-        stats["ce"] = float(masked_mean(student_ce.detach(), valid))
+        stats["ce"] = masked_mean(student_ce.detach(), valid)
     if want_ntp:
         ntp_logits = logits[:, M * k:]                                      # (B, N-1, V)
         ntp = masked_mean(cross_entropy(batch.ntp_targets, ntp_logits), batch.ntp_valid)
         loss = loss + prefix_ntp_weight * ntp
-        stats["ntp_loss"] = float(ntp.detach())
-    stats["loss"] = float(loss.detach())
+        stats["ntp_loss"] = ntp
+    stats = to_host(**stats, loss=loss)
+    stats.update(k=k, n_pred=int(stats["n_pred"]), acc=per_position_mean(stats["acc"]),
+                 gt_acc=per_position_mean(stats["gt_acc"]))
     return loss, stats

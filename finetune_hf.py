@@ -42,14 +42,14 @@ from pathlib import Path
 
 import torch
 
-from confadapt import (CliError, DecodeConfig, Parser, Progress, accept_confadapt, count, device_from, generate,
+from confadapt import (CliError, DecodeConfig, Parser, Progress, accept_confadapt, count, generate,
                        input_path, load_tokenizer, number, output_folder, positive_float, positive_int, probability,
                        run_cli)
 from data import (DOMAINS, FORMATS, Tokenizer, default_n_regions, domain_prompts, end_token, mtp_layout, padding_token,
                   prompt_tokens, response_tokens, sample_k_and_offset, start_tokens, training_sequences)
 from distill import MODES, frozen_teacher, mtp_loss
-from model import (ModelConfig, Transformer, add_mask_token, atomic_save, read_checkpoint, read_model_config,
-                   rope_inv_freq, write_json)
+from model import (ModelConfig, Transformer, add_mask_token, atomic_save, parse_device, read_checkpoint,
+                   read_json, read_model_config, rope_inv_freq, write_json)
 
 # ==============================================================================================
 # Data: rows, prompt formats, training sequences
@@ -174,31 +174,33 @@ class Dist:
     world: int = 1
     device: torch.device = torch.device("cpu")
     dtype: torch.dtype = torch.float32               # what the matrix multiplications compute in
+    sharded: bool = False                            # under torchrun: FSDP2, at any number of processes
 
     @property
     def main(self) -> bool:
         return self.rank == 0
 
-    @property
-    def sharded(self) -> bool:
-        return self.world > 1
-
 
 def setup_processes(device: str, dtype: str = "auto") -> Dist:
     """Join the torchrun process group if there is one (nccl on GPU, gloo on CPU)."""
-    use_cuda = device_from(device).type == "cuda"
-    compute = compute_dtype("cuda" if use_cuda else "cpu", dtype)
-    if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) == 1:
-        return Dist(device=torch.device("cuda" if use_cuda else "cpu"), dtype=compute)
+    device = parse_device(device)
+    compute = compute_dtype(device.type, dtype)
+    if "WORLD_SIZE" not in os.environ:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        return Dist(device=device, dtype=compute)
+    import datetime
     import torch.distributed as dist
 
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    if not use_cuda and dtype == "auto":             # several CPU processes (gloo, tests): float32
+    if device.type == "cuda":                 # one GPU per process, whatever index --device named
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    elif dtype == "auto":                     # several CPU processes (gloo, tests): float32
         compute = torch.float32
-    if use_cuda:
-        torch.cuda.set_device(local)
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    return Dist(dist.get_rank(), dist.get_world_size(), torch.device(f"cuda:{local}" if use_cuda else "cpu"), compute)
+    # Rank 0 alone reads the checkpoint and writes the export while the others wait in a
+    # collective; for an 8B model on a slow disk that can outlast NCCL's default 10 minutes.
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(hours=1))
+    return Dist(dist.get_rank(), dist.get_world_size(), device, compute, sharded=True)
 
 
 def cpu_has_bfloat16() -> bool:
@@ -211,9 +213,11 @@ def cpu_has_bfloat16() -> bool:
 
 
 def compute_dtype(device_type: str, dtype: str = "auto") -> torch.dtype:
-    """--dtype: auto is bfloat16 on GPUs and on CPUs with bfloat16 arithmetic, else float32."""
+    """--dtype: auto is bfloat16 on GPUs that have it (Ampere and later) and on CPUs with
+    bfloat16 arithmetic, else float32."""
     if dtype == "auto":
-        return torch.bfloat16 if device_type == "cuda" or cpu_has_bfloat16() else torch.float32
+        gpu = device_type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if gpu or (device_type == "cpu" and cpu_has_bfloat16()) else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
 
 
@@ -250,8 +254,10 @@ def broadcast(obj, d: Dist):
 #
 # Precision (--dtype). The student keeps float32 master weights (AdamW's lr 1e-5 updates vanish
 # in bfloat16's 8-bit mantissa) and computes in bfloat16 on GPUs and on CPUs with bfloat16
-# arithmetic (a training step 1.5-1.8x faster there): FSDP2's MixedPrecisionPolicy when sharded, torch.autocast
-# otherwise. The teacher never changes, so it is stored in the compute dtype. Elsewhere, float32.
+# arithmetic (a training step 1.5-1.8x faster there): FSDP2's MixedPrecisionPolicy when sharded,
+# torch.autocast otherwise. The teacher never changes, so it is stored in the compute dtype.
+# Elsewhere, float32, also on GPUs without bfloat16 (before Ampere): float16 would need loss
+# scaling, and its range overflows where bfloat16's does not.
 #
 # Sharding. Every rank builds student and teacher on the meta device (no memory), shards each
 # transformer block and then the whole model with `fully_shard`, and only rank 0 reads the
@@ -291,13 +297,18 @@ def load_student_and_teacher(args, d: Dist, with_teacher: bool = True):
 
 
 def shard(model: Transformer, d: Dist, args):
-    """FSDP2: each block is one all-gather unit; the root holds embeddings, final norm and head."""
+    """FSDP2: each block is one all-gather unit; the root holds embeddings, final norm and head.
+
+    The mesh is built for d.device (fully_shard's default follows the machine's accelerator,
+    which would put a `--device cpu` run's shards on a GPU)."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    mesh = init_device_mesh(d.device.type, (d.world,))
     mp = MixedPrecisionPolicy(param_dtype=d.dtype, reduce_dtype=torch.float32)
     for block in model.layers:
-        fully_shard(block, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
 
 
 def enable_activation_checkpointing(model: Transformer):
@@ -323,6 +334,11 @@ def enable_activation_checkpointing(model: Transformer):
 # valid predictions of the whole global batch, so the gradient is that of one mean over the
 # global batch no matter how it is split across processes and micro-batches. (FSDP averages
 # gradients over processes, hence the extra factor world_size.)
+#
+# Under FSDP2 each micro-batch's backward reduce-scatters its gradients into the float32
+# gradient shards right away. Deferring that to the last micro-batch would save communication
+# but hold an unsharded float32 gradient of the whole model on every GPU (4 bytes per
+# parameter: 32 GB for 8B), more than the sharded training state itself on 4 GPUs.
 
 def micro_batches(seqs: torch.Tensor, rows: list[int], d: Dist, micro: int) -> list[torch.Tensor]:
     """This process's micro-batches of one global batch: slice m*world + rank of size `micro`."""
@@ -337,16 +353,15 @@ def micro_batches(seqs: torch.Tensor, rows: list[int], d: Dist, micro: int) -> l
 def train_step(student, teacher, optimizer, scheduler, micro: list[torch.Tensor], k: int, offset: int,
                args, d: Dist, mask_id, pad: int) -> dict:
     """Forward/backward every micro-batch, clip, step. Returns the step's statistics (global)."""
-    batches = [mtp_layout(s, k, offset, args.regions, mask_id=mask_id, eos_id=pad, pad_id=pad).to(d.device)
+    batches = [mtp_layout(s, k, offset, args.regions, mask_id=mask_id, eos_id=pad, pad_id=pad)
                for s in micro]                # `pad` is also each row's end token (the EOS rule)
-    counts = [int(b.valid.sum()) for b in batches]
+    counts = [int(b.valid.sum()) for b in batches]               # counted on the host, before moving
+    batches = [b.to(d.device) for b in batches]
     n_global = max(1.0, all_sum(sum(counts), d))
     autocast = (torch.autocast(d.device.type, dtype=d.dtype) if d.dtype != torch.float32 and not d.sharded
                 else nullcontext())
     loss_sum, agree = 0.0, 0.0
-    for i, (batch, n) in enumerate(zip(batches, counts)):
-        if d.sharded:                                 # reduce-scatter gradients only after the last one
-            student.set_requires_gradient_sync(i == len(batches) - 1)
+    for batch, n in zip(batches, counts):
         with autocast:
             loss, stats = mtp_loss(student, teacher, batch, mode=args.mode, prefix_ntp_weight=args.prefix_ntp_weight)
         (loss * (n / n_global) * d.world).backward()
@@ -381,7 +396,7 @@ def make_optimizer(model, args):
 #
 # A checkpoint is a folder checkpoints/step_000123/ written by torch.distributed.checkpoint
 # (each process writes its own shards of model and optimizer state) plus trainer.pt (step,
-# scheduler, RNG states, arguments). It is first written under a temporary name and renamed
+# scheduler, CPU RNG state, arguments). It is first written under a temporary name and renamed
 # when complete, then the file `latest` is atomically pointed at it: a crash at any moment
 # leaves the previous checkpoint intact. The data order and each step's k / offset are
 # functions of the step number, so the step is all the "data loader state" there is.
@@ -420,8 +435,7 @@ def save_checkpoint(student, optimizer, scheduler, step: int, args, d: Dist):
     barrier(d)
     if d.main:
         trainer = {"step": step, "scheduler": scheduler.state_dict(), "args": vars(args),
-                   "rng_cpu": torch.get_rng_state(),
-                   "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+                   "rng_cpu": torch.get_rng_state()}          # nothing draws on the GPUs' generators
         torch.save(trainer, tmp / "trainer.pt")
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -462,9 +476,7 @@ def load_checkpoint(path: Path, student, optimizer, scheduler, args) -> int:
                              f"resume from an earlier one by pointing {path.parent}/latest at it") from None
     set_state_dict(student, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     scheduler.load_state_dict(trainer["scheduler"])
-    torch.set_rng_state(trainer["rng_cpu"])
-    if trainer["rng_cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(trainer["rng_cuda"])
+    torch.set_rng_state(trainer["rng_cpu"])        # older checkpoints also hold per-GPU states: unused
     return trainer["step"]
 
 
@@ -594,7 +606,9 @@ def log(d: Dist, message: str):
 def export(student, tok: Tokenizer, path: Path, args, d: Dist, extra_card: str = "") -> Path:
     """config.json (with mask_token_id) + safetensors + tokenizer (with <mask>) + README.md.
 
-    Under FSDP2 the shards are gathered into one full state dict on rank 0 (in CPU memory)."""
+    Under FSDP2 the shards are gathered into one full state dict on rank 0 (in CPU memory). The
+    weights are written in the base checkpoint's dtype, whichever device trained them, so `train`
+    and `export` of one run write the same files and a tuned model ships like its base."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(student, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -605,11 +619,18 @@ def export(student, tok: Tokenizer, path: Path, args, d: Dist, extra_card: str =
         if model.config.tie_embeddings:
             model.lm_head.weight = model.tok_emb.weight
         path = Path(path)
-        model.save_pretrained(path, dtype=torch.bfloat16 if d.device.type == "cuda" else None)
+        model.save_pretrained(path, dtype=checkpoint_dtype(args.model))
         tok.save_pretrained(path)
         (path / "README.md").write_text(model_card(model.config, args, extra_card), encoding="utf-8")
     barrier(d)
     return Path(path)
+
+
+def checkpoint_dtype(path) -> torch.dtype:
+    """The dtype config.json says a Hugging Face checkpoint is stored in; float32 when unstated."""
+    cfg = read_json(os.path.join(path, "config.json"), "model config")
+    name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(name, torch.float32)
 
 
 def model_card(cfg: ModelConfig, args, extra: str = "") -> str:
@@ -905,7 +926,7 @@ def pareto_plot(rows: list[dict], path, title: str):
 
 def load_for_inference(args) -> tuple[Transformer, Tokenizer, int | None, str]:
     """Model (eval mode, on the chosen device), tokenizer, mask id, prompt format."""
-    device = device_from(args.device)
+    device = parse_device(args.device)
     dtype = compute_dtype(device.type, args.dtype)
     tok = load_tokenizer(args.model)
     model = Transformer.from_pretrained(args.model, device=device, dtype=dtype)
@@ -1233,7 +1254,7 @@ def check_paths(args):
     elif getattr(args, "out", None) is not None:
         output_folder(args.out, "--out")
     if getattr(args, "device", None) is not None:
-        device_from(args.device)
+        parse_device(args.device)
 
 
 def command(argv):

@@ -125,13 +125,6 @@ def apply_rope(x, cos, sin):
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-def unpack(x, real):
-    """(1, N, ...) real tokens packed row after row -> (B, T, ...) with zeros at the padding."""
-    out = x.new_zeros(*real.shape, *x.shape[2:])
-    out[real] = x[0]
-    return out
-
-
 class KVCache(nn.Module):
     """Keys and values of past tokens, written at explicit slots, one length per batch row.
 
@@ -154,7 +147,7 @@ class KVCache(nn.Module):
     def rollback(self, lengths):
         """Forget everything at or after `lengths` (an int, or one length per row)."""
         lengths = torch.as_tensor(lengths, dtype=torch.long, device=self.lengths.device).expand_as(self.lengths)
-        if (lengths > self.lengths).any() or (lengths < 0).any():
+        if ((lengths > self.lengths) | (lengths < 0)).any():                 # one read of the device
             raise ValueError("rollback can only shorten the cache")
         self.lengths.copy_(lengths)
 
@@ -167,18 +160,88 @@ class KVCache(nn.Module):
         self.k, self.v = self.k.index_select(1, idx), self.v.index_select(1, idx)
         self.lengths = self.lengths.index_select(0, idx)
 
-    def write(self, layer: int, slots, k, v, real=None):
-        """Store k, v of shape (B, T, n_kv_heads, head_dim) at slots (B, T); return the cache views.
-
-        Ragged (real given, (B, T) bool): k, v are (1, N, n_kv_heads, head_dim), the N real
-        tokens packed row after row, and only they are written.
-        """
-        rows = torch.arange(slots.shape[0], device=slots.device)[:, None].expand_as(slots)
-        if real is not None:
-            rows, slots, k, v = rows[real], slots[real], k[0], v[0]    # (N,), (N,), (N, n_kv, hd)
+    def write(self, layer: int, rows, slots, k, v):
+        """Store k, v of shape (N, n_kv_heads, head_dim) at (rows[i], slots[i]); return the layer's cache."""
         self.k[layer][rows, :, slots] = k.to(self.k.dtype)           # cache layer is (B, n_kv, S, hd)
         self.v[layer][rows, :, slots] = v.to(self.v.dtype)
         return self.k[layer], self.v[layer]
+
+
+@dataclass
+class CachedPass:
+    """Where the tokens of one cached pass go, built once per pass from host-side lengths: no
+    layer has to ask the device for a length or turn a boolean mask into indices (on a GPU each
+    of those waits for all queued work).
+
+    rows, slots  (N,) cache row and slot of each fed token, row after row
+    mask         (B', T, S) bool: slot s is visible to token t of grid row b (causal by slot)
+    positions    (B', T) RoPE position of each grid cell (its slot)
+    S            key slots read: the longest row after this pass
+    live         ragged: (B',) the cache rows that feed tokens; None when every row does
+    grid         ragged: (N,) where each fed token sits in the (B', T) grid of those rows;
+                 None for a pass that is not ragged (its tokens are the whole (B, T) grid)
+    index        ragged: (N,) the same in the caller's (B, T) grid
+    """
+    rows: torch.Tensor
+    slots: torch.Tensor
+    mask: torch.Tensor
+    positions: torch.Tensor
+    S: int
+    live: torch.Tensor | None = None
+    grid: torch.Tensor | None = None
+    index: torch.Tensor | None = None
+
+
+def plan_cached_pass(cache: KVCache, T: int, n_tokens=None) -> CachedPass:
+    """The index tensors of a pass of T tokens per row (or n_tokens[b] for row b) on `cache`."""
+    device = cache.lengths.device
+    lengths = cache.lengths.tolist()                                 # the pass's one read of the device
+    fed = [T] * len(lengths) if n_tokens is None else n_tokens.tolist() if torch.is_tensor(n_tokens) else list(n_tokens)
+    S = max(n + f for n, f in zip(lengths, fed))
+    if S > cache.max_len:
+        raise ValueError(f"KV cache overflow: {S} slots needed, cache holds {cache.max_len}")
+    live = [b for b, f in enumerate(fed) if f] if n_tokens is not None else list(range(len(fed)))
+    cells = [(i, b, t) for i, b in enumerate(live) for t in range(fed[b])]   # (grid row, cache row, step)
+
+    def tensor(xs):
+        return torch.tensor(xs, dtype=torch.long, device=device)
+
+    positions = tensor([lengths[b] for b in live])[:, None] + torch.arange(T, device=device)   # (B', T)
+    mask = torch.arange(S, device=device)[None, None, :] <= positions[:, :, None]             # (B', T, S)
+    p = CachedPass(tensor([b for _, b, _ in cells]), tensor([lengths[b] + t for _, b, t in cells]), mask,
+                   positions, S)
+    if n_tokens is not None:
+        p.index = tensor([b * T + t for _, b, t in cells])
+        p.grid = tensor([i * T + t for i, _, t in cells])
+        p.live = tensor(live) if len(live) < len(fed) else None
+    return p
+
+
+def to_grid(x, p: CachedPass, n_rows: int):
+    """Packed (N, ...) -> (n_rows, T, ...) with zeros at the padding (T = mask.shape[1])."""
+    T = p.mask.shape[1]
+    out = x.new_zeros(n_rows * T, *x.shape[1:]).index_copy_(0, p.grid if n_rows == len(p.mask) else p.index, x)
+    return out.view(n_rows, T, *x.shape[1:])
+
+
+def attend(q, k, v, mask):
+    """softmax(q k^T / sqrt(hd) + mask) v with grouped-query attention, shaped for a fused kernel.
+
+    q (B, H, T, hd); k, v (B, n_kv, S, hd); mask None = causal (T == S), else bool (..., T, S).
+    Causal passes go to the flash kernels, which take GQA and causality natively. Kernels that
+    take a mask do not all take GQA (several torch releases then fall back to the math kernel,
+    which materialises float32 (B, H, T, S) scores), so with a mask GQA is folded into the
+    queries: the g query heads that share a K/V head become g * T query rows of that head, each
+    with its token's mask row. K and V are never copied.
+    """
+    B, H, T, hd = q.shape
+    n_kv, S = k.shape[1], k.shape[2]
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != n_kv)
+    g = H // n_kv
+    q = q.reshape(B, n_kv, g * T, hd)                            # query head h = kv * g + j -> row j * T + t
+    mask = mask.unsqueeze(-3).expand(*mask.shape[:-2], g, T, S).flatten(-3, -2)          # (..., g * T, S)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).view(B, H, T, hd)
 
 
 class Attention(nn.Module):
@@ -192,7 +255,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x, cos, sin, mask, cache=None, layer=0, slots=None, real=None):
+    def forward(self, x, cos, sin, mask, cache=None, layer=0, plan: CachedPass | None = None):
         B, T, _ = x.shape                                            # ragged: (1, N) real tokens
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)       # (B, T, n_heads, hd)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)    # (B, T, n_kv_heads, hd)
@@ -202,15 +265,18 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, heads, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
-            k, v = cache.write(layer, slots, k.transpose(1, 2), v.transpose(1, 2), real)
-            k, v = k[:, :, : mask.shape[-1]], v[:, :, : mask.shape[-1]]        # (rows, n_kv, S, hd)
-        if real is not None:                  # spread the packed queries out to the batch's (rows, heads, T, hd)
-            q = unpack(q.transpose(1, 2), real).transpose(1, 2)
-        # Each group of n_heads / n_kv_heads query heads shares one key/value head (GQA).
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv_heads != self.n_heads)
-        y = y.transpose(1, 2)                                        # (B, T, n_heads, hd)
-        if real is not None:
-            y = y[real][None]                                        # back to (1, N, n_heads, hd)
+            def packed(t):                                           # (B, n_kv, T, hd) -> (N, n_kv, hd)
+                return t.transpose(1, 2).reshape(-1, self.n_kv_heads, self.head_dim)
+            k, v = cache.write(layer, plan.rows, plan.slots, packed(k), packed(v))
+            k, v = k[:, :, : plan.S], v[:, :, : plan.S]                             # (B, n_kv, S, hd)
+            if plan.live is not None:                                # only the rows that feed tokens attend
+                k, v = k.index_select(0, plan.live), v.index_select(0, plan.live)  # (B', n_kv, S, hd)
+        ragged = plan is not None and plan.grid is not None
+        if ragged:                            # spread the packed queries out to the (B', T) grid of their rows
+            q = to_grid(q[0].transpose(0, 1), plan, len(plan.mask)).transpose(1, 2)   # (B', n_heads, T, hd)
+        y = attend(q, k, v, mask).transpose(1, 2)                    # (B, T, n_heads, hd)
+        if ragged:
+            y = y.reshape(-1, self.n_heads, self.head_dim).index_select(0, plan.grid)[None]   # (1, N, n_heads, hd)
         return self.wo(y.reshape(B, T, self.n_heads * self.head_dim))
 
 
@@ -233,8 +299,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x, cos, sin, mask, cache=None, layer=0, slots=None, real=None):
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache, layer, slots, real)
+    def forward(self, x, cos, sin, mask, cache=None, layer=0, plan=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache, layer, plan)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -275,55 +341,49 @@ class Transformer(nn.Module):
                      causally by slot; cache.lengths advances by T, or by n_tokens (roll back
                      masks yourself).
         output_index (B, N) positions whose logits are wanted -> (B, N, V); default all (B, T, V).
-        n_tokens     (B,) with a cache: row b is only its first n_tokens[b] tokens, the rest is
-                     right-padding (rows of a batch feed different numbers of tokens). The
-                     padding is then never computed: see "Ragged passes" below.
+        n_tokens     (B,) ints (a list, best: it stays on the host) with a cache: row b is only
+                     its first n_tokens[b] tokens, the rest is right-padding (rows of a batch feed
+                     different numbers of tokens). The padding is then never computed: see
+                     "Ragged passes" below.
         """
         B, T = tokens.shape
         device = tokens.device
-        steps = torch.arange(T, device=device)
-        slots = real = None
+        plan = None
         if cache is not None:
             if attn_mask is not None:
                 raise ValueError("attn_mask cannot be combined with a KV cache (attention is causal by slot)")
-            slots = cache.lengths[:, None] + steps                           # (B, T) where each token lands
-            new = torch.full_like(cache.lengths, T) if n_tokens is None else n_tokens
-            S = int((cache.lengths + new).max())                             # key slots anyone may read
-            if S > cache.max_len:
-                raise ValueError(f"KV cache overflow: {S} slots needed, cache holds {cache.max_len}")
-            if n_tokens is not None:
-                real = steps[None, :] < n_tokens[:, None]                    # (B, T) True = a real token
-            key_slots = torch.arange(S, device=device)
-            attn_mask = key_slots[None, None, :] <= slots[:, :, None]        # (B, T, S)
-            if positions is None:
-                positions = slots
+            plan = plan_cached_pass(cache, T, n_tokens)                     # every index this pass needs
+            mask = plan.mask[:, None]                                        # (B', 1, T, S): one mask for all heads
         else:
             if n_tokens is not None:
                 raise ValueError("n_tokens needs a KV cache")
-            if attn_mask is None:
-                attn_mask = steps[None, :] <= steps[:, None]                 # (T, T) causal
+            mask = attn_mask[:, None] if attn_mask is not None and attn_mask.dim() == 3 else attn_mask  # None: causal
             if positions is None:
-                positions = steps[None].expand(B, T)
-        mask = attn_mask[:, None] if attn_mask.dim() == 3 else attn_mask     # (B, 1, T, S): one mask for all heads
-        x = self.tok_emb(tokens)                                             # (B, T, dim)
-        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)           # (B, 1, T, hd)
-        if real is not None:
+                positions = torch.arange(T, device=device)[None].expand(B, T)
+        ragged = plan is not None and plan.grid is not None
+        if ragged:
             # Ragged passes. Every layer but attention treats tokens independently, so the real
             # tokens of all rows are packed into one row of N = sum(n_tokens) and the padding
-            # costs nothing there. Attention spreads the queries back out to (B, T) to meet
-            # each row's own cache, and writes only real tokens' K/V (Attention.forward).
-            x, cos, sin = x[real][None], cos[:, 0][real][None, None], sin[:, 0][real][None, None]
+            # costs nothing there. Attention spreads the queries back out to the grid of the
+            # rows that feed tokens, to meet each row's own cache, and writes only real tokens' K/V.
+            tokens = tokens.reshape(-1)[plan.index][None]                                 # (1, N)
+            positions = plan.slots[None] if positions is None else positions.reshape(-1)[plan.index][None]
+        elif positions is None:
+            positions = plan.positions                                                    # (B, T)
+        x = self.tok_emb(tokens)                                             # (B, T, dim) or (1, N, dim)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)           # (B, 1, T, hd)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, cache, i, slots, real)
+            x = layer(x, cos, sin, mask, cache, i, plan)
         if cache is not None:
-            cache.lengths += new
-        if real is not None:
+            cache.lengths += T if n_tokens is None else torch.as_tensor(n_tokens, device=device)
+        if ragged:
             if output_index is None:
-                x = unpack(x, real)                                          # (B, T, dim), zeros at padding
+                x = to_grid(x[0], plan, B)                                   # (B, T, dim), zeros at padding
             else:
                 # Index into the packed row, where row b starts at first[b]. A row of no tokens
                 # has no logits to give and reads some other row's (its caller ignores them).
-                first = torch.cumsum(n_tokens, 0) - n_tokens                 # (B,)
+                n = torch.as_tensor(n_tokens, device=device)
+                first = torch.cumsum(n, 0) - n                                   # (B,)
                 index = (first[:, None] + output_index).clamp(max=x.shape[1] - 1)        # (B, N)
                 return self.lm_head(self.norm(x[0][index]))                  # (B, N, V)
         if output_index is not None:
@@ -599,6 +659,32 @@ def config_to_hf(cfg: ModelConfig, dtype=torch.float32) -> dict:
     if cfg.model_type == "qwen2":
         hf.pop("attention_bias")                         # Qwen2 always has q/k/v biases
     return hf
+
+
+# ----------------------------------------------------------------------------------------------
+# Devices
+# ----------------------------------------------------------------------------------------------
+
+def parse_device(name: str) -> torch.device:
+    """A --device string (cpu, cuda, cuda:N, or auto: cuda when there is one) -> torch.device.
+
+    Every command parses it here, so `cuda:0` means the GPU everywhere, and asking for a GPU
+    this machine lacks is one clear error instead of a silent run on the CPU.
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device {name!r}: use cpu, cuda, cuda:N or auto")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available on this machine (this torch, {torch.__version__}, "
+                         "sees no GPU); use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r} requested, but this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    return device
 
 
 # ----------------------------------------------------------------------------------------------

@@ -48,10 +48,10 @@ import torch
 import torch.nn.functional as F
 
 import data
-from confadapt import (CliError, DecodeConfig, Parser, Progress, chunk_texts, count, device_from, generate, output_folder,
+from confadapt import (CliError, DecodeConfig, Parser, Progress, chunk_texts, count, generate, output_folder,
                        positive_int, run_cli, save_chunks_png)
 from distill import frozen_teacher, mtp_loss
-from model import ModelConfig, Transformer, add_mask_token, atomic_save, read_checkpoint, read_json
+from model import ModelConfig, Transformer, add_mask_token, atomic_save, parse_device, read_checkpoint, read_json
 
 MODELS = ("ntp", "naive", "distill")          # names used in results.json
 STUDENT_MODE = {"naive": "gt", "distill": "hard"}
@@ -590,7 +590,7 @@ def main(argv=None) -> dict:
     for name in ("teacher_steps", "mtp_steps", "n_eval"):
         if getattr(args, name) is not None:
             cfg = replace(cfg, **{name: getattr(args, name)})
-    device = device_from(args.device)
+    device = parse_device(args.device)
     torch.set_num_threads(args.threads)
     if args.word_problems:
         output_folder(args.word_problems, "--word-problems")

@@ -1,12 +1,44 @@
-"""Shared test setup: import the top-level modules and keep CPU tests small and deterministic."""
+"""Shared test setup: import the top-level modules; keep tests small, deterministic and on the CPU.
+
+Two suites that never mix. By default every test runs on the CPU: CUDA is hidden before torch
+starts (from the subprocesses the tests start, too), so no test can follow `auto` onto a GPU the
+machine happens to have. With MTP_GPU_TESTS=1 only the tests marked `gpu` run, on CUDA (their
+`device` fixture), in the dtype each names:
+
+    MTP_GPU_TESTS=1 python -m pytest -q tests
+"""
 import os
 import sys
 
-import pytest
-import torch
+GPU = os.environ.get("MTP_GPU_TESTS") == "1"
+if not GPU:
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: also part of the opt-in GPU suite (MTP_GPU_TESTS=1), run there on CUDA")
+    if GPU and not torch.cuda.is_available():
+        raise pytest.UsageError("MTP_GPU_TESTS=1, but torch sees no CUDA GPU")
+
+
+def pytest_collection_modifyitems(config, items):
+    if GPU:
+        skip = pytest.mark.skip(reason="the GPU suite (MTP_GPU_TESTS=1) runs only the tests marked gpu")
+        for item in items:
+            if "gpu" not in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture
+def device():
+    """Where a `gpu`-marked test runs: the CPU by default, CUDA in the GPU suite."""
+    return torch.device("cuda" if GPU else "cpu")
 
 
 @pytest.fixture

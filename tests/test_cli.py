@@ -227,7 +227,7 @@ def test_error_lines_name_what_is_wrong(at_root, capsys):
     all_cases(at_root)
     expected = [
         ("confadapt", ["--model", "base", "--prompt", "1", "--tau", "1.5"], "--tau: must be in (0, 1], got 1.5"),
-        ("confadapt", ["--model", "base", "--prompt", "1", "--device", "gpu"], "--device gpu: not a device"),
+        ("confadapt", ["--model", "base", "--prompt", "1", "--device", "gpu"], "unknown device 'gpu'"),
         ("train_toy", ["--teacher-steps", "-5"], "--teacher-steps: must be at least 1, got -5"),
         ("train_toy", ["--out", "a_file"], "--out a_file: is a file"),
         ("train_toy", ["--export-hf", "hf", "--seed", "3", *TOY], "no finished teacher, naive, distill"),

@@ -5,6 +5,7 @@ MTP model trained here for a few seconds on arithmetic sequences (step 1 or 3, m
 mask predictions are often, but not always, right and confident: drafts get accepted and
 rejected, and ConfAdapt accepts chunks of varying size.
 """
+import copy
 import json
 
 import pytest
@@ -65,6 +66,12 @@ def toy_model():
 TOY_PROMPTS = [[3, 4, 5], [9], [0, 3, 6, 9], [5, 6], [7, 10, 13, 0, 3, 6, 9, 12, 15]]
 
 
+def on(device, *models):
+    """The module's models, copied to the device of a `gpu`-marked test (conftest.py)."""
+    moved = [m if device.type == "cpu" else copy.deepcopy(m).to(device) for m in models]
+    return moved[0] if len(moved) == 1 else moved
+
+
 @torch.no_grad()
 def uncached(model, prompt, n, k=1, tau=None, mask_id=None, stop_ids=()):
     """The definition, without a cache: every pass recomputes prompt + output + k-1 masks."""
@@ -72,7 +79,8 @@ def uncached(model, prompt, n, k=1, tau=None, mask_id=None, stop_ids=()):
     seq, out, chunks = list(prompt), [], []
     while len(out) < n:
         kk = min(k, n - len(out))
-        logits = model(torch.tensor([seq + [mask_id] * (kk - 1)]))[0, len(seq) - 1:].float()   # (kk, V)
+        x = torch.tensor([seq + [mask_id] * (kk - 1)], device=model.tok_emb.weight.device)
+        logits = model(x)[0, len(seq) - 1:].float()                                        # (kk, V)
         conf, pred = logits.softmax(-1).max(-1)
         new = pred[: kk if tau is None else accept_confadapt(conf.tolist(), tau)].tolist()
         for i, t in enumerate(new):
@@ -143,7 +151,9 @@ def _without_mask(model):
 # Every mode against its definition
 # ----------------------------------------------------------------------------------------------
 
-def test_greedy_matches_uncached_recompute(random_model):
+@pytest.mark.gpu
+def test_greedy_matches_uncached_recompute(random_model, device):
+    random_model = on(device, random_model)
     for p in PROMPTS:
         assert tokens(random_model, [p], 20, DecodeConfig("greedy")) == [uncached(random_model, p, 20)[0]]
 
@@ -169,7 +179,9 @@ def test_static_k_matches_uncached_recompute(random_model, k):
         assert stats.forward_passes == -(-17 // k)
 
 
-def test_confadapt_matches_uncached_recompute(toy_model):
+@pytest.mark.gpu
+def test_confadapt_matches_uncached_recompute(toy_model, device):
+    toy_model = on(device, toy_model)
     for p in TOY_PROMPTS:
         [gen], _ = generate(toy_model, [p], 30, DecodeConfig("confadapt", tau=0.9, k_max=8))
         assert (gen.tokens, gen.chunk_sizes) == uncached(toy_model, p, 30, k=8, tau=0.9)
@@ -179,7 +191,9 @@ def test_confadapt_matches_uncached_recompute(toy_model):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("k", [2, 4, 8])
-def test_lossless_is_greedy_on_random_models(random_model, seed, k):
+@pytest.mark.gpu
+def test_lossless_is_greedy_on_random_models(random_model, seed, k, device):
+    random_model = on(device, random_model)
     torch.manual_seed(seed)
     prompts = [torch.randint(0, 30, (n,)).tolist() for n in (1, 3, 6)]
     for p in prompts:
@@ -245,7 +259,9 @@ MODES = [DecodeConfig("greedy"), DecodeConfig("static", k=3), DecodeConfig("conf
 
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.describe())
-def test_batched_equals_one_at_a_time(random_model, toy_model, mode):
+@pytest.mark.gpu
+def test_batched_equals_one_at_a_time(random_model, toy_model, mode, device):
+    random_model, toy_model = on(device, random_model, toy_model)
     for model, prompts in [(random_model, PROMPTS), (toy_model, TOY_PROMPTS)]:
         stop_ids = {prompts[0][0]}                       # some rows stop early: the batch shrinks
         alone = [generate(model, [p], 25, mode, stop_ids=stop_ids)[0][0] for p in prompts]

@@ -191,6 +191,38 @@ def test_train_resume_is_exact_and_export_loads_in_transformers(tiny, tmp_path, 
     assert all(torch.equal(a[n], c[n]) for n in a)
 
 
+def test_resume_ignores_gpu_rng_states_of_another_machine(tiny, tmp_path, capsys):
+    """Checkpoints hold no per-GPU RNG state (nothing draws on it), so a resume never depends on
+    how many GPUs it sees; one written with 8 GPUs' states (as older versions did) resumes too."""
+    out = tmp_path / "run"
+    assert F.main(train_args(tiny, out, "--steps", "2", "--device", "cpu")) == 0
+    path = out / "checkpoints" / "step_000002" / "trainer.pt"
+    trainer = torch.load(path, weights_only=True)
+    assert set(trainer) == {"step", "scheduler", "args", "rng_cpu"}
+    trainer["rng_cuda"] = [torch.zeros(16, dtype=torch.uint8)] * 8
+    torch.save(trainer, path)
+    assert F.main(train_args(tiny, out, "--steps", "3", "--resume", "--device", "cpu")) == 0
+    assert "resumed from" in capsys.readouterr().out
+
+
+def test_train_and_export_write_the_base_checkpoints_dtype(tiny, tmp_path):
+    """The exported dtype is the base checkpoint's, whichever device trained: `train` and a later
+    `export` of the same run write identical files."""
+    base = tmp_path / "bf16_base"
+    shutil.copytree(tiny / "base", base)
+    cfg = json.loads((base / "config.json").read_text())
+    cfg.pop("torch_dtype", None)
+    (base / "config.json").write_text(json.dumps({**cfg, "dtype": "bfloat16"}))
+    out = tmp_path / "run"
+    assert F.main(["train", "--model", str(base), "--data", str(tiny / "wp" / "train.json"), "--out", str(out),
+                   *TRAIN, "--steps", "2"]) == 0
+    assert F.main(["export", "--checkpoint", str(out), "--out", str(tmp_path / "exp")]) == 0
+    a, b = weights(out / "final"), weights(tmp_path / "exp")
+    assert {t.dtype for t in a.values()} == {torch.bfloat16} and all(torch.equal(a[n], b[n]) for n in a)
+    assert json.loads((out / "final" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert {t.dtype for t in weights(tiny / "base").values()} == {torch.float32}
+
+
 def test_fsdp2_on_two_cpu_processes_matches_one_process(tiny, tmp_path):
     """torchrun, gloo, 2 processes x micro-batch 1 x 2 accumulation steps == 1 process x micro-batch 4."""
     single, sharded = tmp_path / "single", tmp_path / "fsdp"
@@ -334,6 +366,10 @@ def test_bad_input_gives_one_error_line(tiny, tmp_path, capsys):
         (["eval", "--model", str(tiny / "base"), "--data", str(tiny / "wp" / "train.json"), "--out", str(tmp_path / "o")],
          "'question' and 'answer'"),
         (["analyze", "--model", str(tiny / "base"), "--data", str(tmp_path / "missing.jsonl")], "no such file"),
+        (["train", "--model", str(tiny / "base"), "--data", str(tiny / "wp" / "train.json"), "--out", str(tmp_path / "o"),
+          "--device", "cuda:0"], "CUDA is not available"),                   # never a silent run on the CPU
+        (["eval", "--model", str(tiny / "base"), "--data", str(tiny / "wp" / "test.jsonl"), "--device", "gpu"],
+         "unknown device 'gpu'"),
         (["eval", "--model", str(tiny / "base"), "--data", str(tiny / "wp" / "test.jsonl"), "--static-k", "2",
           "--taus", "--out", str(tmp_path / "o")], "mask"),
     ]

@@ -12,7 +12,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from model import KVCache, ModelConfig, Transformer, add_mask_token, config_from_hf  # noqa: E402
+from model import KVCache, ModelConfig, Transformer, add_mask_token, attend, config_from_hf, parse_device  # noqa: E402
 
 LLAMA3 = dict(
     model_type="llama", vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
@@ -57,17 +57,19 @@ def greedy_ours(model, prompt, n):
     return torch.cat(out, 1)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("fields", [LLAMA3, QWEN3, QWEN2], ids=["llama3", "qwen3", "qwen2"])
 @pytest.mark.parametrize("shard", [False, True], ids=["single", "sharded"])
-def test_logits_and_greedy_match_transformers(tmp_path, fields, shard):
+def test_logits_and_greedy_match_transformers(tmp_path, fields, shard, device):
     ref = hf_model(fields)
     ref.save_pretrained(tmp_path, max_shard_size="40KB" if shard else "5GB")
     files = os.listdir(tmp_path)
     assert ("model.safetensors.index.json" in files) == shard
-    ours = Transformer.from_pretrained(tmp_path)
+    ours = Transformer.from_pretrained(tmp_path, device=device)
+    ref.to(device)
 
     # 200 positions: well past original_max_position_embeddings (64), where llama3 scaling acts.
-    tokens = torch.randint(0, fields["vocab_size"], (2, 200), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, fields["vocab_size"], (2, 200), generator=torch.Generator().manual_seed(1)).to(device)
     with torch.no_grad():
         diff = (ours(tokens) - ref(tokens).logits).abs().max().item()
     assert diff <= 1e-4, diff
@@ -76,6 +78,54 @@ def test_logits_and_greedy_match_transformers(tmp_path, fields, shard):
     hf_out = ref.generate(prompt, max_new_tokens=32, do_sample=False, min_new_tokens=32,
                           pad_token_id=0, eos_token_id=None)[:, 16:]
     assert torch.equal(greedy_ours(ours, prompt, 32), hf_out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fields", [LLAMA3, QWEN3], ids=["llama3", "qwen3"])
+def test_bfloat16_is_as_close_to_float32_as_transformers(tmp_path, fields, device):
+    """In bfloat16 neither implementation equals float32; ours must stray no further than theirs."""
+    ref = hf_model(fields)
+    ref.save_pretrained(tmp_path)
+    tokens = torch.randint(0, fields["vocab_size"], (2, 120), generator=torch.Generator().manual_seed(1)).to(device)
+    with torch.no_grad():
+        exact = ref.to(device)(tokens).logits
+        theirs = ref.to(torch.bfloat16)(tokens).logits.float()
+        ours = Transformer.from_pretrained(tmp_path, device=device, dtype=torch.bfloat16)(tokens).float()
+    their_err, our_err = (theirs - exact).abs().mean(), (ours - exact).abs().mean()
+    assert 0 < our_err <= 1.5 * their_err, (our_err, their_err)
+
+
+def reference_attention(q, k, v, mask):
+    """The definition in float64: every query head against its group's K/V head, masked softmax."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
+    scores = q.double() @ k.transpose(-1, -2) / q.shape[-1] ** 0.5                     # (B, H, T, S)
+    if mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    return (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v).to(q.dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (8, 1)], ids=["mha", "gqa", "mqa"])
+def test_attend_matches_the_definition(heads, device):
+    """model.attend (causal via is_causal; masks with GQA folded into the queries) against the
+    definition, and against the call it replaces (a boolean mask with enable_gqa)."""
+    H, n_kv = heads
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, H, 20, 16, generator=g).to(device)
+    k, v = (torch.randn(3, n_kv, 20, 16, generator=g).to(device) for _ in range(2))
+    causal = torch.ones(20, 20, dtype=torch.bool, device=device).tril()
+    block = (torch.rand(3, 1, 20, 20, generator=g).to(device) < 0.5) | torch.eye(20, dtype=torch.bool, device=device)
+    for mask in (None, causal, block):
+        got = attend(q, k, v, mask)
+        torch.testing.assert_close(got, reference_attention(q, k, v, mask), atol=1e-5, rtol=1e-5)
+        old = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=causal if mask is None else mask, enable_gqa=H != n_kv)
+        torch.testing.assert_close(got, old, atol=1e-6, rtol=1e-6)
+    q5, k9 = q[:, :, :5], k[:, :, :9]                                      # fewer queries than keys
+    tail = torch.ones(5, 9, dtype=torch.bool, device=device).tril(diagonal=4)
+    torch.testing.assert_close(attend(q5, k9, v[:, :, :9], tail), reference_attention(q5, k9, v[:, :, :9], tail),
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_older_and_newer_config_styles_agree():
@@ -91,9 +141,10 @@ def small_random_model() -> Transformer:
     return Transformer(ModelConfig(vocab_size=97, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96)).eval()
 
 
-def test_kv_cache_matches_full_recompute():
-    model = small_random_model()
-    seq = torch.randint(0, 97, (2, 40))
+@pytest.mark.gpu
+def test_kv_cache_matches_full_recompute(device):
+    model = small_random_model().to(device)
+    seq = torch.randint(0, 97, (2, 40)).to(device)
     with torch.no_grad():
         full = model(seq)
         # one token at a time
@@ -106,7 +157,7 @@ def test_kv_cache_matches_full_recompute():
         for n in [5, 3, 1, 7, 4, 20]:
             got = model(seq[:, t:t + n], cache=cache)
             assert torch.allclose(got, full[:, t:t + n], atol=1e-5)
-            junk = torch.randint(0, 97, (2, 6))
+            junk = torch.randint(0, 97, (2, 6)).to(device)
             model(junk, cache=cache)                      # pretend masks at positions t+n ..
             cache.rollback(t + n)
             t += n
@@ -120,32 +171,62 @@ def test_kv_cache_matches_full_recompute():
         assert cache.lengths.tolist() == [13, 9]
 
 
-def test_ragged_pass_matches_full_recompute_and_caches_only_real_tokens():
+@pytest.mark.gpu
+def test_ragged_pass_matches_full_recompute_and_caches_only_real_tokens(device):
     """n_tokens: each row feeds its own number of tokens; the padding is neither computed nor cached."""
-    model = small_random_model()
-    seq = torch.randint(0, 97, (3, 40))
+    model = small_random_model().to(device)
+    seq = torch.randint(0, 97, (3, 40)).to(device)
     with torch.no_grad():
         full = model(seq)
         cache = model.new_cache(3, 64)
         done = [0, 0, 0]
         for feed in ([5, 1, 9], [3, 7, 0], [1, 12, 4], [9, 2, 2]):
             T = max(feed)
-            tokens = torch.full((3, T), 96)                                  # 96: padding
+            tokens = torch.full((3, T), 96, device=device)                   # 96: padding
             for b, n in enumerate(feed):
                 tokens[b, :n] = seq[b, done[b]:done[b] + n]
             want = [list(range(n)) + [max(n - 1, 0)] * (T - n) for n in feed]   # padding repeats the last
-            got = model(tokens, cache=cache, n_tokens=torch.tensor(feed), output_index=torch.tensor(want))
+            got = model(tokens, cache=cache, n_tokens=feed, output_index=torch.tensor(want, device=device))
             for b, n in enumerate(feed):
                 assert torch.allclose(got[b, :n], full[b, done[b]:done[b] + n], atol=1e-5)
                 done[b] += n
             assert cache.lengths.tolist() == done                           # advanced by the real tokens only
         # Without output_index: (B, T, V), real positions right (the padding's logits are meaningless).
         tokens = torch.stack([seq[b, n:n + 2] for b, n in enumerate(done)])
-        got = model(tokens, cache=cache, n_tokens=torch.tensor([2, 1, 2]))
+        got = model(tokens, cache=cache, n_tokens=torch.tensor([2, 1, 2], device=device))    # a tensor works too
         for b, n in enumerate([2, 1, 2]):
             assert torch.allclose(got[b, :n], full[b, done[b]:done[b] + n], atol=1e-5)
     with pytest.raises(ValueError, match="needs a KV cache"):
         model(seq, n_tokens=torch.tensor([1, 2, 3]))
+
+
+def test_a_ragged_pass_reads_the_device_once_whatever_the_depth():
+    """Ragged decoding builds its index tensors once per pass from host-side lengths: the host
+    waits for the device a fixed number of times per pass, not several times per layer."""
+    from benchmarks.gpu_figures import HostSyncs
+
+    counts = []
+    for n_layers in (1, 6):
+        torch.manual_seed(0)
+        model = Transformer(ModelConfig(vocab_size=50, dim=32, n_layers=n_layers, n_heads=4, n_kv_heads=2,
+                                        ffn_dim=64)).eval()
+        cache = model.new_cache(3, 64)
+        with torch.no_grad():
+            model(torch.randint(0, 50, (3, 10)), cache=cache, n_tokens=[10, 4, 7])
+            with HostSyncs() as syncs:
+                model(torch.randint(0, 50, (3, 6)), cache=cache, n_tokens=[6, 0, 2])
+        counts.append(syncs.total)
+    assert counts[0] == counts[1] == 1, counts                   # cache.lengths, read once
+
+
+def test_device_names():
+    assert parse_device("cpu") == torch.device("cpu") and parse_device("auto") == torch.device("cpu")
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""              # conftest: the default suite sees no GPU
+    for name, message in [("cuda:0", "CUDA is not available"), ("cuda", "CUDA is not available"), ("gpu", "unknown device"),
+                          ("cuda:x", "unknown device"), ("mps", "unknown device")]:
+        with pytest.raises(ValueError, match=message) as err:
+            parse_device(name)
+        assert "\n" not in str(err.value)
 
 
 def test_positions_and_mask_arguments():
