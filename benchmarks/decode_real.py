@@ -80,8 +80,8 @@ class PassLog:
     arrive (generate hands it the prompt first, then every pass's new tokens), and a forward
     pre-hook counts the positions each pass computes."""
 
-    def __init__(self, device):
-        self.device, self.arrivals, self.positions = device, [], []
+    def __init__(self):
+        self.arrivals, self.positions = [], []
 
     def put(self, tokens):                         # the streamer interface: called with CPU tensors
         self.arrivals.append((time.perf_counter(), tokens.shape[-1] if tokens.dim() > 1 else 1))
@@ -114,7 +114,7 @@ def hf_decode(hf, rows: list[list[int]], max_new_tokens: int, batch_size: int, s
         T = max(len(p) for p in chunk)
         ids = torch.tensor([[pad] * (T - len(p)) + p for p in chunk], device=device)               # (B, T)
         attention = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in chunk], device=device)
-        log = PassLog(device)
+        log = PassLog()
         handle = hf.register_forward_pre_hook(log.hook, with_kwargs=True)
         try:
             _sync(device)
