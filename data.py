@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+import regex  # tiktoken's dependency: the same regular expressions as its splitter
 import tiktoken
 import torch
 
@@ -56,6 +57,11 @@ LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{
 QWEN2_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
 # GPT-2's simpler pattern: a leading space attaches to a run of letters or of digits.
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# SmolLM2 (and StarCoder) first cut every digit out as its own piece, then split the rest with
+# GPT-2's pattern. As ONE pattern: a digit alone; no " 123" piece; and a whitespace run may end
+# where a digit starts, as it would at the end of a piece.
+DIGITS_THEN_GPT2_PATTERN = (r"""\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+"""
+                            r"""|\s+(?![^\s\p{N}])|\s+""")
 
 
 @lru_cache(maxsize=1)
@@ -117,15 +123,16 @@ class Tokenizer:
         self.special_tokens = dict(special_tokens)
         self.pattern, self.nfc = pattern, nfc
         self.bos_token, self.eos_token, self.pad_token = bos_token, eos_token, pad_token
+        # Real vocabularies may lack single bytes (SmolLM2 lacks 21, e.g. 0x04 and 0xFF). With no
+        # unknown token, `tokenizers` drops such bytes from each piece before merging; see encode().
+        self.missing_bytes = bytes(b for b in range(256) if bytes([b]) not in self.mergeable_ranks)
         self._enc = self._build(self.special_tokens)
         self.stop_ids = [self.eos_id] if eos_token else []   # ids that end generation
+        self.hf_spec, self.chat_template = None, None          # set when read from Hugging Face files
 
     def _build(self, specials: dict[str, int]) -> tiktoken.Encoding:
         """Check what tiktoken would not (it panics or silently misbehaves), then build it."""
         ranks = self.mergeable_ranks
-        missing = [b for b in range(256) if bytes([b]) not in ranks]
-        if missing:
-            raise ValueError(f"byte-level BPE needs all 256 single bytes; {len(missing)} missing")
         ids = [*ranks.values(), *specials.values()]
         if len(set(ids)) != len(ids):
             raise ValueError("two tokens share an id (ordinary and special ids must not overlap)")
@@ -157,7 +164,13 @@ class Tokenizer:
         """Ordinary text -> ids: no BOS added, special-token text is NOT parsed."""
         if self.nfc:
             text = unicodedata.normalize("NFC", text)
-        return self._enc.encode_ordinary(text)
+        if not self.missing_bytes or len(text.encode().translate(None, self.missing_bytes)) == len(text.encode()):
+            return self._enc.encode_ordinary(text)
+        ids = []   # rare: split, drop the bytes the vocab lacks from each piece, then merge what is left
+        for piece in regex.findall(self.pattern, text):
+            kept = piece.encode().translate(None, self.missing_bytes)
+            ids += self._enc._encode_single_piece(kept) if kept else []
+        return ids
 
     def decode_bytes(self, ids) -> bytes:
         return self._enc.decode_bytes([int(i) for i in ids])
@@ -165,9 +178,6 @@ class Tokenizer:
     def decode(self, ids) -> str:
         """Special ids decode to their text; bytes that are not valid UTF-8 become U+FFFD."""
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
-
-    def token_bytes(self, token_id: int) -> bytes:
-        return self._enc.decode_single_token_bytes(int(token_id))
 
     def add_special_token(self, text: str, token_id: int | None = None) -> int:
         """Add a special token (default id: n_vocab) and rebuild the encoder; returns its id."""
@@ -198,10 +208,22 @@ class Tokenizer:
             raise FileNotFoundError(f"no tokenizer.json or original/tokenizer.model in {folder}")
         tokenizer = cls(ranks, specials, pattern, nfc, **roles)
         tokenizer.stop_ids = list(dict.fromkeys(tokenizer.stop_ids + stop_ids))
+        if (folder / "tokenizer.json").is_file():
+            tokenizer.hf_spec = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+        config = folder / "tokenizer_config.json"
+        if config.is_file():
+            tokenizer.chat_template = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
         return tokenizer
 
     def hf_tokenizer_json(self) -> dict:
-        """The tokenizer.json dict: vocab + merges that make HF's BPE act exactly as ours."""
+        """The tokenizer.json dict: the file we were read from with our added special tokens, or
+        (for tokenizers built in code) vocab + merges that make HF's BPE act exactly as ours."""
+        if self.hf_spec is not None:
+            known = {t["content"] for t in self.hf_spec["added_tokens"]}
+            added = [{"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
+                      "normalized": False, "special": True}
+                     for text, i in self.special_tokens.items() if text not in known]
+            return {**self.hf_spec, "added_tokens": self.hf_spec["added_tokens"] + added}
         vocab = {bytes_to_piece(b): r for b, r in self.mergeable_ranks.items()}
         merges = []
         for token, rank in sorted(self.mergeable_ranks.items(), key=lambda item: item[1]):
@@ -244,6 +266,8 @@ class Tokenizer:
         config = {"tokenizer_class": "PreTrainedTokenizerFast",
                   "clean_up_tokenization_spaces": False,
                   **{key: text for key, text in roles.items() if text is not None}}
+        if self.chat_template:
+            config["chat_template"] = self.chat_template
         with open(folder / "tokenizer_config.json", "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2, ensure_ascii=False)
 
@@ -262,14 +286,21 @@ def read_hf_tokenizer_json(file: Path) -> tuple[dict[bytes, int], dict[str, int]
                  if i not in special_ids}
     except KeyError as err:
         raise ValueError(f"unsupported tokenizer in {file}: vocab is not byte-level") from err
+    if model.get("unk_token") and sum(len(t) == 1 for t in ranks) < 256:
+        raise ValueError(f"unsupported tokenizer in {file}: single bytes are missing and map to an unknown token")
     return ranks, specials, split_pattern(spec.get("pre_tokenizer"), file), \
         uses_nfc(spec.get("normalizer"), file)
 
 
 def split_pattern(pre: dict | None, file) -> str:
-    """The split regex of a byte-level pre-tokenizer (Split + ByteLevel, or GPT-2 ByteLevel)."""
+    """The split regex of a byte-level pre-tokenizer (Split + ByteLevel, or GPT-2 ByteLevel, with
+    or without a Digits step first)."""
     pre = pre or {}
     steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    if len(steps) == 2 and steps[0] == {"type": "Digits", "individual_digits": True} \
+            and steps[1].get("type") == "ByteLevel" and steps[1].get("use_regex", True) \
+            and not steps[1].get("add_prefix_space", True):
+        return DIGITS_THEN_GPT2_PATTERN
     byte_level = steps[-1] if steps and steps[-1].get("type") == "ByteLevel" else None
     if byte_level and not byte_level.get("add_prefix_space", True):
         split = steps[0] if len(steps) == 2 else {}
@@ -863,6 +894,8 @@ def plot_attention_mask(batch: MTPBatch, path, row: int = 0, token_str=str):
 #   llama3-chat  <|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n{prompt}<|eot_id|>
 #                <|start_header_id|>assistant<|end_header_id|>\n\n{response}<|eot_id|>
 #                (Llama-3's template without a system turn; Llama-Magpie in the paper)
+#   chatml       <|im_start|>system\n{CHATML_SYSTEM}<|im_end|>\n<|im_start|>user\n{prompt}<|im_end|>\n
+#                <|im_start|>assistant\n{response}<|im_end|>   (SmolLM2-Instruct, Qwen-Instruct)
 #   qwen         <|endoftext|>{prompt}\n\n{response}<eos>   (the paper's Qwen recipe: prompt and
 #                response joined with "\n\n", token 151643 = <|endoftext|> prepended)
 #   plain        <bos>{prompt}\n\n{response}<eos>             (small models with no chat tokens)
@@ -871,14 +904,20 @@ def plot_attention_mask(batch: MTPBatch, path, row: int = 0, token_str=str):
 # generation (finetune_hf.py eval --prompt-style zeroshot, analyze) is token for token the
 # prefix seen in training. Sequences are cut to seq_len tokens and padded with `padding_token`:
 # everything from its first occurrence on is padding for the layout (mtp_layout's EOS rule).
+# A chat template tokenizes the text between special tokens piece by piece, so building the
+# prompt piece by piece gives the very ids that transformers' apply_chat_template gives.
 
-FORMATS = ("llama3-chat", "qwen", "plain")
+FORMATS = ("llama3-chat", "chatml", "qwen", "plain")
+# The system turn SmolLM2-Instruct's chat template writes when a conversation has none.
+CHATML_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
 def end_token(tok: Tokenizer, fmt: str) -> int:
     """The token that ends a response in this format (and pads after it)."""
     if fmt == "llama3-chat":
         return tok.token_id("<|eot_id|>")
+    if fmt == "chatml":
+        return tok.token_id("<|im_end|>")
     if tok.eos_id is None:
         raise ValueError("the tokenizer has no EOS token; give it one (tokenizer_config.json eos_token)")
     return tok.eos_id
@@ -892,6 +931,8 @@ def start_tokens(tok: Tokenizer, fmt: str) -> list[int]:
         return [tok.token_id("<|endoftext|>")]
     if fmt == "plain":
         return [tok.bos_id] if tok.bos_id is not None else []
+    if fmt == "chatml":
+        return []
     raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
 
 
@@ -903,14 +944,20 @@ def prompt_tokens(tok: Tokenizer, fmt: str, prompt: str) -> list[int]:
                     *tok.encode("\n\n")]
         return [*start_tokens(tok, fmt), *header("user"), *tok.encode(prompt.strip()),
                 tok.token_id("<|eot_id|>"), *header("assistant")]
+    if fmt == "chatml":
+        start, end = tok.token_id("<|im_start|>"), tok.token_id("<|im_end|>")
+        return [start, *tok.encode(f"system\n{CHATML_SYSTEM}"), end, *tok.encode("\n"),
+                start, *tok.encode(f"user\n{prompt}"), end, *tok.encode("\n"), start, *tok.encode("assistant\n")]
     return start_tokens(tok, fmt) + tok.encode(prompt + "\n\n")
 
 
 def padding_token(tok: Tokenizer, fmt: str) -> int:
     """Fills a sequence after its response. The layout's EOS rule treats the first one as the end
-    of the row, so for the chat template it must not be <|eot_id|>, which also closes the user
-    turn: there it is <|end_of_text|>."""
-    return tok.token_id("<|end_of_text|>") if fmt == "llama3-chat" else end_token(tok, fmt)
+    of the row, so for the chat templates it must not be the end-of-turn token, which also closes
+    the user turn: there it is <|end_of_text|> (Llama 3) or <|endoftext|> (ChatML)."""
+    if fmt in ("llama3-chat", "chatml"):
+        return tok.token_id("<|end_of_text|>" if fmt == "llama3-chat" else "<|endoftext|>")
+    return end_token(tok, fmt)
 
 
 def response_tokens(tok: Tokenizer, fmt: str, response: str) -> list[int]:
@@ -947,8 +994,6 @@ def training_sequences(pairs, tok: Tokenizer, fmt: str, seq_len: int) -> torch.T
 # everything but the results of the arithmetic, the part a small model gets wrong. Numbers
 # stay small (results below 60, one-digit factors) so a model of a million parameters learns
 # the arithmetic in minutes.
-
-import regex  # noqa: E402  (tiktoken's dependency; splits text as the tokenizer does)
 
 WP_NAMES = ["Tom", "Ann", "Ben", "Sue", "Max", "Amy", "Sam", "Eva", "Leo", "Mia", "Joe", "Kim"]
 WP_ITEMS = ["apples", "pens", "books", "cards", "eggs", "cups", "toys", "coins", "shells", "stamps"]
@@ -1120,3 +1165,50 @@ def word_problem_tokenizer() -> Tokenizer:
     specials = {text: len(ranks) + i for i, text in enumerate(["<|bos|>", "<|eos|>", "<|pad|>"])}
     return Tokenizer(ranks, specials, GPT2_PATTERN, bos_token="<|bos|>", eos_token="<|eos|>",
                      pad_token="<|pad|>")
+
+
+# =============================================================================================
+# Domain prompts
+# =============================================================================================
+#
+# Chat prompts of four kinds, generated from templates, for `finetune_hf.py data` (a model's
+# own answers as training rows, when no data set is at hand) and `analyze` (how predictable
+# is each kind of answer?). Every domain has a fixed train / test split of its prompts.
+
+DOMAIN_TEMPLATES = {
+    "lists": (["List {n} {x}.", "Name {n} {x}, one per line.", "Give me a numbered list of {n} {x}.",
+               "What are {n} common {x}? Answer with a list."],
+              ["animals", "fruits", "vegetables", "colors", "countries in Europe", "musical instruments",
+               "sports", "birds", "flowers", "jobs", "kitchen tools", "board games", "programming languages",
+               "farm animals", "ocean animals", "types of trees", "desserts", "breakfast foods", "hobbies",
+               "school subjects", "car brands", "famous painters", "rivers", "things found in a park"]),
+    "explanations": (["Explain what {x} is in two sentences.", "What is {x}? Answer briefly.",
+                      "Describe how {x} works, in simple words.", "Why is {x} important? Answer in a few sentences."],
+                     ["photosynthesis", "gravity", "a rainbow", "the internet", "a volcano", "democracy",
+                      "the water cycle", "electricity", "a computer", "the moon", "a vaccine", "an earthquake",
+                      "the heart", "a battery", "money", "a library", "recycling", "the weather", "sleep",
+                      "a bicycle", "the sun", "friendship", "a map", "music"]),
+    "writing": (["Write a short story about {x}.", "Write a short poem about {x}.",
+                 "Write a paragraph describing {x}.", "Write a short letter to a friend about {x}."],
+                ["a lost cat", "the ocean", "a rainy day", "a friendly robot", "a summer holiday", "a old tree",
+                 "a busy city", "the first snow", "a birthday party", "a small village", "a dragon", "the stars",
+                 "a train journey", "a garden", "a lighthouse", "a football match", "a new school", "the forest",
+                 "a mountain", "a kind stranger", "a long night", "a river", "a baker", "a storm"]),
+}
+DOMAINS = ("word_problems", *DOMAIN_TEMPLATES)
+
+
+def domain_prompts(domain: str, n: int, split: str = "train", seed: int = 0) -> list[str]:
+    """Up to n prompts of one domain from its train or test part (a quarter of the subjects)."""
+    if domain == "word_problems":             # the split write_word_problems makes (its test.jsonl)
+        train, test = word_problem_split(20000, 500, seed)
+        return [p.question for p in (train if split == "train" else test)][:n]
+    if domain not in DOMAIN_TEMPLATES:
+        raise ValueError(f"unknown domain {domain!r}; choose from {', '.join(DOMAINS)}")
+    templates, subjects = DOMAIN_TEMPLATES[domain]
+    subjects = [x for i, x in enumerate(subjects) if (i % 4 == 3) == (split == "test")]
+    rng = random.Random(f"{domain}/{split}/{seed}")
+    prompts = [t.format(n=n_items, x=x) for t in templates for x in subjects for n_items in (3, 5, 7, 10)
+               if "{n}" in t or n_items == 3]
+    rng.shuffle(prompts)
+    return prompts[:n]

@@ -43,8 +43,8 @@ from pathlib import Path
 import torch
 
 from confadapt import DecodeConfig, accept_confadapt, generate
-from data import (FORMATS, Tokenizer, default_n_regions, end_token, mtp_layout, padding_token, prompt_tokens,
-                  response_tokens, sample_k_and_offset, start_tokens, training_sequences)
+from data import (DOMAINS, FORMATS, Tokenizer, default_n_regions, domain_prompts, end_token, mtp_layout, padding_token,
+                  prompt_tokens, response_tokens, sample_k_and_offset, start_tokens, training_sequences)
 from distill import MODES, frozen_teacher, mtp_loss
 from model import ModelConfig, Transformer, add_mask_token, atomic_save, rope_inv_freq, write_json
 
@@ -123,12 +123,14 @@ def read_gsm8k(path) -> list[tuple[str, str]]:
 
 
 def default_format(tok: Tokenizer, cfg: ModelConfig) -> str:
-    """Llama-3 chat template when the tokenizer has its header tokens, the Qwen recipe for Qwen
-    models, else plain."""
+    """Llama-3 chat template when the tokenizer has its header tokens, the paper's recipe for Qwen
+    models, ChatML when the tokenizer has its turn tokens (SmolLM2), else plain."""
     if "<|start_header_id|>" in tok.special_tokens and "<|eot_id|>" in tok.special_tokens:
         return "llama3-chat"
     if cfg.model_type in ("qwen2", "qwen3") and "<|endoftext|>" in tok.special_tokens:
         return "qwen"
+    if all(t in tok.special_tokens for t in ("<|im_start|>", "<|im_end|>", "<|endoftext|>")):
+        return "chatml"
     return "plain"
 
 
@@ -165,6 +167,7 @@ class Dist:
     rank: int = 0
     world: int = 1
     device: torch.device = torch.device("cpu")
+    dtype: torch.dtype = torch.float32               # what the matrix multiplications compute in
 
     @property
     def main(self) -> bool:
@@ -175,18 +178,37 @@ class Dist:
         return self.world > 1
 
 
-def setup_processes(device: str) -> Dist:
+def setup_processes(device: str, dtype: str = "auto") -> Dist:
     """Join the torchrun process group if there is one (nccl on GPU, gloo on CPU)."""
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    compute = compute_dtype("cuda" if use_cuda else "cpu", dtype)
     if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) == 1:
-        return Dist(device=torch.device("cuda" if use_cuda else "cpu"))
+        return Dist(device=torch.device("cuda" if use_cuda else "cpu"), dtype=compute)
     import torch.distributed as dist
 
     local = int(os.environ.get("LOCAL_RANK", 0))
+    if not use_cuda and dtype == "auto":             # several CPU processes (gloo, tests): float32
+        compute = torch.float32
     if use_cuda:
         torch.cuda.set_device(local)
     dist.init_process_group("nccl" if use_cuda else "gloo")
-    return Dist(dist.get_rank(), dist.get_world_size(), torch.device(f"cuda:{local}" if use_cuda else "cpu"))
+    return Dist(dist.get_rank(), dist.get_world_size(), torch.device(f"cuda:{local}" if use_cuda else "cpu"), compute)
+
+
+def cpu_has_bfloat16() -> bool:
+    """Native bfloat16 arithmetic (AVX-512 BF16 or AMX); elsewhere torch emulates it, slowly."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def compute_dtype(device_type: str, dtype: str = "auto") -> torch.dtype:
+    """--dtype: auto is bfloat16 on GPUs and on CPUs with bfloat16 arithmetic, else float32."""
+    if dtype == "auto":
+        return torch.bfloat16 if device_type == "cuda" or cpu_has_bfloat16() else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
 
 
 def all_sum(x: float, d: Dist) -> float:
@@ -220,19 +242,15 @@ def broadcast(obj, d: Dist):
 # Models: student, frozen teacher, FSDP2 sharding
 # ==============================================================================================
 #
-# Precision. On GPU the student keeps float32 master weights (AdamW's lr 1e-5 updates vanish in
-# bfloat16's 8-bit mantissa) and computes in bfloat16: FSDP2's MixedPrecisionPolicy when sharded,
-# torch.autocast otherwise. The teacher never changes, so it is stored in bfloat16. On CPU
-# everything is float32.
+# Precision (--dtype). The student keeps float32 master weights (AdamW's lr 1e-5 updates vanish
+# in bfloat16's 8-bit mantissa) and computes in bfloat16 on GPUs and on CPUs with bfloat16
+# arithmetic (a training step 1.5-1.8x faster there): FSDP2's MixedPrecisionPolicy when sharded, torch.autocast
+# otherwise. The teacher never changes, so it is stored in the compute dtype. Elsewhere, float32.
 #
 # Sharding. Every rank builds student and teacher on the meta device (no memory), shards each
 # transformer block and then the whole model with `fully_shard`, and only rank 0 reads the
 # checkpoint: its weights are broadcast straight into the shards. An 8B model is thus never
 # held in full by more than one process.
-
-def compute_dtype(d: Dist) -> torch.dtype:
-    return torch.bfloat16 if d.device.type == "cuda" else torch.float32
-
 
 def load_student_and_teacher(args, d: Dist, with_teacher: bool = True):
     """(student, teacher or None, tokenizer, mask id) on d.device, sharded when d.sharded."""
@@ -248,14 +266,14 @@ def load_student_and_teacher(args, d: Dist, with_teacher: bool = True):
     if not d.sharded:
         teacher = None
         if with_teacher:                                          # copied on the CPU, then moved
-            teacher = frozen_teacher(full).to(device=d.device, dtype=compute_dtype(d))
+            teacher = frozen_teacher(full).to(device=d.device, dtype=d.dtype)
             teacher.inv_freq = rope_inv_freq(cfg).to(d.device)    # keep RoPE frequencies in float32
         return full.to(d.device).train(), teacher, tok, mask_id
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     with torch.device("meta"):
         student = Transformer(cfg)
-    teacher = frozen_teacher(student).to(compute_dtype(d)) if with_teacher else None
+    teacher = frozen_teacher(student).to(d.dtype) if with_teacher else None
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     for model in [student] + ([teacher] if teacher is not None else []):
         shard(model, d, args)
@@ -270,7 +288,7 @@ def shard(model: Transformer, d: Dist, args):
     """FSDP2: each block is one all-gather unit; the root holds embeddings, final norm and head."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=compute_dtype(d), reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=d.dtype, reduce_dtype=torch.float32)
     for block in model.layers:
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
@@ -317,14 +335,14 @@ def train_step(student, teacher, optimizer, scheduler, micro: list[torch.Tensor]
                for s in micro]                # `pad` is also each row's end token (the EOS rule)
     counts = [int(b.valid.sum()) for b in batches]
     n_global = max(1.0, all_sum(sum(counts), d))
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if d.device.type == "cuda" and not d.sharded
+    autocast = (torch.autocast(d.device.type, dtype=d.dtype) if d.dtype != torch.float32 and not d.sharded
                 else nullcontext())
     loss_sum, agree = 0.0, 0.0
     for i, (batch, n) in enumerate(zip(batches, counts)):
         if d.sharded:                                 # reduce-scatter gradients only after the last one
             student.set_requires_gradient_sync(i == len(batches) - 1)
         with autocast:
-            loss, stats = mtp_loss(student, teacher, batch, mode=args.mode)
+            loss, stats = mtp_loss(student, teacher, batch, mode=args.mode, prefix_ntp_weight=args.prefix_ntp_weight)
         (loss * (n / n_global) * d.world).backward()
         loss_sum += stats["loss"] * n
         accs = [a for a in stats["acc"] if a == a]    # student argmax == target per position j (NaN: none)
@@ -362,8 +380,8 @@ def make_optimizer(model, args):
 # leaves the previous checkpoint intact. The data order and each step's k / offset are
 # functions of the step number, so the step is all the "data loader state" there is.
 
-RESUME_MUST_MATCH = ("model", "data", "format", "seq_len", "mode", "k_max", "regions", "batch_size",
-                     "lr", "warmup", "weight_decay", "beta1", "beta2", "seed")
+RESUME_MUST_MATCH = ("model", "data", "format", "seq_len", "mode", "prefix_ntp_weight", "k_max", "regions",
+                     "batch_size", "lr", "warmup", "weight_decay", "beta1", "beta2", "seed")
 
 
 def checkpoint_dir(out) -> Path:
@@ -447,7 +465,7 @@ def format_seconds(s: float) -> str:
 
 def train(args, on_step=None) -> Path:
     """The whole run; returns the exported model folder. `on_step(step, stats)` is a test hook."""
-    d = setup_processes(args.device)
+    d = setup_processes(args.device, args.dtype)
     student, teacher, tok, mask_id = load_student_and_teacher(
         args, d, with_teacher=args.mode in ("hard", "soft"))
     fmt = args.format if args.format != "auto" else default_format(tok, student.config)
@@ -463,7 +481,7 @@ def train(args, on_step=None) -> Path:
     if args.batch_size % (d.world * args.micro_batch):
         raise ValueError(f"--batch-size {args.batch_size} must be a multiple of --micro-batch {args.micro_batch} "
                          f"x {d.world} processes")
-    pairs = read_pairs(args.data)[: args.limit_rows or None]
+    pairs = [pair for path in args.data for pair in read_pairs(path)][: args.limit_rows or None]
     seqs = training_sequences(pairs, tok, fmt, args.seq_len)
     if args.activation_checkpointing:
         enable_activation_checkpointing(student)
@@ -548,10 +566,10 @@ def model_card(cfg: ModelConfig, args, extra: str = "") -> str:
     lines = ["---", "library_name: transformers", "tags: [multi-token-prediction, self-distillation]", "---", ""]
     how = {"hard": "student-forced self-distillation from a frozen copy of itself (hard teacher targets)",
            "soft": "student-forced self-distillation from a frozen copy of itself (soft teacher targets)",
-           "gt": "the naive ground-truth multi-token loss (an ablation, METHOD.md section 2)"}[args.mode]
+           "gt": "the naive ground-truth multi-token loss (an ablation)"}[args.mode]
     lines += [
         "# Multi-token prediction by self-distillation", "",
-        f"Tuned from `{args.model}` on `{args.data}` with {how}, following Kirchenbauer et al., "
+        f"Tuned from `{args.model}` on {', '.join(f'`{d}`' for d in args.data)} with {how}, following Kirchenbauer et al., "
         "\"Multi-Token Prediction via Self-Distillation\" (arXiv 2602.06019).", "",
         f"The architecture is unchanged; the vocabulary has one extra token, `<mask>` "
         f"(id {cfg.mask_token_id}, also `mask_token_id` in config.json). Decoded normally (one token per "
@@ -577,6 +595,7 @@ def model_card(cfg: ModelConfig, args, extra: str = "") -> str:
         "```", "",
         f"Prompt format used in training: `{args.format}`"
         + (" (Llama-3 chat template)" if args.format == "llama3-chat" else
+           " (ChatML, as the model's chat template)" if args.format == "chatml" else
            " (prompt + \"\\n\\n\" + response, `<|endoftext|>` first)" if args.format == "qwen" else
            " (BOS + prompt + \"\\n\\n\" + response)") + ".", "",
         "## Training", "",
@@ -773,16 +792,20 @@ def run_mode(setup: EvalSetup, mode: DecodeConfig, max_new_tokens: int, batch_si
 
 
 def results_markdown(rows: list[dict], title: str) -> str:
+    same = "same_as_reference" in rows[0]
     lines = [f"### {title}", "",
-             "| decoding | flexible-extract acc. | strict-match acc. | effective k (mean ± std) | tokens/s |",
-             "|---|---|---|---|---|"]
+             "| decoding | flexible-extract acc. | strict-match acc. | effective k (mean ± std) | tokens/s |"
+             + (" same as reference |" if same else ""), "|---|---|---|---|---|" + ("---|" if same else "")]
     for r in rows:
         lines.append(f"| {r['decoding']} | {100 * r['flexible_acc']:.1f} ± {100 * r['flexible_se']:.1f} "
                      f"| {100 * r['strict_acc']:.1f} ± {100 * r['strict_se']:.1f} "
-                     f"| {r['effective_k_mean']:.2f} ± {r['effective_k_std']:.2f} | {r['tokens_per_second']:,.1f} |")
+                     f"| {r['effective_k_mean']:.2f} ± {r['effective_k_std']:.2f} | {r['tokens_per_second']:,.1f} |"
+                     + (f" {100 * r['same_as_reference']:.0f}% |" if same else ""))
     lines += ["", f"n = {rows[0]['n']} questions; accuracy in % ± standard error; effective k = tokens / forward "
                   "passes per completion (not a wall-clock speed-up); tokens/s = decoding throughput at batch size "
-                  f"{rows[0]['batch_size']}, prefill excluded.", ""]
+                  f"{rows[0]['batch_size']}, prefill excluded"
+                  + ("; same as reference = share of answers identical to the reference's k=1 answer." if same else ".")
+              , ""]
     return "\n".join(lines)
 
 
@@ -831,7 +854,7 @@ def load_for_inference(args) -> tuple[Transformer, Tokenizer, int | None, str]:
     """Model (eval mode, on the chosen device), tokenizer, mask id, prompt format."""
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = compute_dtype(device.type, args.dtype)
     tok = Tokenizer.from_pretrained(args.model)
     model = Transformer.from_pretrained(args.model, device=device, dtype=dtype)
     mask_id = model.config.mask_token_id if model.config.mask_token_id is not None else tok.mask_id
@@ -845,6 +868,15 @@ def stop_ids_for(model: Transformer, tok: Tokenizer, fmt: str) -> set:
     return {i for i in eos if i is not None} | set(tok.stop_ids) | {end_token(tok, fmt)}
 
 
+def reference_completions(folder, n: int) -> list[str]:
+    """The k=1 completions of an earlier eval's samples.jsonl (e.g. the untuned model's)."""
+    path = Path(folder) / "samples.jsonl"
+    rows = [r for r in read_records(path) if r.get("kind", "greedy") == "greedy" and r["decoding"] == "k=1 (greedy)"]
+    if len(rows) < n:
+        raise ValueError(f"{path}: {len(rows)} greedy (k=1) completions, {n} needed; run that eval with --static-k 1")
+    return [r["completion"] for r in sorted(rows, key=lambda r: r["index"])][:n]
+
+
 def evaluate(args) -> list[dict]:
     """`eval`: the sweep; writes results.json, results.md, pareto.png and samples.jsonl to --out."""
     modes = decoding_modes(args)
@@ -855,12 +887,15 @@ def evaluate(args) -> list[dict]:
     else:
         prompts = [prompt_tokens(tok, fmt, q) for q, _ in rows]
     setup = EvalSetup(model, tok, mask_id, stop_ids_for(model, tok, fmt), prompts, [g for _, g in rows])
+    reference = reference_completions(args.reference, len(rows)) if args.reference else None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = []
     with open(out / "samples.jsonl", "w", encoding="utf-8") as f:
         for mode in modes:
             row, samples = run_mode(setup, mode, args.max_new_tokens, args.batch_size)
+            if reference is not None:                 # how often the answer is the reference's, word for word
+                row["same_as_reference"] = mean_and_stderr(s["completion"] == ref for s, ref in zip(samples, reference))[0]
             results.append(row)
             print(f"{row['decoding']:<28} flexible {100 * row['flexible_acc']:5.1f} ± {100 * row['flexible_se']:.1f}"
                   f"  strict {100 * row['strict_acc']:5.1f}  effective k {row['effective_k_mean']:.2f} "
@@ -921,12 +956,10 @@ def answer_confidences(model: Transformer, prompt: list[int], answer: list[int])
     return probs.max(-1).values[0].tolist()
 
 
-def analyze(args) -> dict:
-    """`analyze`: confidence profile and ConfAdapt estimates; prints a verdict, writes JSON + MD."""
-    model, tok, _, fmt = load_for_inference(args)
-    prompts = [prompt_tokens(tok, fmt, q) for q in read_questions(args.data)[: args.limit or None]]
-    stop_ids = stop_ids_for(model, tok, fmt)
-    gens, _ = generate(model, prompts, args.max_new_tokens, DecodeConfig("greedy"), stop_ids=stop_ids,
+def predictability(model, tok, fmt, questions: list[str], args) -> dict:
+    """Greedy answers to the questions, their confidence profile and ConfAdapt's estimates."""
+    prompts = [prompt_tokens(tok, fmt, q) for q in questions]
+    gens, _ = generate(model, prompts, args.max_new_tokens, DecodeConfig("greedy"), stop_ids=stop_ids_for(model, tok, fmt),
                        batch_size=args.batch_size)
     confs = [answer_confidences(model, p, g.tokens) for p, g in zip(prompts, gens) if g.tokens]
     flat = [c for cs in confs for c in cs]
@@ -945,19 +978,33 @@ def analyze(args) -> dict:
     verdict = (f"at tau={ref['tau']:g}, ConfAdapt could reach an effective k of about {ref['effective_k_joint']:.1f} "
                f"(joint estimate) to {ref['effective_k_per_token']:.1f} (per-token estimate): "
                + ("predictable enough to be worth tuning." if worth else
-                  "little to gain; this domain's answers are not predictable enough."))
-    report = {"model": args.model, "data": args.data, "format": fmt, "answers": len(confs), "tokens": len(flat),
-              "mean_confidence": sum(flat) / len(flat), "k_max": args.k_max, "estimates": rows,
-              "worth_tuning": worth, "verdict": verdict}
-    md = [f"### Predictability of {Path(args.data).name} for {'/'.join(Path(args.model).resolve().parts[-2:])}", "",
-          f"{len(confs)} greedy answers, {len(flat)} tokens, mean top-1 confidence {report['mean_confidence']:.3f}; "
-          f"ConfAdapt k_max = {args.k_max}.", "",
-          "| tau | tokens with confidence >= tau | est. effective k (joint) | est. effective k (per-token) |",
-          "|---|---|---|---|"]
-    md += [f"| {r['tau']:g} | {100 * r['share_confident']:.1f}% | {r['effective_k_joint']:.2f} "
-           f"| {r['effective_k_per_token']:.2f} |" for r in rows]
-    md += ["", f"Verdict: {verdict}", ""]
+                  "little to gain; these answers are not predictable enough."))
+    return {"answers": len(confs), "tokens": len(flat), "mean_confidence": sum(flat) / len(flat),
+            "estimates": rows, "worth_tuning": worth, "verdict": verdict}
+
+
+def analyze(args) -> dict:
+    """`analyze`: confidence profile and ConfAdapt estimates per domain; prints a verdict, writes JSON + MD."""
+    model, tok, _, fmt = load_for_inference(args)
+    if args.domains:                                  # held-out prompts generated in code
+        groups = {d: domain_prompts(d, args.limit, "test") for d in args.domains}
+    else:
+        groups = {Path(args.data).name: read_questions(args.data)[: args.limit or None]}
+    reports = {name: predictability(model, tok, fmt, questions, args) for name, questions in groups.items()}
+    md = [f"### Predictability for {'/'.join(Path(args.model).resolve().parts[-2:])}", "",
+          f"Greedy answers (at most {args.max_new_tokens} tokens) to held-out prompts, {fmt} format; "
+          f"ConfAdapt k_max = {args.k_max}; estimated effective k, joint to per-token.", "",
+          "| prompts | answers | tokens | mean confidence | "
+          + " | ".join(f"tau {t:g}" for t in args.taus) + " |",
+          "|---|---|---|---|" + "---|" * len(args.taus)]
+    for name, r in reports.items():
+        md.append(f"| {name} | {r['answers']} | {r['tokens']} | {r['mean_confidence']:.3f} | "
+                  + " | ".join(f"{e['effective_k_joint']:.2f}-{e['effective_k_per_token']:.2f}" for e in r["estimates"])
+                  + " |")
+    md += [""] + [f"- {name}: {r['verdict']}" for name, r in reports.items()] + [""]
     print("\n".join(md))
+    report = {"model": args.model, "format": fmt, "k_max": args.k_max, "max_new_tokens": args.max_new_tokens,
+              "domains": reports}
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         write_json(Path(args.out) / "analysis.json", report)
@@ -966,25 +1013,59 @@ def analyze(args) -> dict:
 
 
 # ==============================================================================================
+# Data from the model itself: its own answers to domain prompts
+# ==============================================================================================
+#
+# The hard teacher only uses the data as prefixes: its targets are its own predictions along
+# them. With no data set at hand, the model's own greedy answers to prompts of the target
+# domains make such prefixes, from the very distribution ConfAdapt will decode.
+
+def make_data(args):
+    """`data`: write the model's greedy answers to each domain's training prompts as JSONL rows."""
+    model, tok, _, fmt = load_for_inference(args)
+    stop_ids = stop_ids_for(model, tok, fmt)
+    out = Path(args.out)
+    rows = []
+    for domain in args.domains:
+        questions = domain_prompts(domain, args.per_domain, args.split)
+        gens, stats = generate(model, [prompt_tokens(tok, fmt, q) for q in questions], args.max_new_tokens,
+                               DecodeConfig("greedy"), stop_ids=stop_ids, batch_size=args.batch_size)
+        for q, g in zip(questions, gens):
+            finished = bool(g.tokens) and g.tokens[-1] in stop_ids
+            rows.append({"domain": domain, "prompt": q, "response": tok.decode(g.tokens[:-1] if finished else g.tokens),
+                         "finished": finished})
+        print(f"{domain}: {len(questions)} answers, {sum(len(g.tokens) for g in gens):,} tokens, "
+              f"{stats.seconds:.0f} s", flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_save(lambda p: Path(p).write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8"), out)
+    print(f"wrote {len(rows)} rows to {out}")
+
+
+# ==============================================================================================
 # Command line
 # ==============================================================================================
 
 def add_device(p):
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="compute dtype (auto: bfloat16 on GPUs and on CPUs with bfloat16 arithmetic, else float32)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's, one per core)")
 
 
 def add_format(p):
     p.add_argument("--format", default="auto", choices=("auto",) + FORMATS,
-                   help="prompt format (auto: llama3-chat if the tokenizer has its tokens, qwen for Qwen, else plain)")
+                   help="prompt format (auto: llama3-chat or chatml if the tokenizer has their tokens, qwen for Qwen, "
+                        "else plain)")
 
 
 def add_training_args(p):
     g = p.add_argument_group("data")
-    g.add_argument("--data", required=True, help="MetaMathQA JSON array / JSONL (query, response) or JSONL (prompt, response)")
+    g.add_argument("--data", required=True, nargs="+",
+                   help="MetaMathQA JSON array / JSONL (query, response) or JSONL (prompt, response); several are joined")
     add_format(g)
     g.add_argument("--seq-len", type=int, default=160, help="tokens per training sequence")
     g.add_argument("--limit-rows", type=int, default=0, help="use only the first N rows (0: all)")
-    o = p.add_argument_group("optimization (defaults: the paper's, METHOD.md section 6)")
+    o = p.add_argument_group("optimization (defaults: the paper's full-scale recipe)")
     o.add_argument("--steps", type=int, default=100_000)
     o.add_argument("--batch-size", type=int, default=128, help="global batch (sequences per step)")
     o.add_argument("--micro-batch", type=int, default=8,
@@ -1001,6 +1082,8 @@ def add_training_args(p):
                    help="hard / soft: self-distillation; gt: the naive ground-truth ablation")
     m.add_argument("--k-max", type=int, default=16, help="k is drawn uniformly from [2, k_max] every step")
     m.add_argument("--regions", type=int, default=None, help="MTP problems per sequence (default seq_len / (2 k_max))")
+    m.add_argument("--prefix-ntp-weight", type=float, default=0.0,
+                   help="add this much plain next-token loss on the ground-truth tokens (an ablation; 0: off)")
     c = p.add_argument_group("checkpoints and system")
     c.add_argument("--out", required=True, help="output folder: checkpoints/, log.jsonl, final/ (the exported model)")
     c.add_argument("--save-every", type=int, default=1000, help="checkpoint every N steps")
@@ -1035,11 +1118,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--batch-size", type=int, default=16,
                    help="prompts decoded at once (a finished one hands its place to the next)")
     e.add_argument("--limit", type=int, default=0, help="first N questions only (0: all)")
+    e.add_argument("--reference", default=None,
+                   help="an earlier eval's --out folder: report how often each answer equals its k=1 answer")
     add_device(e)
 
     a = sub.add_parser("analyze", help="before tuning: how predictable are the model's answers on this domain?")
     a.add_argument("--model", required=True)
-    a.add_argument("--data", required=True, help="the domain's prompts: rows with question, query or prompt")
+    src = a.add_mutually_exclusive_group(required=True)
+    src.add_argument("--data", help="the domain's prompts: rows with question, query or prompt")
+    src.add_argument("--domains", nargs="+", choices=DOMAINS, help="held-out prompts generated in code, per domain")
     add_format(a)
     a.add_argument("--limit", type=int, default=64)
     a.add_argument("--taus", type=float, nargs="+", default=[0.99, 0.95, 0.9, 0.8, 0.7, 0.5])
@@ -1049,17 +1136,31 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--out", default=None, help="also write analysis.json and analysis.md here")
     add_device(a)
 
+    g = sub.add_parser("data", help="training rows from the model itself: its greedy answers to domain prompts")
+    g.add_argument("--model", required=True)
+    g.add_argument("--out", required=True, help="JSONL file of {domain, prompt, response} rows (train --data takes it)")
+    g.add_argument("--domains", nargs="+", choices=DOMAINS, default=list(DOMAINS))
+    g.add_argument("--per-domain", type=int, default=100, help="prompts per domain (fewer if the domain has fewer)")
+    g.add_argument("--split", default="train", choices=("train", "test"))
+    add_format(g)
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--batch-size", type=int, default=16, help="prompts decoded at once")
+    add_device(g)
+
     x = sub.add_parser("export", help="a training checkpoint -> Hugging Face folder with model card")
     x.add_argument("--checkpoint", required=True, help="a run's --out folder or one checkpoints/step_N folder")
     x.add_argument("--out", required=True)
+    x.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's, one per core)")
     return p
 
 
-COMMANDS = {"train": train, "eval": evaluate, "analyze": analyze, "export": export_checkpoint}
+COMMANDS = {"train": train, "eval": evaluate, "analyze": analyze, "data": make_data, "export": export_checkpoint}
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
     try:
         COMMANDS[args.command](args)
     except (ValueError, FileNotFoundError, KeyError) as e:

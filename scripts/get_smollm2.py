@@ -108,6 +108,9 @@ def write_model(gguf: Path, out: Path):
     """Dequantised float32 weights + config.json + generation_config.json, via transformers."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
 
     quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = quantized.config

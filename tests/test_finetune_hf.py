@@ -5,6 +5,7 @@ The tiny base model is written by transformers itself (LlamaForCausalLM.save_pre
 the word-problem tokenizer beside it, exactly as a downloaded checkpoint would look.
 """
 import json
+import math
 import os
 import random
 import re
@@ -19,12 +20,12 @@ from safetensors.torch import load_file
 
 import finetune_hf as F
 from confadapt import Generation
-from data import (QWEN2_PATTERN, Tokenizer, gsm8k_row, metamath_row, word_problem, word_problem_batch,
+from data import (QWEN2_PATTERN, Tokenizer, domain_prompts, gsm8k_row, metamath_row, word_problem, word_problem_batch,
                   word_problem_split, word_problem_tokenizer, write_word_problems)
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = ["--seq-len", "48", "--batch-size", "4", "--micro-batch", "2", "--lr", "1e-3", "--warmup", "2",
-         "--k-max", "6", "--save-every", "2", "--log-every", "1"]
+         "--k-max", "6", "--save-every", "2", "--log-every", "1", "--dtype", "float32"]   # exact comparisons
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")            # conftest.py
@@ -289,8 +290,34 @@ def test_analyze_estimates(tiny, tmp_path):
     out = tmp_path / "an"
     assert F.main(["analyze", "--model", str(tiny / "base"), "--data", str(tiny / "wp" / "test.jsonl"),
                    "--limit", "2", "--max-new-tokens", "4", "--taus", "0.9", "--out", str(out)]) == 0
-    report = json.loads((out / "analysis.json").read_text())
+    report = json.loads((out / "analysis.json").read_text())["domains"]["test.jsonl"]
     assert report["tokens"] > 0 and report["estimates"][0]["effective_k_per_token"] >= 1.0
+    assert F.main(["analyze", "--model", str(tiny / "base"), "--domains", "lists", "word_problems", "--limit", "2",
+                   "--max-new-tokens", "4", "--taus", "0.9", "0.5", "--out", str(out)]) == 0
+    report = json.loads((out / "analysis.json").read_text())["domains"]
+    assert list(report) == ["lists", "word_problems"] and len(report["lists"]["estimates"]) == 2
+    assert "| lists | 2 |" in (out / "analysis.md").read_text()
+
+
+def test_data_writes_the_models_own_answers_and_train_reads_them(tiny, tmp_path):
+    rows_file = tmp_path / "own.jsonl"
+    assert F.main(["data", "--model", str(tiny / "base"), "--out", str(rows_file), "--domains", "lists", "writing",
+                   "--per-domain", "3", "--max-new-tokens", "5"]) == 0
+    rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
+    assert [r["domain"] for r in rows] == ["lists"] * 3 + ["writing"] * 3
+    assert rows[0]["prompt"] in domain_prompts("lists", 3) and all(isinstance(r["response"], str) for r in rows)
+    out = tmp_path / "run"
+    assert F.main(["train", "--model", str(tiny / "base"), "--data", str(rows_file), str(tiny / "wp" / "train.json"),
+                   "--out", str(out), *TRAIN, "--steps", "2", "--prefix-ntp-weight", "0.5"]) == 0
+    assert json.loads((out / "train_args.json").read_text())["prefix_ntp_weight"] == 0.5
+    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert len(log) == 2 and all(r["loss"] == r["loss"] for r in log)
+
+
+def test_bfloat16_training_on_cpu(tiny, tmp_path):
+    assert F.main(train_args(tiny, tmp_path / "bf16", "--steps", "2", "--dtype", "bfloat16")) == 0
+    log = [json.loads(line) for line in (tmp_path / "bf16" / "log.jsonl").read_text().splitlines()]
+    assert len(log) == 2 and all(math.isfinite(r["loss"]) for r in log)
 
 
 def test_bad_input_gives_one_error_line(tiny, tmp_path, capsys):

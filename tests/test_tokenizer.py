@@ -7,12 +7,15 @@ BPE trainer puts them), and compare encodings on text chosen to hit the corner c
 """
 import base64
 import json
+import random
+from pathlib import Path
 
 import pytest
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
-from data import (LLAMA3_PATTERN, QWEN2_PATTERN, TOY_PROMPT_WORDS, Tokenizer, bytes_to_piece,
+from data import (DIGITS_THEN_GPT2_PATTERN, GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN, TOY_PROMPT_WORDS, Tokenizer,
+                  bytes_to_piece,
                   gpt2_byte_to_char, piece_to_bytes, toy_tokenizer, toy_whole_tokens)
 
 TRAIN_TEXT = [
@@ -226,6 +229,67 @@ def test_missing_and_unsupported_tokenizers(tmp_path):
     word_level.save(str(tmp_path / "tokenizer.json"))
     with pytest.raises(ValueError, match="unsupported"):
         Tokenizer.from_pretrained(tmp_path)
-    # tiktoken itself would panic (a BaseException) at encode time on a missing byte
-    with pytest.raises(ValueError, match="256 single bytes"):
-        Tokenizer({bytes([b]): b for b in range(255)}, {}, LLAMA3_PATTERN)
+
+
+# --- vocabularies that lack single bytes, split digits first (SmolLM2, StarCoder) ------------
+
+def varied_corpus(n: int = 400, seed: int = 0) -> list[str]:
+    """TEST_TEXT plus random strings drawn from every kind of character a tokenizer meets."""
+    rng = random.Random(seed)
+    kinds = ["abc XYZ the of and", "0123456789", " ", "  ", "\t", "\n", "\r\n", ".,;:!?'\"()[]{}<>-_=+*/\\|#@$%^&~`",
+             "éüßøñçÅÖ", "Ωμέγα Привет", "東京北京世界中文", "こんにちはカタカナ", "😀🎉👍🏽👨‍👩‍👧🇯🇵",
+             "".join(map(chr, range(32))) + "\x7f", "\u00a0\u3000\u2003", "\U00010348\U00050000\U000f0000",
+             "def f(x):\n    return x ** 2  # c\n", "'s 't 're 've 'm 'll 'd"]
+    out = list(TEST_TEXT)
+    for _ in range(n):
+        parts = [rng.choice(kinds) for _ in range(rng.randint(1, 8))]
+        text = "".join(p if rng.random() < 0.5 else "".join(rng.sample(p, min(len(p), rng.randint(1, 6))))
+                       for p in parts)
+        out.append(text)
+    return out
+
+
+def test_digits_first_vocab_with_missing_bytes_matches_hf(tmp_path):
+    """Trained without the full byte alphabet, the vocab lacks most single bytes: `tokenizers`
+    drops those bytes, and so must we; digits are split one by one before the GPT-2 split."""
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    hf.decoder = decoders.ByteLevel()
+    hf.train_from_iterator(TRAIN_TEXT, trainers.BpeTrainer(vocab_size=500, special_tokens=QWEN_SPECIALS,
+                                                           show_progress=False))
+    hf.save(str(tmp_path / "tokenizer.json"))
+    ours = Tokenizer.from_pretrained(tmp_path)
+    assert ours.pattern == DIGITS_THEN_GPT2_PATTERN and len(ours.missing_bytes) > 100
+    for text in varied_corpus():
+        assert ours.encode(text) == hf_ids(hf, text), repr(text)
+    ours.add_special_token("<mask>")
+    ours.save_pretrained(tmp_path / "saved")
+    again = HFTokenizer.from_file(str(tmp_path / "saved" / "tokenizer.json"))
+    assert again.token_to_id("<mask>") == ours.mask_id == ours.n_vocab - 1
+    assert hf_ids(again, "digits 12345 and   777") == ours.encode("digits 12345 and   777")
+
+
+def test_a_missing_byte_is_dropped_and_its_neighbours_merge():
+    ranks = {bytes([b]): b for b in range(256) if b != 4}
+    ranks[b"!?"] = 256
+    tok = Tokenizer(ranks, {}, GPT2_PATTERN)
+    assert tok.missing_bytes == b"\x04"
+    assert tok.encode("!?") == tok.encode("!\x04?") == [256]      # one piece "!\x04?" -> "!?"
+    assert tok.encode("\x04") == [] and tok.encode("x \x04") == [ord("x"), ord(" ")]
+
+
+SMOLLM2 = Path(__file__).resolve().parent.parent / "models" / "smollm2"
+needs_smollm2 = pytest.mark.skipif(not (SMOLLM2 / "tokenizer.json").is_file(),
+                                   reason="no converted SmolLM2 (python scripts/get_smollm2.py models/smollm2)")
+
+
+@needs_smollm2
+def test_smollm2_tokenizer_matches_hf():
+    ours, hf = Tokenizer.from_pretrained(SMOLLM2), HFTokenizer.from_file(str(SMOLLM2 / "tokenizer.json"))
+    assert len(ours.missing_bytes) == 21 and ours.n_vocab == 49152
+    assert (ours.bos_token, ours.eos_token, ours.pad_token) == ("<|im_start|>", "<|im_end|>", "<|im_end|>")
+    for text in varied_corpus(2000, seed=1):
+        ids = ours.encode(text)
+        assert ids == hf_ids(hf, text), repr(text)
+        assert ours.decode(ids) == hf.decode(ids)
