@@ -506,7 +506,7 @@ def forward_latency(model, batch_size: int, context: int, sizes, repeats: int = 
 
 def bench(model, prompts: list[list[int]], max_new_tokens: int, modes: list[DecodeConfig],
           batch_sizes=(1, 4, 16), mask_id=None, stop_ids=(), repeats: int = 3, latency_sizes=range(1, 33),
-          n_rows: int | None = None) -> dict:
+          n_rows: int | None = None, others: dict | None = None) -> dict:
     """Time every mode at every batch size on the same workload.
 
     The workload is the prompts cycled up to n_rows rows (default: as many as the prompts or the
@@ -519,47 +519,56 @@ def bench(model, prompts: list[list[int]], max_new_tokens: int, modes: list[Deco
     greedy at the same batch size; efficiency = speed-up / effective k, the share of the saved
     passes that became saved time. "Fed per token" is the positions the passes computed per
     generated token (greedy: 1): where a pass's cost grows with its positions (the latency
-    curve), this is what a multi-token mode pays for its fewer passes.
+    curve), this is what a multi-token mode pays for its fewer passes. "Equals greedy": the
+    mode's tokens are greedy's, row for row (what the lossless mode promises).
+
+    `others` adds decoders from elsewhere to the turns (benchmarks/ passes transformers'
+    `generate` here): {name: decode(rows, max_new_tokens, batch_size) -> (list[Generation],
+    DecodeStats), or None at a batch size it does not support}.
     """
     n_rows = n_rows or max(len(prompts), max(batch_sizes))
     rows = [prompts[i % len(prompts)] for i in range(n_rows)]
+    decoders = [(m.describe(), m.kind, lambda r, n, bs, m=m: generate(model, r, n, m, mask_id, stop_ids, batch_size=bs))
+                for m in modes] + [(name, name, fn) for name, fn in (others or {}).items()]
     results, latency = [], {}
     for bs in batch_sizes:
-        for mode in modes[:1] + modes[-1:]:                       # warm-up (allocator, kernels)
-            generate(model, rows[:bs], min(8, max_new_tokens), mode, mask_id, stop_ids)
-        rounds = [[generate(model, rows, max_new_tokens, mode, mask_id, stop_ids, batch_size=bs)[1] for mode in modes]
-                  for _ in range(repeats)]                                   # rounds[r][m]: DecodeStats
+        # Warm-up (allocator, kernels); a decoder that answers None does not take this batch size.
+        here = [d for d in decoders if d[2](rows[:bs], min(8, max_new_tokens), bs) is not None]
+        rounds = [[decode(rows, max_new_tokens, bs) for _, _, decode in here]
+                  for _ in range(repeats)]                                   # rounds[r][m]: (gens, DecodeStats)
 
-        def decoding_seconds(stats):                               # prefill excluded
-            return stats.seconds - stats.prefill_seconds
+        def decoding_seconds(run):                                  # prefill excluded
+            return run[1].seconds - run[1].prefill_seconds
 
-        greedy_tps = None
-        for m, mode in enumerate(modes):
-            best = min((r[m] for r in rounds), key=decoding_seconds)
-            tokens, row_passes, seconds = best.tokens, best.row_passes, decoding_seconds(best)
+        greedy = greedy_tps = None
+        for m, (name, kind, _) in enumerate(here):
+            gens, best = min((r[m] for r in rounds), key=decoding_seconds)
+            tokens, row_passes, seconds = best.tokens, best.row_passes, decoding_seconds((gens, best))
             tps = tokens / max(seconds, 1e-9)
-            if mode.kind == "greedy":
-                greedy_tps = tps
+            if kind == "greedy":
+                greedy, greedy_tps = [g.tokens for g in gens], tps
             speedup = tps / greedy_tps if greedy_tps else float("nan")
             effective_k = tokens / max(1, row_passes)
-            results.append({"batch_size": bs, "mode": mode.describe(), "kind": mode.kind, "tokens": tokens,
+            results.append({"batch_size": bs, "mode": name, "kind": kind, "tokens": tokens,
                             "forward_passes": best.forward_passes, "effective_k": effective_k,
                             "fed_per_token": best.fed_tokens / max(1, tokens),
                             "tokens_per_second": tps, "seconds": seconds,
                             "speedup": speedup, "efficiency": speedup / effective_k,
+                            "equals_greedy": None if greedy is None else [g.tokens for g in gens] == greedy,
                             "accept_hist": best.accept_hist})
-        context = max(len(p) for p in rows) + max_new_tokens // 2
-        latency[bs] = forward_latency(model, bs, context, list(latency_sizes))
+        if latency_sizes:
+            context = max(len(p) for p in rows) + max_new_tokens // 2
+            latency[bs] = forward_latency(model, bs, context, list(latency_sizes))
     return {"results": results, "latency_seconds": latency}
 
 
 def format_bench(report: dict) -> str:
     lines = [f"{'batch':>5}  {'mode':<28} {'tokens/s':>10} {'eff. k':>7} {'speed-up':>9} "
-             f"{'efficiency':>10} {'passes':>7} {'fed/token':>9}"]
+             f"{'efficiency':>10} {'passes':>7} {'fed/token':>9} {'= greedy':>8}"]
     for r in report["results"]:
         lines.append(f"{r['batch_size']:>5}  {r['mode']:<28} {r['tokens_per_second']:>10.1f} {r['effective_k']:>7.2f} "
                      f"{r['speedup']:>8.2f}x {r['efficiency']:>10.2f} {r['forward_passes']:>7} "
-                     f"{r['fed_per_token']:>9.2f}")
+                     f"{r['fed_per_token']:>9.2f} {'yes' if r['equals_greedy'] else 'no':>8}")
     lines.append("")
     lines.append("forward-pass latency (ms) for T new tokens per row on a filled cache; ratio to T = 1")
     for bs, curve in report["latency_seconds"].items():

@@ -337,6 +337,7 @@ def test_bench_smoke(toy_model):
     assert all(r["speedup"] == 1.0 for r in rows if r["kind"] == "greedy")
     tokens = {(r["batch_size"], r["kind"]): r["tokens"] for r in rows}
     assert tokens[1, "greedy"] == tokens[2, "greedy"] == tokens[1, "lossless"] == tokens[2, "lossless"]   # same rows
+    assert all(r["equals_greedy"] for r in rows if r["kind"] in ("greedy", "lossless"))
     assert set(report["latency_seconds"][2]) == {1, 2, 3}
     assert "speed-up" in confadapt.format_bench(report)
     json.dumps(report)

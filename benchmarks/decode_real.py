@@ -1,0 +1,430 @@
+"""Benchmark: decoding a real model with our modes, side by side with what a user would pick instead.
+
+On a real model (SmolLM2-135M-Instruct: about 0.5 GB of float32 weights read per pass) a forward
+pass costs real work, so its speed-ups say what a user gains. In one run, on the same weights
+and the same chat-formatted prompts, these decoders take turns (confadapt.bench):
+
+    greedy                      ours: confadapt.generate, one token per pass
+    transformers greedy         AutoModelForCausalLM.generate(do_sample=False) on the same folder
+    transformers prompt lookup  generate(prompt_lookup_num_tokens=N): drafts copied from earlier
+                                text and verified in one pass; lossless and training-free, what a
+                                user without a draft model picks today (batch 1 only: transformers'
+                                assisted generation takes one row)
+    static k, ConfAdapt, lossless   ours, reading the tuned model's <mask> predictions
+
+at batch sizes 1, 4 and 16 (transformers pads a static batch until its longest row ends; ours
+gives a finished row's place to the next prompt). Then the forward-pass latency curve: one cached
+pass of T = 1..32 new positions per row at batch 1 and 16, float32 and bfloat16, which is what
+turns fewer passes (effective k) into time saved, or not.
+
+    python benchmarks/decode_real.py --model DIR --out DIR [--device cuda --dtype bfloat16] [--quick]
+
+writes results.json, results.md (the tables), decoding.png and latency.png to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from confadapt import (CliError, DecodeConfig, DecodeStats, Generation, Parser, _sync, bench,  # noqa: E402
+                       forward_latency)
+from data import FORMATS, Tokenizer, prompt_tokens, word_problem_split  # noqa: E402
+from finetune_hf import default_format, stop_ids_for  # noqa: E402
+from model import Transformer, add_mask_token  # noqa: E402
+
+HF_GREEDY, HF_LOOKUP = "transformers greedy", "transformers prompt lookup"
+MODE_CHOICES = ("greedy", "hf-greedy", "hf-lookup", "static", "confadapt", "lossless")
+
+# ----------------------------------------------------------------------------------------------
+# Prompts: four domains, each asking for an answer of a few paragraphs
+# ----------------------------------------------------------------------------------------------
+# Generated here, so that no training file holds them; the word problems are the first questions
+# of data.py's test split (write_word_problems keeps them out of its training file).
+
+CODE_TASKS = ["reverses the words of a sentence", "checks whether a number is prime", "counts the vowels in a text",
+              "merges two sorted lists", "removes duplicates from a list but keeps the order",
+              "returns the n-th Fibonacci number", "converts Celsius to Fahrenheit", "finds the second largest number"]
+TOPICS = ["why the sky is blue", "how vaccines work", "what causes the seasons", "how a rainbow forms",
+          "the water cycle", "how a bicycle stays upright", "how plants make food from sunlight", "what an atom is"]
+CHARACTERS = ["a lighthouse keeper", "a young baker", "a robot gardener", "a retired pilot"]
+EVENTS = ["finds an old map", "learns to play the violin", "makes an unexpected friend", "is caught in a snowstorm"]
+
+
+def chat_prompts(per_domain: int) -> list[tuple[str, str]]:
+    """(domain, request) pairs, the domains interleaved so that any leading slice covers all four."""
+    problems = word_problem_split(20000, per_domain, seed=0)[1]
+    domains = {
+        "math": [f"{p.question} Solve it step by step." for p in problems],
+        "code": [f"Write a Python function that {t}, and explain how it works." for t in CODE_TASKS],
+        "explain": [f"Explain {t} to a curious twelve-year-old, in a few paragraphs." for t in TOPICS],
+        "story": [f"Write a short story about {c} who {e}." for e in EVENTS for c in CHARACTERS],
+    }
+    return [(d, texts[i % len(texts)]) for i in range(per_domain) for d, texts in domains.items()]
+
+
+# ----------------------------------------------------------------------------------------------
+# transformers' generate, measured like ours
+# ----------------------------------------------------------------------------------------------
+
+class PassLog:
+    """What one `generate` call did, seen from outside: a streamer notes when each pass's tokens
+    arrive (generate hands it the prompt first, then every pass's new tokens), and a forward
+    pre-hook counts the positions each pass computes."""
+
+    def __init__(self):
+        self.arrivals, self.positions = [], []
+
+    def put(self, tokens):                         # the streamer interface: called with CPU tensors
+        self.arrivals.append((time.perf_counter(), tokens.shape[-1] if tokens.dim() > 1 else 1))
+
+    def end(self):
+        pass
+
+    def hook(self, module, args, kwargs):
+        self.positions.append(kwargs["input_ids"].numel())
+
+
+@torch.inference_mode()
+def hf_decode(hf, rows: list[list[int]], max_new_tokens: int, batch_size: int, stop_ids: set, lookup: int | None):
+    """Decode `rows` batch_size at a time with transformers' generate; (Generations, DecodeStats)
+    measured as confadapt.generate measures itself, or None where generate cannot (lookup, batch > 1).
+
+    A static batch is left-padded (with an attention mask) and decoded until its longest row ends;
+    finished rows keep being computed, which the positions fed show. The prefill pass computes the
+    prompt and makes each row's first token (ours feeds the prompt's last token in its first
+    decoding pass), so decoding time starts when the prefill's tokens arrive and counts the
+    tokens made after them, per row the same passes as ours.
+    """
+    if lookup and batch_size > 1:
+        return None
+    device, pad = hf.device, min(stop_ids)          # padding is masked out; any id would do
+    gens, tokens = [], 0
+    seconds = prefill = passes = row_passes = fed = 0
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start:start + batch_size]
+        T = max(len(p) for p in chunk)
+        ids = torch.tensor([[pad] * (T - len(p)) + p for p in chunk], device=device)               # (B, T)
+        attention = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in chunk], device=device)
+        log = PassLog()
+        handle = hf.register_forward_pre_hook(log.hook, with_kwargs=True)
+        try:
+            _sync(device)
+            t0 = time.perf_counter()
+            out = hf.generate(ids, attention_mask=attention, max_new_tokens=max_new_tokens, do_sample=False,
+                              eos_token_id=sorted(stop_ids), pad_token_id=pad, prompt_lookup_num_tokens=lookup,
+                              streamer=log)
+            _sync(device)
+            t1 = time.perf_counter()
+        finally:
+            handle.remove()
+        (t_prefilled, first_tokens), later = log.arrivals[1], log.arrivals[2:]     # arrivals[0]: the prompt
+        for row in out[:, T:].tolist():
+            stop = next((i for i, t in enumerate(row) if t in stop_ids), None)
+            row = row if stop is None else row[:stop + 1]                  # cut after the first stop token
+            gens.append(Generation(row, [], stopped=stop is not None))    # passes per row: not observed
+            tokens += max(0, len(row) - first_tokens)                      # the prefill pass's tokens don't count
+        seconds += t1 - t0
+        prefill += t_prefilled - t0
+        passes += len(later)
+        row_passes += len(later) if lookup else sum(len(g.tokens) - 1 for g in gens[-len(chunk):])
+        fed += sum(log.positions[1:])
+    stats = DecodeStats(mode=HF_LOOKUP if lookup else HF_GREEDY, batch_size=batch_size, forward_passes=passes,
+                        row_passes=row_passes, tokens=tokens, effective_k=tokens / max(1, row_passes),
+                        fed_tokens=fed, accept_hist={}, seconds=seconds, prefill_seconds=prefill,
+                        tokens_per_second=tokens / max(seconds - prefill, 1e-9))
+    return gens, stats
+
+
+# ----------------------------------------------------------------------------------------------
+# The run
+# ----------------------------------------------------------------------------------------------
+
+def machine(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name, flags = platform.processor() or platform.machine(), ""
+    if os.path.isfile("/proc/cpuinfo"):
+        info = Path("/proc/cpuinfo").read_text()
+        name = next((l.split(":", 1)[1].strip() for l in info.splitlines() if l.startswith("model name")), name)
+        flags = "avx512_bf16" if "avx512_bf16" in info else "avx512f" if "avx512f" in info else ""
+    return f"{name}, {os.cpu_count()} cores" + (f", {flags}" if flags else "")
+
+
+def load(args, device, need_mask: bool):
+    """Our model, tokenizer, mask id and transformers' copy of the same weights.
+
+    A model without <mask> (not MTP-tuned) gets an untrained one, so that every mode runs; its
+    mask predictions are rarely accepted, which is fine for checking the benchmark. transformers
+    then loads our weights, written to a temporary folder, so both sides decode the same matrices.
+    """
+    tok = Tokenizer.from_pretrained(args.model)
+    dtype = getattr(torch, args.dtype)
+    ours = Transformer.from_pretrained(args.model, device=device, dtype=dtype)
+    if ours.config.mask_token_id is None and tok.mask_id is not None:
+        ours.config.mask_token_id = tok.mask_id
+    grown = need_mask and ours.config.mask_token_id is None
+    if grown:
+        print(f"note: {args.model} has no <mask> token; adding an untrained one (the MTP modes then accept few "
+              f"predictions: for checking the benchmark, not for its figures)", file=sys.stderr)
+        add_mask_token(ours, tok)
+    hf = None
+    if {"hf-greedy", "hf-lookup"} & set(args.modes) and "decoding" in args.parts:
+        from transformers import AutoModelForCausalLM
+
+        with tempfile.TemporaryDirectory() as tmp:
+            if grown:
+                ours.save_pretrained(tmp)
+            hf = AutoModelForCausalLM.from_pretrained(tmp if grown else args.model, dtype=dtype).to(device).eval()
+    return ours, tok, hf
+
+
+def decoding_modes(args) -> list[DecodeConfig]:
+    modes = [DecodeConfig("greedy")]
+    if "static" in args.modes:
+        modes.append(DecodeConfig("static", k=args.static_k))
+    if "confadapt" in args.modes:
+        modes += [DecodeConfig("confadapt", tau=t, k_max=args.k_max) for t in args.taus]
+    if "lossless" in args.modes:
+        modes.append(DecodeConfig("lossless", k=args.lossless_k or args.k_max))
+    for m in modes:
+        m.validate()
+    return modes
+
+
+def run(args) -> dict:
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CliError(f"--device {args.device}: CUDA is not available on this machine")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    modes = decoding_modes(args)
+    ours, tok, hf = load(args, device, need_mask=any(m.block > 1 for m in modes))
+    fmt = args.format if args.format != "auto" else default_format(tok, ours.config)
+    stop_ids = stop_ids_for(ours, tok, fmt)
+    requests = chat_prompts(args.prompts_per_domain)
+    prompts = [prompt_tokens(tok, fmt, text) for _, text in requests]
+    meta = {"model": args.model, "machine": machine(device), "device": str(device), "dtype": args.dtype,
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "format": fmt,
+            "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "requests": requests,
+            "rows": max(len(prompts), max(args.batch_sizes)),                  # confadapt.bench's workload
+            "prompt_tokens": [len(p) for p in prompts]}
+    report = {"meta": meta, "decoding": [], "latency_ms": {}}
+
+    if "decoding" in args.parts:
+        others = {}
+        if "hf-greedy" in args.modes:
+            others[HF_GREEDY] = lambda r, n, bs: hf_decode(hf, r, n, bs, stop_ids, None)
+        if "hf-lookup" in args.modes:
+            others[f"{HF_LOOKUP} n={args.lookup_tokens}"] = \
+                lambda r, n, bs: hf_decode(hf, r, n, bs, stop_ids, args.lookup_tokens)
+        print(f"decoding {meta['rows']} rows of up to {args.max_new_tokens} tokens with {len(modes) + len(others)} "
+              f"decoders at batch sizes {args.batch_sizes}, {args.repeats} round(s)", file=sys.stderr, flush=True)
+        result = bench(ours, prompts, args.max_new_tokens, modes, args.batch_sizes, ours.config.mask_token_id,
+                       stop_ids, args.repeats, latency_sizes=(), others=others)["results"]
+        theirs = {r["batch_size"]: r["tokens_per_second"] for r in result if r["kind"] == HF_GREEDY}
+        for r in result:
+            base = theirs.get(r["batch_size"])
+            r["speedup_vs_transformers"] = r["tokens_per_second"] / base if base else None
+        report["decoding"] = result
+        if hf is not None:
+            import transformers
+            meta["transformers"] = transformers.__version__
+        del hf                                     # transformers' copy is not needed for the latency curve
+
+    if "latency" in args.parts:
+        context = round(sum(meta["prompt_tokens"]) / len(prompts)) + args.max_new_tokens // 2
+        meta["latency_context"] = context
+        for name in args.latency_dtypes:
+            model = ours if name == args.dtype else Transformer.from_pretrained(args.model, device=device,
+                                                                                dtype=getattr(torch, name))
+            report["latency_ms"][name] = {
+                bs: {T: s * 1e3 for T, s in forward_latency(model, bs, context, args.latency_sizes,
+                                                            args.latency_repeats).items()}
+                for bs in args.latency_batch_sizes}
+            print(f"latency curve {name} done", file=sys.stderr, flush=True)
+
+    (out / "results.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    (out / "results.md").write_text(markdown(report), encoding="utf-8")
+    if report["decoding"]:
+        plot_decoding(report, out / "decoding.png")
+    if report["latency_ms"]:
+        plot_latency(report, out / "latency.png")
+    return report
+
+
+# ----------------------------------------------------------------------------------------------
+# Tables and plots
+# ----------------------------------------------------------------------------------------------
+
+LOSSLESS_KINDS = ("lossless", HF_GREEDY)            # and prompt lookup: modes that promise greedy's output
+
+
+def promises_greedy(r) -> bool:
+    return r["kind"] in LOSSLESS_KINDS or r["kind"].startswith(HF_LOOKUP)
+
+
+def markdown(report: dict) -> str:
+    m = report["meta"]
+    lines = [f"### Decoding {m['model']} on {m['machine']} ({m['device']}, {m['dtype']}, {m['threads']} threads)", ""]
+    if report["decoding"]:
+        rows = report["decoding"]
+        lines += ["| batch | mode | tokens/s | vs our greedy | vs transformers greedy | effective k | efficiency "
+                  "| fed/token | output = greedy |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            vs_hf = f"{r['speedup_vs_transformers']:.2f}x" if r["speedup_vs_transformers"] else ""
+            same = ("yes" if r["equals_greedy"] else "**no**") if promises_greedy(r) else ""
+            lines.append(f"| {r['batch_size']} | {r['mode']} | {r['tokens_per_second']:,.1f} | {r['speedup']:.2f}x "
+                         f"| {vs_hf} | {r['effective_k']:.2f} | {r['efficiency']:.2f} | {r['fed_per_token']:.2f} "
+                         f"| {same} |")
+        lookup = any(r["kind"].startswith(HF_LOOKUP) for r in rows)
+        lines += ["", f"{len(m['requests'])} prompts ({m['format']} format, {min(m['prompt_tokens'])}-"
+                      f"{max(m['prompt_tokens'])} tokens) cycled to {m['rows']} rows, "
+                      f"at most {m['max_new_tokens']} new tokens each; modes take turns, best of {m['repeats']}. "
+                      "tokens/s: tokens per second of decoding (prefill excluded); effective k: tokens per forward "
+                      "pass of a row; efficiency: speed-up over our greedy / effective k; fed/token: positions the "
+                      "decoding passes computed per token."
+                  + (" transformers' prompt lookup runs at batch 1 only (its assisted generation takes one row)."
+                     if lookup else ""), ""]
+    if report["latency_ms"]:
+        sizes = sorted({T for curves in report["latency_ms"].values() for c in curves.values() for T in c})
+        shown = [T for T in sizes if T in (1, 2, 4, 8, 16, 32) or T == sizes[-1]]
+        lines += ["| batch | dtype | " + " | ".join(f"T = {T}" for T in shown) + " |",
+                  "|---|---|" + "---|" * len(shown)]
+        for name, curves in report["latency_ms"].items():
+            for bs, c in curves.items():
+                cells = [f"{c[T]:.1f}" if T == shown[0] else f"{c[T]:.1f} ({c[T] / c[shown[0]]:.2f}x)" for T in shown]
+                lines.append(f"| {bs} | {name} | " + " | ".join(cells) + " |")
+        lines += ["", f"Milliseconds of one cached forward pass of T new positions per row, on top of "
+                      f"{m['latency_context']} cached tokens (ratio to T = {shown[0]})." , ""]
+    return "\n".join(lines)
+
+
+def plot_decoding(report: dict, path):
+    """Tokens/s against batch size, one line per mode."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, 4.4))
+    ax = fig.add_subplot()
+    for mode in dict.fromkeys(r["mode"] for r in report["decoding"]):
+        pts = [(r["batch_size"], r["tokens_per_second"]) for r in report["decoding"] if r["mode"] == mode]
+        ax.plot(*zip(*pts), marker="o", label=mode, linestyle="--" if mode.startswith("transformers") else "-")
+    sizes = sorted({r["batch_size"] for r in report["decoding"]})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(b) for b in sizes])
+    ax.set_yscale("log")
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("tokens/s (decoding)")
+    m = report["meta"]
+    ax.set_title(f"{Path(m['model']).name}, {m['device']} {m['dtype']}: {m['machine']}", fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+
+
+def plot_latency(report: dict, path):
+    """Milliseconds per cached pass against new positions per row, one panel per batch size."""
+    from matplotlib.figure import Figure
+
+    batch_sizes = sorted({bs for curves in report["latency_ms"].values() for bs in curves})
+    fig = Figure(figsize=(4.2 * len(batch_sizes), 3.8))
+    for i, bs in enumerate(batch_sizes):
+        ax = fig.add_subplot(1, len(batch_sizes), i + 1)
+        for name, curves in report["latency_ms"].items():
+            if bs in curves:
+                ax.plot(list(curves[bs]), list(curves[bs].values()), marker=".", label=name)
+        ax.set_xlabel("new positions per row (T)")
+        ax.set_ylabel("ms per forward pass")
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"batch {bs}", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    m = report["meta"]
+    fig.suptitle(f"{Path(m['model']).name} on {m['machine']}, {m['latency_context']} cached tokens", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------------
+
+QUICK = {"prompts_per_domain": 1, "max_new_tokens": 48, "batch_sizes": [1, 4], "repeats": 1,
+         "latency_sizes": [1, 2, 4, 8, 16, 32], "latency_repeats": 2}
+FULL = {"prompts_per_domain": 4, "max_new_tokens": 128, "batch_sizes": [1, 4, 16], "repeats": 2,
+        "latency_sizes": list(range(1, 33)), "latency_repeats": 5}
+
+
+def parse(argv):
+    p = Parser(prog="decode_real.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("model and machine")
+    g.add_argument("--model", required=True, help="Hugging Face layout folder (the MTP-tuned model for real figures)")
+    g.add_argument("--out", required=True, help="folder for results.json, results.md, decoding.png, latency.png")
+    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the decoding runs")
+    g.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    g.add_argument("--format", default="auto", choices=("auto",) + FORMATS,
+                   help="prompt format (auto: the one finetune_hf.py picks for this tokenizer)")
+    r = p.add_argument_group("workload (--quick: 4 prompts, 48 tokens, batch 1 and 4, one round, latency at 6 sizes)")
+    r.add_argument("--quick", action="store_true", help="a smoke run in minutes, for checking the command")
+    r.add_argument("--parts", nargs="+", default=["decoding", "latency"], choices=["decoding", "latency"])
+    r.add_argument("--prompts-per-domain", type=int,
+                   help=f"prompts of each of 4 domains (default {FULL['prompts_per_domain']})")
+    r.add_argument("--max-new-tokens", type=int, help=f"default {FULL['max_new_tokens']}")
+    r.add_argument("--batch-sizes", type=int, nargs="+", help=f"default {FULL['batch_sizes']}")
+    r.add_argument("--repeats", type=int,
+                   help=f"rounds over all modes, each keeps its fastest (default {FULL['repeats']})")
+    d = p.add_argument_group("decoding modes")
+    d.add_argument("--modes", nargs="+", default=list(MODE_CHOICES), choices=MODE_CHOICES,
+                   help="which to run (our greedy, the reference, always runs)")
+    d.add_argument("--static-k", type=int, default=4)
+    d.add_argument("--taus", type=float, nargs="+", default=[0.9, 0.7], help="ConfAdapt thresholds")
+    d.add_argument("--k-max", type=int, default=16, help="ConfAdapt: most tokens per pass")
+    d.add_argument("--lossless-k", type=int, default=None, help="lossless: most tokens per pass (default --k-max)")
+    d.add_argument("--lookup-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
+    la = p.add_argument_group("latency curve")
+    la.add_argument("--latency-sizes", type=int, nargs="+", help="new positions per row (default 1..32)")
+    la.add_argument("--latency-batch-sizes", type=int, nargs="+", default=[1, 16])
+    la.add_argument("--latency-dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    la.add_argument("--latency-repeats", type=int,
+                    help=f"timed passes per point, median (default {FULL['latency_repeats']})")
+    args = p.parse_args(argv)
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    counts = {"--prompts-per-domain": [args.prompts_per_domain], "--max-new-tokens": [args.max_new_tokens],
+              "--batch-sizes": args.batch_sizes, "--repeats": [args.repeats], "--static-k": [args.static_k],
+              "--k-max": [args.k_max], "--lossless-k": [args.lossless_k or 1], "--lookup-tokens": [args.lookup_tokens],
+              "--latency-sizes": args.latency_sizes, "--latency-batch-sizes": args.latency_batch_sizes,
+              "--latency-repeats": [args.latency_repeats]}
+    for flag, values in counts.items():
+        if min(values) < 1:
+            raise CliError(f"{flag} must be at least 1, got {min(values)}")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise CliError(f"--out {args.out} is a file, not a folder")
+    return args
+
+
+def main(argv=None) -> int:
+    try:
+        report = run(parse(sys.argv[1:] if argv is None else list(argv)))
+    except (CliError, ValueError, FileNotFoundError, KeyError, RuntimeError) as e:
+        print(f"decode_real.py: error: {e}", file=sys.stderr)
+        return 2
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

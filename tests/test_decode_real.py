@@ -1,0 +1,121 @@
+"""benchmarks/decode_real.py end to end on a tiny random Llama in the Hugging Face layout, and the
+check that makes its lossless columns worth reading: output that is not greedy's is caught."""
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import decode_real  # noqa: E402
+from confadapt import DecodeConfig, bench, generate  # noqa: E402
+from data import word_problem_tokenizer  # noqa: E402
+from model import Transformer  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")            # conftest.py
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A random Llama checkpoint without <mask>, as a user's model folder would be before tuning."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = word_problem_tokenizer()
+    cfg = LlamaConfig(vocab_size=tok.n_vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny_llama")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def test_benchmark_runs_end_to_end(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert decode_real.main(["--model", tiny_dir, "--out", str(out), "--quick", "--max-new-tokens", "12",
+                             "--latency-sizes", "1", "3", "--latency-repeats", "1", "--k-max", "4"]) == 0
+    report = json.loads((out / "results.json").read_text())
+    rows = {(r["batch_size"], r["mode"]): r for r in report["decoding"]}
+    lookup = "transformers prompt lookup n=10"
+    assert {m for b, m in rows if b == 1} == {"greedy", "static k=4", "confadapt tau=0.9 k_max=4",
+                                               "confadapt tau=0.7 k_max=4", "lossless k=4",
+                                               "transformers greedy", lookup}
+    assert (4, lookup) not in rows and (4, "transformers greedy") in rows        # prompt lookup: batch 1 only
+    for bs in (1, 4):
+        assert rows[bs, "lossless k=4"]["equals_greedy"] and rows[bs, "transformers greedy"]["equals_greedy"]
+        assert rows[bs, "greedy"]["speedup"] == 1.0
+        assert rows[bs, "transformers greedy"]["speedup_vs_transformers"] == 1.0
+        assert rows[bs, "static k=4"]["effective_k"] == 4.0
+    # transformers' greedy, measured from outside, makes one token per row per pass, like ours
+    assert rows[1, "transformers greedy"]["effective_k"] == 1.0 == rows[1, "transformers greedy"]["fed_per_token"]
+    assert rows[1, lookup]["equals_greedy"] and rows[1, lookup]["effective_k"] >= 1.0
+    assert set(report["latency_ms"]) == {"float32", "bfloat16"}
+    assert set(report["latency_ms"]["float32"]) == {"1", "16"}
+    assert set(report["latency_ms"]["float32"]["16"]) == {"1", "3"}
+    md = (out / "results.md").read_text()
+    assert "| 1 | lossless k=4 |" in md and "batch 1 only" in md and "| 16 | bfloat16 |" in md
+    assert (out / "decoding.png").stat().st_size > 1000 and (out / "latency.png").stat().st_size > 1000
+    assert "has no <mask> token" in capsys.readouterr().err
+
+
+def test_equals_greedy_catches_a_wrong_token(tiny_dir, tmp_path, monkeypatch):
+    """Output that differs from greedy's in one token is reported as such, in bench and in the table."""
+    model = Transformer.from_pretrained(tiny_dir)
+
+    def corrupted(rows, n, bs):
+        gens, stats = generate(model, rows, n, DecodeConfig("greedy"), batch_size=bs)
+        gens[-1].tokens[-1] += 1
+        return gens, stats
+
+    report = bench(model, [[1, 2, 3], [4, 5, 6, 7]], 6, [DecodeConfig("greedy")], batch_sizes=(1, 2), repeats=1,
+                   latency_sizes=(), others={"corrupted greedy": corrupted})
+    same = {(r["batch_size"], r["mode"]): r["equals_greedy"] for r in report["results"]}
+    assert same == {(1, "greedy"): True, (1, "corrupted greedy"): False,
+                    (2, "greedy"): True, (2, "corrupted greedy"): False}
+
+    honest = decode_real.hf_decode
+
+    def wrong_transformers(*args):
+        result = honest(*args)
+        if result is not None:
+            result[0][0].tokens[0] += 1
+        return result
+
+    monkeypatch.setattr(decode_real, "hf_decode", wrong_transformers)
+    out = tmp_path / "out"
+    assert decode_real.main(["--model", tiny_dir, "--out", str(out), "--quick", "--max-new-tokens", "4",
+                             "--parts", "decoding", "--modes", "greedy", "hf-greedy", "hf-lookup"]) == 0
+    rows = json.loads((out / "results.json").read_text())["decoding"]
+    assert [(r["mode"], r["equals_greedy"]) for r in rows if r["batch_size"] == 1] == [
+        ("greedy", True), ("transformers greedy", False), ("transformers prompt lookup n=10", False)]
+    assert "| 1 | transformers greedy |" in (out / "results.md").read_text()
+    assert (out / "results.md").read_text().count("**no**") == 3              # batch 1: both; batch 4: greedy
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch-sizes", "0"], "--batch-sizes must be at least 1"),
+    (["--repeats", "0"], "--repeats must be at least 1"),
+    (["--latency-sizes", "0"], "--latency-sizes must be at least 1"),
+    (["--taus", "1.5"], "tau"),
+    (["--dtype", "float64"], "invalid choice"),
+])
+def test_bad_input_gives_one_error_line(tiny_dir, tmp_path, capsys, argv, message):
+    assert decode_real.main(["--model", tiny_dir, "--out", str(tmp_path / "o"), "--quick", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("decode_real.py: error:") and message in err and err.count("\n") == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_cuda_without_cuda(tiny_dir, tmp_path, capsys):
+    assert decode_real.main(["--model", tiny_dir, "--out", str(tmp_path / "o"), "--device", "cuda"]) == 2
+    assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_missing_model_and_file_as_out(tmp_path, capsys):
+    assert decode_real.main(["--model", str(tmp_path / "nothing"), "--out", str(tmp_path / "o")]) == 2
+    assert "nothing" in capsys.readouterr().err
+    (tmp_path / "file").write_text("x")
+    assert decode_real.main(["--model", str(tmp_path), "--out", str(tmp_path / "file")]) == 2
+    assert "is a file" in capsys.readouterr().err
