@@ -39,7 +39,7 @@ from confadapt import (CliError, DecodeConfig, DecodeStats, Generation, Parser, 
                        forward_latency)
 from data import FORMATS, Tokenizer, prompt_tokens, word_problem_split  # noqa: E402
 from finetune_hf import default_format, stop_ids_for  # noqa: E402
-from model import Transformer, add_mask_token  # noqa: E402
+from model import Transformer, add_mask_token, parse_device  # noqa: E402
 
 HF_GREEDY, HF_LOOKUP = "transformers greedy", "transformers prompt lookup"
 MODE_CHOICES = ("greedy", "hf-greedy", "hf-lookup", "static", "confadapt", "lossless")
@@ -201,9 +201,7 @@ def decoding_modes(args) -> list[DecodeConfig]:
 
 
 def run(args) -> dict:
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise CliError(f"--device {args.device}: CUDA is not available on this machine")
+    device = parse_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
