@@ -34,8 +34,7 @@ because a pass that reads 2k-1 tokens costs more than one that reads 1; `bench` 
 Run:  python confadapt.py --model DIR --prompt "1 2 3" [--tau 0.9 --k-max 16 | --static-k 4 | --lossless]
       python confadapt.py bench --model DIR --prompt "..." [--json]
 
-Reference: Multi-Token Prediction via Self-Distillation (arXiv 2602.06019), section 5 of
-docs/METHOD.md; Blockwise Parallel Decoding for Deep Autoregressive Models (arXiv 1811.03115).
+References: Multi-Token Prediction via Self-Distillation (arXiv 2602.06019); Blockwise Parallel Decoding for Deep Autoregressive Models (arXiv 1811.03115).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Five sections, each one part of the lesson:
                        for accuracy, coherence and degeneration, and held-out prompts.
   MTP training layout  one ground-truth sequence -> one packed sequence holding many MTP
                        problems: mask slots, re-placed copies, positions, the block-causal
-                       attention mask and the prediction targets (METHOD.md section 4).
+                       attention mask and the prediction targets.
   Prompt formats       how finetune_hf.py turns (prompt, response) pairs into token ids
                        (Llama-3 chat, Qwen, plain).
   Word problems        synthetic grade-school arithmetic in MetaMathQA and GSM8K formats, for
@@ -412,8 +412,8 @@ def toy_tokenizer() -> Tokenizer:
 # count is COUNT_LENGTH numbers long, the prompt's included (so its answer has 11 to 13); the
 # repeat prompt shows its group twice, then the answer repeats it NUM_ITEMS / 3 more times.
 #
-# The two branching tasks are the two failures of naive multi-token prediction (METHOD.md
-# section 2), built in on purpose:
+# The two branching tasks are the two failures of naive multi-token prediction, built in
+# on purpose:
 #   count_free  the direction is free (up or down, equally likely) but once chosen it must be
 #               kept. Trained on ground truth, the prediction j ahead is a 50/50 mixture of
 #               a+j and a-j, so the argmax at each position picks a branch on its own, e.g.
@@ -424,7 +424,7 @@ def toy_tokenizer() -> Tokenizer:
 #               "the" follows: "red the red the". "the" is the most frequent item at EVERY
 #               position (40% against 15% at even positions, 60% against 40% at odd ones),
 #               so the ground-truth marginal's argmax is "the the the the": far-future
-#               collapse onto the most frequent token, METHOD.md's own example. Greedy
+#               collapse onto the most frequent token, the classic example. Greedy
 #               decoding of the conditionals has a clear favourite at the one real choice
 #               ("the" first: 40% against 15%) and gives "the cat the cat".
 # A teacher decoding one token at a time never mixes branches: after "17 16" it counts down.

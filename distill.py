@@ -1,7 +1,7 @@
 """The MTP losses: student-forced self-distillation (hard / soft teacher) and the naive GT baseline.
 
-Reference: Kirchenbauer et al., "Multi-Token Prediction via Self-Distillation" (arXiv 2602.06019),
-restated in docs/METHOD.md sections 3-4. The packed batch comes from `data.mtp_layout`.
+Reference: Kirchenbauer et al., "Multi-Token Prediction via Self-Distillation" (arXiv 2602.06019).
+The packed batch comes from `data.mtp_layout`.
 
 One training step, for M regions of k predictions per row:
 
@@ -29,7 +29,7 @@ The subtracted term does not depend on the student, so the gradient is the usual
 cross-entropy gradient; for "soft" the value is exactly KL(teacher || student). With k = 1 and
 student == teacher the value is 0 at step 0. In "hard" mode the gradient is NOT zero there:
 cross-entropy against the argmax sharpens the distribution. "gt" is plain cross-entropy
-against the ground-truth next k tokens (the naive baseline, METHOD.md section 2).
+against the ground-truth next k tokens (the naive baseline).
 """
 import copy
 

@@ -1,7 +1,6 @@
 """Fine-tune a Hugging Face Llama / Qwen checkpoint into a multi-token predictor, then measure it.
 
-The recipe of "Multi-Token Prediction via Self-Distillation" (arXiv 2602.06019; docs/METHOD.md
-sections 3-8) at full scale, and the same code on a miniature that a CPU finishes in minutes:
+The recipe of "Multi-Token Prediction via Self-Distillation" (arXiv 2602.06019) at full scale, and the same code on a miniature that a CPU finishes in minutes:
 
     analyze   before tuning: how confident is the model along its own greedy answers to the
               domain's prompts, and what acceleration could ConfAdapt reach from that?

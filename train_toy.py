@@ -15,7 +15,7 @@ What happens (data.py describes the four toy tasks, two of which have branch poi
                  naive    cross-entropy against the ground-truth next k tokens   (mode "gt")
                  distill  student-forced self-distillation from the frozen teacher (mode "hard")
                Every step draws k in [2, k_max] and the region offset independently and packs
-               the batch with data.mtp_layout (METHOD.md sections 3-4).
+               the batch with data.mtp_layout.
   3. evaluate  teacher, naive and distilled on held-out prompts (parameters never trained on):
                static k = 1..k_max, ConfAdapt over a sweep of thresholds tau, and the lossless
                mode, all through confadapt.generate with its KV cache. Per (model, decoding,
