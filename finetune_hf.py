@@ -943,7 +943,7 @@ def stop_ids_for(model: Transformer, tok: Tokenizer, fmt: str) -> set:
 def reference_completions(folder, n: int) -> list[str]:
     """The k=1 completions of an earlier eval's samples.jsonl (e.g. the untuned model's)."""
     path = Path(folder) / "samples.jsonl"
-    rows = [r for r in read_records(path) if r.get("kind", "greedy") == "greedy" and r["decoding"] == "k=1 (greedy)"]
+    rows = [r for r in read_records(path) if r.get("decoding") == "k=1 (greedy)"]
     if len(rows) < n:
         raise ValueError(f"{path}: {len(rows)} greedy (k=1) completions, {n} needed; run that eval with --static-k 1")
     return [r["completion"] for r in sorted(rows, key=lambda r: r["index"])][:n]
@@ -1028,11 +1028,17 @@ def answer_confidences(model: Transformer, prompt: list[int], answer: list[int])
     return probs.max(-1).values[0].tolist()
 
 
+def greedy_answers(model, tok, fmt, questions: list[str], args):
+    """The model's greedy answers to the questions in the prompt format -> (prompts, gens, stats)."""
+    prompts = [prompt_tokens(tok, fmt, q) for q in questions]
+    gens, stats = generate(model, prompts, args.max_new_tokens, DecodeConfig("greedy"),
+                           stop_ids=stop_ids_for(model, tok, fmt), batch_size=args.batch_size)
+    return prompts, gens, stats
+
+
 def predictability(model, tok, fmt, questions: list[str], args) -> dict:
     """Greedy answers to the questions, their confidence profile and ConfAdapt's estimates."""
-    prompts = [prompt_tokens(tok, fmt, q) for q in questions]
-    gens, _ = generate(model, prompts, args.max_new_tokens, DecodeConfig("greedy"), stop_ids=stop_ids_for(model, tok, fmt),
-                       batch_size=args.batch_size)
+    prompts, gens, _ = greedy_answers(model, tok, fmt, questions, args)
     confs = [answer_confidences(model, p, g.tokens) for p, g in zip(prompts, gens) if g.tokens]
     flat = [c for cs in confs for c in cs]
     if not flat:
@@ -1100,8 +1106,7 @@ def make_data(args):
     rows = []
     for domain in args.domains:
         questions = domain_prompts(domain, args.per_domain, args.split)
-        gens, stats = generate(model, [prompt_tokens(tok, fmt, q) for q in questions], args.max_new_tokens,
-                               DecodeConfig("greedy"), stop_ids=stop_ids, batch_size=args.batch_size)
+        _, gens, stats = greedy_answers(model, tok, fmt, questions, args)
         for q, g in zip(questions, gens):
             finished = bool(g.tokens) and g.tokens[-1] in stop_ids
             rows.append({"domain": domain, "prompt": q, "response": tok.decode(g.tokens[:-1] if finished else g.tokens),
