@@ -671,6 +671,13 @@ class Progress:
         return False
 
 
+def format_seconds(s: float) -> str:
+    """2m05s, or 1h02m05s."""
+    s = int(max(0, s))
+    h, m = divmod(s // 60, 60)
+    return f"{h}h{m:02d}m{s % 60:02d}s" if h else f"{m}m{s % 60:02d}s"
+
+
 def run_cli(body, argv) -> int:
     """Call body(argv) and turn what a user can cause into one line on stderr: bad flags and
     files (exit 2), Ctrl-C (exit 130, its message saying what is saved and how to continue)."""
@@ -710,15 +717,22 @@ def load_tokenizer(path):
 
 
 def load(args):
-    """Model, tokenizer, mask id and stop ids from a model folder; errors as ValueError."""
-    from model import Transformer, parse_device
+    """Model, tokenizer, mask id and stop ids for the --model/--device/--dtype/--threads flags."""
+    from model import parse_device
 
-    device = parse_device(args.device)
     input_path(args.model, "--model", folder=True)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = Transformer.from_pretrained(args.model, device=device, dtype=getattr(torch, args.dtype))
-    tokenizer = load_tokenizer(args.model)
+    return load_model(args.model, parse_device(args.device), getattr(torch, args.dtype))
+
+
+def load_model(path, device="cpu", dtype=torch.float32):
+    """Model (eval mode), tokenizer, mask id (None without one) and stop ids from a model folder;
+    errors as ValueError."""
+    from model import Transformer
+
+    model = Transformer.from_pretrained(path, device=device, dtype=dtype)
+    tokenizer = load_tokenizer(path)
     cfg = model.config
     mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else tokenizer.mask_id
     if mask_id is not None and not 0 <= mask_id < cfg.vocab_size:
@@ -731,6 +745,17 @@ def load(args):
 def encode_prompt(tokenizer, model, text: str, no_bos: bool) -> list[int]:
     bos = model.config.bos_token_id
     return ([] if no_bos or bos is None else [bos]) + tokenizer.encode(text)
+
+
+def decode_modes(static_ks=(), taus=(), k_max: int = 16, lossless_k: int | None = None) -> list[DecodeConfig]:
+    """The settings of a decoding sweep: static k per k (k=1 is greedy), ConfAdapt per tau, lossless."""
+    modes = [DecodeConfig("greedy") if k == 1 else DecodeConfig("static", k=k) for k in static_ks]
+    modes += [DecodeConfig("confadapt", tau=t, k_max=k_max) for t in taus]
+    if lossless_k:
+        modes.append(DecodeConfig("lossless", k=lossless_k))
+    for m in modes:
+        m.validate()
+    return modes
 
 
 def require_mask(mode: DecodeConfig, mask_id, path):

@@ -743,10 +743,12 @@ def block_causal_mask(gt_pos, slot_pos, prefix_end, L) -> torch.Tensor:
 
 
 def mtp_layout(seqs: torch.Tensor, k: int, offset: int, n_regions: int, mask_id: int,
-               eos_id=None, pad_id: int = 0) -> MTPBatch:
+               eos_id=None, pad_id: int = 0, trained: torch.Tensor | None = None) -> MTPBatch:
     """Pack a batch of ground-truth sequences (B, N) into M MTP problems per row.
 
-    `eos_id` may be an int, a list of ints (any of them ends a row) or None. Worked example,
+    `eos_id` may be an int, a list of ints (any of them ends a row) or None. `trained` (B, N)
+    bool, optional: the tokens that may be targets (e.g. answers, not prompts); a prediction
+    past the EOS is about the EOS. Worked example,
     N = 12, k = 3, two regions (region length R = 6), offset 2, so the prefix ends are e = (2, 8);
     tokens a..l, M = mask slot, G/M/C = ground truth / mask / copy, `r.j` = prediction j of
     region r and the token it must produce (print it yourself with `layout_table`):
@@ -798,6 +800,11 @@ def mtp_layout(seqs: torch.Tensor, k: int, offset: int, n_regions: int, mask_id:
     supervised_region = ends[None, :] < E[:, None]                                # (B, M)
     known = (target_idx[None] < N) | has_eos[:, None, None]
     valid = supervised_region[:, :, None] & known
+    ntp_valid = steps[None, 1:] <= E[:, None]
+    if trained is not None:
+        at = torch.minimum(target_idx[None], E.clamp(max=N - 1)[:, None, None]).reshape(B, M * k)
+        valid = valid & trained.gather(1, at).view(B, M, k)
+        ntp_valid = ntp_valid & trained[:, 1:]
 
     # Padding: ground truth after the EOS and the blocks of unsupervised regions.
     is_pad = torch.zeros(B, L, dtype=torch.bool, device=device)
@@ -819,18 +826,19 @@ def mtp_layout(seqs: torch.Tensor, k: int, offset: int, n_regions: int, mask_id:
         valid=valid,
         ntp_index=gt_pos[None, :-1].expand(B, N - 1).contiguous(),
         ntp_targets=seqs[:, 1:],
-        ntp_valid=steps[None, 1:] <= E[:, None],
+        ntp_valid=ntp_valid,
         prefix_end=ends,
         k=k, offset=offset, region_len=N // M,
     )
 
 
 def random_mtp_layout(seqs: torch.Tensor, k_max: int, mask_id: int, eos_id=None, pad_id: int = 0,
-                      n_regions: int | None = None, generator: torch.Generator | None = None) -> MTPBatch:
+                      n_regions: int | None = None, generator: torch.Generator | None = None,
+                      trained: torch.Tensor | None = None) -> MTPBatch:
     """One training step's layout: the paper's M regions, k and offset drawn independently."""
     n_regions = n_regions or default_n_regions(seqs.shape[1], k_max)
     k, offset = sample_k_and_offset(k_max, seqs.shape[1] // n_regions, generator)
-    return mtp_layout(seqs, k, offset, n_regions, mask_id, eos_id, pad_id)
+    return mtp_layout(seqs, k, offset, n_regions, mask_id, eos_id, pad_id, trained)
 
 
 def layout_table(batch: MTPBatch, row: int = 0, token_str=str) -> str:

@@ -41,8 +41,8 @@ from pathlib import Path
 
 import torch
 
-from confadapt import (CliError, DecodeConfig, Parser, Progress, accept_confadapt, count, generate,
-                       input_path, load_tokenizer, number, output_folder, positive_float, positive_int, probability,
+from confadapt import (CliError, DecodeConfig, Parser, Progress, accept_confadapt, count, decode_modes,
+                       format_seconds, generate, input_path, load_model, load_tokenizer, number, output_folder, positive_float, positive_int, probability,
                        run_cli)
 from data import (DOMAINS, FORMATS, Tokenizer, default_n_regions, domain_prompts, end_token, mtp_layout, padding_token,
                   prompt_tokens, response_tokens, sample_k_and_offset, start_tokens, training_sequences)
@@ -380,12 +380,7 @@ def train_step(student, teacher, optimizer, scheduler, micro: list[torch.Tensor]
 
 def make_optimizer(model, args):
     """AdamW (the paper's betas and weight decay); no decay on norms and biases."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=args.lr, betas=(args.beta1, args.beta2))
+    optimizer = model.configure_optimizer(args.lr, args.weight_decay, (args.beta1, args.beta2))
     warmup = max(1, args.warmup)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
     return optimizer, scheduler
@@ -485,11 +480,6 @@ def format_progress(step: int, total: int, stats: dict, lr: float, tok_per_s: fl
     agree = f" | agree {stats['agree']:.3f}" if stats.get("agree") is not None else ""
     return (f"step {step}/{total} | loss {stats['loss']:.4f}{agree} | k {stats['k']:2d} | lr {lr:.2e} "
             f"| grad {stats['grad_norm']:.3f} | {tok_per_s:,.0f} tok/s | ETA {format_seconds(eta_s)}")
-
-
-def format_seconds(s: float) -> str:
-    s = int(max(0, s))
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
 def check_train_args(args):
@@ -826,12 +816,7 @@ class EvalSetup:
 
 
 def decoding_modes(args) -> list[DecodeConfig]:
-    modes = [DecodeConfig("greedy") if k == 1 else DecodeConfig("static", k=k) for k in args.static_k]
-    modes += [DecodeConfig("confadapt", tau=t, k_max=args.k_max) for t in args.taus]
-    if args.lossless_k:
-        modes.append(DecodeConfig("lossless", k=args.lossless_k))
-    for m in modes:
-        m.validate()
+    modes = decode_modes(args.static_k, args.taus, args.k_max, args.lossless_k)
     if not modes:
         raise ValueError("nothing to evaluate: give --static-k and/or --taus")
     return modes
@@ -926,10 +911,7 @@ def pareto_plot(rows: list[dict], path, title: str):
 def load_for_inference(args) -> tuple[Transformer, Tokenizer, int | None, str]:
     """Model (eval mode, on the chosen device), tokenizer, mask id, prompt format."""
     device = parse_device(args.device)
-    dtype = compute_dtype(device.type, args.dtype)
-    tok = load_tokenizer(args.model)
-    model = Transformer.from_pretrained(args.model, device=device, dtype=dtype)
-    mask_id = model.config.mask_token_id if model.config.mask_token_id is not None else tok.mask_id
+    model, tok, mask_id, _ = load_model(args.model, device, compute_dtype(device.type, args.dtype))
     fmt = args.format if args.format != "auto" else default_format(tok, model.config)
     return model, tok, mask_id, fmt
 

@@ -390,6 +390,13 @@ class Transformer(nn.Module):
             x = x.gather(1, output_index[..., None].expand(-1, -1, x.shape[-1]))   # (B, N, dim)
         return self.lm_head(self.norm(x))
 
+    def configure_optimizer(self, lr: float, weight_decay: float, betas=(0.9, 0.95)) -> torch.optim.AdamW:
+        """AdamW over the trainable parameters; no weight decay on the 1-D ones (the norms)."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=lr, betas=betas)
+
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 

@@ -48,8 +48,8 @@ import torch
 import torch.nn.functional as F
 
 import data
-from confadapt import (CliError, DecodeConfig, Parser, Progress, chunk_texts, count, generate, output_folder,
-                       positive_int, run_cli, save_chunks_png)
+from confadapt import (CliError, DecodeConfig, Parser, Progress, chunk_texts, count, format_seconds, generate,
+                       output_folder, positive_int, run_cli, save_chunks_png)
 from distill import frozen_teacher, mtp_loss
 from model import ModelConfig, Transformer, add_mask_token, atomic_save, parse_device, read_checkpoint, read_json
 
@@ -126,10 +126,6 @@ def ntp_loss(model, seqs: torch.Tensor, answer: torch.Tensor) -> tuple[torch.Ten
     return loss, {"loss": float(loss.detach())}
 
 
-def format_seconds(s: float) -> str:
-    return f"{int(s // 60)}m{int(s % 60):02d}s"
-
-
 # What one unit of each phase costs, in teacher steps, for the run's overall ETA: an MTP step
 # packs up to 8x more positions per row (distill adds the teacher's forward); one prompt decoded
 # with one setting is a few cached passes. Measured with --threads 1 on the 2-core AMD EPYC.
@@ -149,11 +145,7 @@ def train_phase(name: str, model, loss_fn, steps: int, lr: float, batch_size: in
     """AdamW over fresh batches `next_batch(rng, batch_size) -> (seqs, answer)`, the data stream
     depending only on the seed; returns the log. A progress line every few seconds, with the
     ETA of this phase and of the whole run (`plan`: the phases still to come, see run_eta)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95), foreach=True)
+    opt = model.configure_optimizer(lr, cfg.weight_decay)
     rng = random.Random(cfg.seed + 1)                    # the same batches for every student
     gen = torch.Generator().manual_seed(cfg.seed + 2)    # the same k / offset draws too
     model.train()
@@ -165,7 +157,7 @@ def train_phase(name: str, model, loss_fn, steps: int, lr: float, batch_size: in
         loss, stats = loss_fn(model, seqs.to(device), answer.to(device), gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         elapsed = time.perf_counter() - start
         stats.update(step=step, seconds=elapsed, lr=opt.param_groups[0]["lr"])
@@ -185,22 +177,12 @@ def teacher_loss_fn():
     return lambda model, seqs, answer, gen: ntp_loss(model, seqs, answer)
 
 
-def supervise_answers_only(batch: data.MTPBatch, answer: torch.Tensor) -> data.MTPBatch:
-    """Drop the predictions whose target is a prompt token: prompts are random, as for the teacher."""
-    k = batch.valid.shape[-1]
-    target_index = batch.prefix_end[:, None] + 1 + torch.arange(k, device=answer.device)   # (M, k) original index
-    answer_start = answer.long().argmax(1)                                                 # (B,) first answer token
-    batch.valid = batch.valid & (target_index[None] >= answer_start[:, None, None])        # (B, M, k)
-    batch.ntp_valid = batch.ntp_valid & answer[:, 1:]                                      # (B, N-1)
-    return batch
-
-
 def student_loss_fn(teacher, mode: str, cfg: RunConfig, tokenizer):
     """mtp_loss on a freshly drawn layout: k in [2, k_max] and the offset, independently."""
     def loss_fn(model, seqs, answer, gen):
         batch = data.random_mtp_layout(seqs, cfg.k_max, tokenizer.mask_id, tokenizer.eos_id, tokenizer.pad_id,
-                                       n_regions=cfg.n_regions, generator=gen)
-        return mtp_loss(model, teacher, supervise_answers_only(batch, answer), mode=mode,
+                                       n_regions=cfg.n_regions, generator=gen, trained=answer)
+        return mtp_loss(model, teacher, batch, mode=mode,
                         prefix_ntp_weight=cfg.prefix_ntp_weight)
     return loss_fn
 
