@@ -207,8 +207,8 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, heads, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
-            k, v = (t.transpose(1, 2).reshape(-1, self.n_kv_heads, self.head_dim) for t in (k, v))
-            k, v = cache.write(layer, plan.rows, plan.slots, k, v)         # wrote (N, n_kv, hd)
+            new = (t.transpose(1, 2).reshape(-1, self.n_kv_heads, self.head_dim) for t in (k, v))
+            k, v = cache.write(layer, plan.rows, plan.slots, *new)       # (N, n_kv, hd) each, in
             k, v = k[:, :, : plan.S], v[:, :, : plan.S]                             # (B, n_kv, S, hd)
             if plan.live is not None:                                # only the rows that feed tokens attend
                 k, v = k.index_select(0, plan.live), v.index_select(0, plan.live)  # (B', n_kv, S, hd)
@@ -465,10 +465,11 @@ def config_from_hf(hf: dict) -> ModelConfig:
         raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, llama3")
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     scaling = {"rope_type": "llama3", **{k: rope[k] for k in keys}} if rope_type == "llama3" else None
-    n_heads, dim = hf["num_attention_heads"], hf["hidden_size"]
+    n_heads = hf["num_attention_heads"]
     return ModelConfig(
-        vocab_size=hf["vocab_size"], dim=dim, n_layers=hf["num_hidden_layers"], n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads") or n_heads, head_dim=hf.get("head_dim") or dim // n_heads,
+        vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
         ffn_dim=hf["intermediate_size"], norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
         rope_scaling=scaling, qk_norm=model_type == "qwen3",
         attn_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
