@@ -229,9 +229,9 @@ def toy_run(args, cfg: RunConfig, out: str, device) -> dict:
     tokenizer = data.toy_tokenizer()
     batches = toy_batches(cfg, tokenizer)              # the same token ids with and without <mask>
     data_id = data_fingerprint(tokenizer, batches, cfg.seed)
-    done = [] if args.restart else check_run_folder(out, cfg, data_id, PHASES)
+    done = {} if args.restart else check_run_folder(out, cfg, data_id, PHASES)     # {phase: model}
     if args.export_hf:
-        return export_hf(args.export_hf, out, cfg, data_id, device, done)
+        return export_hf(args.export_hf, out, done)
     os.makedirs(out, exist_ok=True)
     t_start = time.perf_counter()
     eval_sets = {task: data.heldout_examples(task, cfg.n_eval) for task in cfg.tasks}
@@ -239,13 +239,16 @@ def toy_run(args, cfg: RunConfig, out: str, device) -> dict:
     plan["evaluation"] = sum(map(len, eval_sets.values())) * (len(sweep(cfg, False)) + 2 * len(sweep(cfg, True)))
     print(f"== {out}: {', '.join(p for p in plan if p != 'evaluation') or 'nothing'} to train, "
           f"{', '.join(done) or 'nothing'} loaded from checkpoints/")
+    # 1. the teacher, from scratch
     teacher, log, s = run_phase("teacher", out, cfg, args.restart, device, lambda: train_phase(
         "teacher", build_teacher(cfg, tokenizer, device), cfg, batches, device, plan), data_id)
     models, logs, seconds = {"ntp": teacher}, {"teacher": log}, {"teacher": s}
+    # 2. the students, from the teacher: the same batches and layouts, two losses
     for name, mode in STUDENT_MODE.items():
         student, s_tok = student_from(teacher, device)
         models[name], logs[name], seconds[name] = run_phase(name, out, cfg, args.restart, device, lambda: train_phase(
             name, student, cfg, batches, device, plan, mode, s_tok), data_id)
+    # 3. evaluation and report
     print(f"== evaluation on held-out prompts: {', '.join(models)}")
     t_eval = time.perf_counter()
     rows, samples = evaluate(models, s_tok, eval_sets, cfg, plan)     # the teacher just never meets <mask>
@@ -404,11 +407,12 @@ def run_phase(name, out, cfg, restart, device, train, data_id: str = ""):
     return model, log, seconds
 
 
-def check_run_folder(out: str, cfg: RunConfig, data_id: str, phases) -> list[str]:
-    """Before any work: the phases whose checkpoints in `out` can be reused. A checkpoint or a
-    results.json of other settings means `out` holds another run: an error."""
-    done = [p for p in phases                               # load_checkpoint raises if it is another run's
-            if load_checkpoint(os.path.join(out, "checkpoints", f"{p}.pt"), cfg.phase_key(p, data_id), "cpu")]
+def check_run_folder(out: str, cfg: RunConfig, data_id: str, phases) -> dict:
+    """Before any work: {phase: model} of the checkpoints in `out` that can be reused. A checkpoint
+    or a results.json of other settings means `out` holds another run: an error."""
+    done = {p: load_checkpoint(os.path.join(out, "checkpoints", f"{p}.pt"), cfg.phase_key(p, data_id), "cpu")
+            for p in phases}                                # load_checkpoint raises if it is another run's
+    done = {p: found[0] for p, found in done.items() if found is not None}
     results = os.path.join(out, "results.json")
     if os.path.exists(results):
         saved, now = read_json(results, "results file").get("config", {}), json.loads(json.dumps(asdict(cfg)))
@@ -430,22 +434,17 @@ def data_fingerprint(tokenizer, next_batch, seed: int) -> str:
     return f"vocab {tokenizer.n_vocab}, crc {zlib.crc32(seqs.numpy().tobytes() + answer.numpy().tobytes())}"
 
 
-def export_hf(path: str, out: str, cfg: RunConfig, data_id: str, device, done: list[str]) -> dict:
-    """--export-hf: the finished run in `out` as DIR/teacher, DIR/naive and DIR/distill in Hugging
-    Face layout, each with its tokenizer (the students' knows <mask>); no training."""
+def export_hf(path: str, out: str, done: dict) -> dict:
+    """--export-hf: the finished run in `out` (`done`: its models) as DIR/teacher, DIR/naive and
+    DIR/distill in Hugging Face layout, each with its tokenizer (the students' knows <mask>)."""
     missing = [p for p in PHASES if p not in done]
     if missing:
         raise CliError(f"--export-hf: {out} has no finished {', '.join(missing)} for these settings; run the "
                        f"same command without --export-hf first")
     output_folder(path, "--export-hf")
     for phase in PHASES:
-        model = load_checkpoint(os.path.join(out, "checkpoints", f"{phase}.pt"), cfg.phase_key(phase, data_id),
-                                device)[0]
-        if phase == "teacher":
-            teacher, tokenizer = model, data.toy_tokenizer()
-        else:
-            tokenizer = student_from(teacher, "cpu")[1]           # knows <mask>
-        model.save_pretrained(os.path.join(path, phase))
+        tokenizer = data.toy_tokenizer() if phase == "teacher" else student_from(done["teacher"], "cpu")[1]
+        done[phase].save_pretrained(os.path.join(path, phase))
         tokenizer.save_pretrained(os.path.join(path, phase))
     print(f"exported {path}/teacher, {path}/naive and {path}/distill (Hugging Face layout)")
     return {"export": path, "models": list(MODELS)}
@@ -527,7 +526,8 @@ def parse_args(argv=None):
     run.add_argument("--restart", action="store_true", help="train every phase again, replacing the run in --out")
     run.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
     run.add_argument("--threads", type=positive_int, default=1,
-                     help="torch CPU threads (the toy's matrices are small: more threads rarely help, README)")
+                     help="torch CPU threads: the toy's matrices are small, and a second thread slows steps "
+                          "down 4-15x whenever another job uses a core (README)")
     budget = p.add_argument_group("budget (override the defaults)")
     for flag, field, what in (("--teacher-steps", "teacher_steps", "next-token training steps of the teacher"),
                               ("--mtp-steps", "mtp_steps", "MTP training steps of each student"),
