@@ -1,7 +1,7 @@
-"""Fine-tune a Hugging Face Llama / Qwen / SmolLM2 checkpoint into a multi-token predictor, then measure it.
+"""Fine-tune a Hugging Face Llama / Qwen / SmolLM2 checkpoint into a multi-token predictor; measure it.
 
-The recipe of "Multi-Token Prediction via Self-Distillation" (arXiv 2602.06019) at full scale, and
-the same code on a miniature a CPU finishes in minutes. `train` loads the checkpoint, adds one <mask>
+The recipe of "Multi-Token Prediction via Self-Distillation" (arXiv 2602.06019) at full scale,
+and the same code on a miniature a CPU runs in minutes. `train` loads the checkpoint, adds a <mask>
 token and trains the model against a frozen copy of itself with train_toy.py's loss (data.mtp_layout
 + distill.mtp_loss), on one process or, under `torchrun --nproc_per_node N`, sharded with FSDP2, and
 exports a Hugging Face folder. `eval` scores GSM8K as lm-evaluation-harness's gsm8k_cot does, swept
@@ -47,47 +47,47 @@ from model import (ModelConfig, Transformer, add_mask_token, atomic_save, parse_
 # a step is a function of its number, so a run resumed at step s continues bit for bit.
 
 def train(args, on_step=None) -> Path:
-    """`train`: the whole run; returns the exported folder. `on_step(step, stats)` is a test hook."""
+    """`train`: the whole run; returns the exported folder. on_step(step, stats) is a test hook."""
     check_train_args(args)
     d = setup_processes(args.device, args.dtype)
     # 1. The student (with <mask>) and a frozen copy of it as teacher; the gt ablation needs none.
-    student, teacher, tok, mask_id = load_student_and_teacher(args, d, with_teacher=args.mode != "gt")
-    # 2. Data: (prompt, response) rows in the model's prompt format, cut and padded: (n_rows, seq_len).
+    student, teacher, tok, mask_id = load_student_and_teacher(args, d, args.mode != "gt")
+    # 2. Data: (prompt, response) rows in the model's prompt format, cut, padded: (rows, seq_len).
     args.format = args.format if args.format != "auto" else default_format(tok, student.config)
-    pad = padding_token(tok, args.format)             # also each row's end for the layout's EOS rule
+    pad = padding_token(tok, args.format)             # also a row's end for the layout's EOS rule
     args.regions = args.regions or default_n_regions(args.seq_len, args.k_max)
     pairs = [pair for path in args.data for pair in read_pairs(path)][: args.limit_rows or None]
     seqs = training_sequences(pairs, tok, args.format, args.seq_len)
-    if args.activation_checkpointing:                 # recompute each block in backward; names unchanged
+    if args.activation_checkpointing:                 # recompute blocks in backward (same names)
         from torch.distributed._composable import checkpoint
         for block in student.layers:
             checkpoint(block)
     # 3. AdamW (no decay on the norms), linear warm-up then constant; --overwrite or --resume.
     optimizer, scheduler = make_optimizer(student, args)
-    out, start = Path(args.out), 0
+    out, log, start = Path(args.out), Path(args.out) / "log.jsonl", 0
     if args.overwrite and d.main:                     # check_train_args made sure it was asked for
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
         shutil.rmtree(out / "final", ignore_errors=True)
-        (out / "log.jsonl").unlink(missing_ok=True)
+        log.unlink(missing_ok=True)
     if args.resume and (ckpt := latest_checkpoint(out)) is not None:
         start = load_checkpoint(ckpt, student, optimizer, scheduler, args)
-        log(d, f"resumed from {ckpt} at step {start}")
-        if d.main and (out / "log.jsonl").is_file():  # the steps after `start` are about to be redone
-            kept = [line for line in (out / "log.jsonl").read_text().splitlines() if json.loads(line)["step"] <= start]
-            atomic_save(lambda p: Path(p).write_text("".join(line + "\n" for line in kept)), out / "log.jsonl")
+        d.log(f"resumed from {ckpt} at step {start}")
+        if d.main and log.is_file():                  # the steps after `start` are redone
+            kept = [line + "\n" for line in log.read_text().splitlines() if json.loads(line)["step"] <= start]
+            atomic_save(lambda p: Path(p).write_text("".join(kept)), log)
     elif args.resume:
-        log(d, f"--resume: no checkpoint in {out / 'checkpoints'}, starting at step 0")
+        d.log(f"--resume: no checkpoint in {out / 'checkpoints'}, starting at step 0")
     if d.main:
         out.mkdir(parents=True, exist_ok=True)
         write_json(out / "train_args.json", vars(args))
-    log(d, f"{args.mode} training: {len(pairs):,} rows, format {args.format}, {d.world} process(es) on {d.device}, "
-           f"{args.batch_size // d.world // args.micro_batch} micro-batch(es) of {args.micro_batch} per process "
-           f"and step, {student.config.n_layers} layers, mask id {mask_id}")
-    # 4. The loop: rows of the step -> this process's micro-batches -> train_step -> log, checkpoint.
+    d.log(f"{args.mode} training: {len(pairs):,} rows, format {args.format}, {d.world} process(es) "
+          f"on {d.device}, {args.batch_size // d.world // args.micro_batch} micro-batch(es) of {args.micro_batch} "
+          f"per process and step, {student.config.n_layers} layers, mask id {mask_id}")
+    # 4. The loop: rows of the step -> this process's micro-batches -> train_step -> log, save.
     region_len, per, t0, progress = args.seq_len // args.regions, args.micro_batch, time.perf_counter(), Progress()
     try:
         for step in range(start, args.steps):
-            g = torch.Generator().manual_seed(args.seed * 7_919 + step + 1)     # the same on every process
+            g = torch.Generator().manual_seed(args.seed * 7_919 + step + 1)     # same on every process
             k, offset = sample_k_and_offset(args.k_max, region_len, generator=g)
             rows = rows_of_step(step, args.batch_size, len(seqs), args.seed)
             micro = [seqs[rows[i * per:(i + 1) * per]].long()                   # micro-batch i: process i % world
@@ -95,25 +95,25 @@ def train(args, on_step=None) -> Path:
             stats = train_step(student, teacher, optimizer, scheduler, micro, k, offset, args, d, mask_id, pad)
             last, lr, elapsed = step + 1 == args.steps, scheduler.get_last_lr()[0], time.perf_counter() - t0
             if d.main and ((step + 1) % args.log_every == 0 or last):
-                with open(out / "log.jsonl", "a") as f:
+                with open(log, "a") as f:
                     f.write(json.dumps({"step": step + 1, **stats, "lr": lr}) + "\n")
             if d.main and progress.due(last):
                 done = step + 1 - start
-                log(d, f"step {step + 1}/{args.steps} | loss {stats['loss']:.4f} | agree {stats['agree']:.3f} "
-                       f"| k {stats['k']:2d} | lr {lr:.2e} | grad {stats['grad_norm']:.3f} "
-                       f"| {done * args.batch_size * args.seq_len / elapsed:,.0f} tok/s "
-                       f"| ETA {format_seconds(elapsed / done * (args.steps - step - 1))}")
+                d.log(f"step {step + 1}/{args.steps} | loss {stats['loss']:.4f} | agree {stats['agree']:.3f} "
+                      f"| k {stats['k']:2d} | lr {lr:.2e} | grad {stats['grad_norm']:.3f} "
+                      f"| {done * args.batch_size * args.seq_len / elapsed:,.0f} tok/s "
+                      f"| ETA {format_seconds(elapsed / done * (args.steps - step - 1))}")
             if (step + 1) % args.save_every == 0 or last:
-                log(d, f"saved checkpoint {save_checkpoint(student, optimizer, scheduler, step + 1, args, d)}")
+                d.log(f"saved checkpoint {save_checkpoint(student, optimizer, scheduler, step + 1, args, d)}")
             if on_step is not None:
                 on_step(step + 1, stats)
-    except KeyboardInterrupt:                         # checkpoints are atomic: the last one is whole
+    except KeyboardInterrupt:                         # checkpoints are atomic: the last is whole
         saved = latest_checkpoint(out)
         raise KeyboardInterrupt(f"{'the last checkpoint is ' + str(saved) if saved else 'no checkpoint yet'}; "
                                 f"run the same command with --resume to continue") from None
     # 5. Export: a Hugging Face folder, <mask> in tokenizer and config.
     final = export(student, tok, out / "final", args, d)
-    log(d, f"exported {final}")
+    d.log(f"exported {final}")
     return final
 
 
@@ -126,9 +126,9 @@ def train_step(student, teacher, optimizer, scheduler, micro: list[torch.Tensor]
     # (FSDP averages over processes, hence the factor world). Under FSDP2 each backward
     # reduce-scatters at once: deferring it would hold a full float32 gradient on every GPU.
     batches = [mtp_layout(s, k, offset, args.regions, mask_id=mask_id, eos_id=pad, pad_id=pad) for s in micro]
-    counts = [int(b.valid.sum()) for b in batches]               # counted on the host, before moving
+    counts = [int(b.valid.sum()) for b in batches]    # counted on the host, before moving
     batches = [b.to(d.device) for b in batches]
-    n_global = max(1.0, all_sum(sum(counts), d))
+    n_global = max(1.0, d.all_sum(sum(counts)))
     autocast = (torch.autocast(d.device.type, dtype=d.dtype) if d.dtype != torch.float32 and not d.sharded
                 else nullcontext())                   # sharded, FSDP2's MixedPrecisionPolicy casts
     loss_sum, agree = 0.0, 0.0
@@ -137,7 +137,7 @@ def train_step(student, teacher, optimizer, scheduler, micro: list[torch.Tensor]
             loss, stats = mtp_loss(student, teacher, batch, mode=args.mode, prefix_ntp_weight=args.prefix_ntp_weight)
         (loss * (n / n_global) * d.world).backward()
         loss_sum += stats["loss"] * n
-        accs = [a for a in stats["acc"] if a == a]    # student argmax == target per position j (NaN: none)
+        accs = [a for a in stats["acc"] if a == a]    # per position j: argmax == target (NaN: none)
         agree += n * (sum(accs) / len(accs) if accs else 0.0)
     grad_norm = torch.nn.utils.clip_grad_norm_(student.parameters(), args.clip)
     if hasattr(grad_norm, "full_tensor"):             # a DTensor under FSDP2
@@ -145,7 +145,7 @@ def train_step(student, teacher, optimizer, scheduler, micro: list[torch.Tensor]
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"loss": all_sum(loss_sum, d) / n_global, "agree": all_sum(agree, d) / n_global,
+    return {"loss": d.all_sum(loss_sum) / n_global, "agree": d.all_sum(agree) / n_global,
             "grad_norm": float(grad_norm), "k": batches[0].k, "offset": batches[0].offset, "n_pred": int(n_global)}
 
 
@@ -228,7 +228,7 @@ def score(completion: str, gold: str) -> dict:
         found = regex.findall(completion)
         if not found:
             return "[invalid]"
-        match = found[select]                                 # with several groups: the non-empty one
+        match = found[select]                         # with several groups: the non-empty one
         return (next(m for m in match if m) if isinstance(match, tuple) else match).strip()
 
     def normalize(answer: str) -> str:
@@ -252,7 +252,7 @@ def mean_and_stderr(values) -> tuple[float, float]:
 
 
 def completion_of(tok: Tokenizer, gen, stop_ids, stops=GSM8K_STOP_STRINGS) -> tuple[str, int, int]:
-    """(completion text, tokens, forward passes), as if decoding had stopped at the first stop string:
+    """(completion text, tokens, forward passes) as if decoding had stopped at the first stop string:
     generate stops at stop TOKENS only, so a stop STRING ("Q:") ends the completion with the pass
     whose tokens completed it, as a string-stopping decoder would; what follows is not counted."""
     tokens = gen.tokens[:-1] if gen.tokens and gen.tokens[-1] in stop_ids else gen.tokens
@@ -284,9 +284,9 @@ def evaluate(args) -> list[dict]:
         path = Path(args.reference) / "samples.jsonl"
         greedy = [r for r in read_rows(path) if r.get("decoding") == "k=1 (greedy)"]
         if len(greedy) < len(golds):
-            raise ValueError(f"{path}: {len(greedy)} greedy (k=1) completions, {len(golds)} needed; "
-                             f"run that eval with --static-k 1")
-        reference = [r["completion"] for r in sorted(greedy, key=lambda r: r["index"])][: len(golds)]
+            raise ValueError(f"{path}: {len(greedy)} greedy (k=1) completions, {len(golds)} needed; run "
+                             "that eval with --static-k 1")
+        reference = [r["completion"] for r in sorted(greedy, key=lambda r: r["index"])][:len(golds)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))    # longest first
@@ -363,7 +363,7 @@ def pareto_plot(rows: list[dict], path, title: str):
             ax.annotate(label, (r["effective_k_mean"], 100 * r["flexible_acc"]), textcoords="offset points",
                         xytext=(4, 4), fontsize=7)
 
-    def beaten(r):                                    # another setting at least as accurate and as fast
+    def beaten(r):                                    # by one at least as accurate and as fast
         return any(o["flexible_acc"] >= r["flexible_acc"] and o["effective_k_mean"] >= r["effective_k_mean"]
                    and (o["flexible_acc"], o["effective_k_mean"]) != (r["flexible_acc"], r["effective_k_mean"])
                    for o in rows)
@@ -421,7 +421,7 @@ def simulated_passes(conf: list[float], tau: float, k_max: int, joint: bool) -> 
 
 
 def greedy_answers(model, tok, fmt, stop_ids, questions: list[str], args):
-    """The model's greedy answers to the questions in the prompt format -> (prompts, gens, stats)."""
+    """The model's greedy answers to the questions in the prompt format: (prompts, gens, stats)."""
     prompts = [prompt_tokens(tok, fmt, q) for q in questions]
     gens, stats = generate(model, prompts, args.max_new_tokens, DecodeConfig("greedy"), stop_ids=stop_ids,
                            batch_size=args.batch_size)
@@ -434,11 +434,12 @@ def analyze(args) -> dict:
     if args.domains:                                  # held-out prompts generated in code
         groups = {d: domain_prompts(d, args.limit, "test") for d in args.domains}
     else:
-        groups = {Path(args.data).name: read_questions(args.data)[: args.limit or None]}
+        questions = read_rows(args.data, [("question",), ("query",), ("prompt",)])   # GSM8K, MetaMathQA, generic
+        groups = {Path(args.data).name: [q for (q,) in questions][: args.limit or None]}
     reports = {}
     for name, questions in groups.items():
         prompts, gens, _ = greedy_answers(model, tok, fmt, stop_ids, questions, args)
-        confs = []                                    # per answer: the top-1 probability at each token
+        confs = []                                    # per answer: top-1 probability at each token
         for prompt, gen in ((p, g) for p, g in zip(prompts, gens) if g.tokens):
             with torch.inference_mode():              # one teacher-forced pass over prompt + answer
                 ids = torch.tensor([prompt + gen.tokens], device=next(model.parameters()).device)   # (1, P + A)
@@ -528,7 +529,7 @@ def export(student, tok: Tokenizer, path: Path, args, d: Dist) -> Path:
         model.save_pretrained(path, dtype=dtype or torch.float32)
         tok.save_pretrained(path)
         (Path(path) / "README.md").write_text(model_card(model.config, args), encoding="utf-8")
-    barrier(d)
+    d.barrier()
     return Path(path)
 
 
@@ -589,7 +590,7 @@ batch {args.batch_size}, AdamW lr {args.lr:g} (warm-up {args.warmup} steps, then
 
 
 def export_checkpoint(args):
-    """`export`: a training checkpoint (a run's --out, or one step_N folder) -> Hugging Face folder."""
+    """`export`: a training checkpoint (a run's --out, or a step_N folder) -> Hugging Face folder."""
     ckpt = Path(args.checkpoint)
     if (ckpt / "checkpoints").is_dir():
         ckpt = latest_checkpoint(ckpt) or ckpt
@@ -614,11 +615,26 @@ class Dist:
     world: int = 1
     device: torch.device = torch.device("cpu")
     dtype: torch.dtype = torch.float32               # what the matrix multiplications compute in
-    sharded: bool = False                            # under torchrun: FSDP2, at any number of processes
+    sharded: bool = False                            # under torchrun: FSDP2, at any world size
 
     @property
     def main(self) -> bool:
         return self.rank == 0
+
+    def log(self, message: str):
+        if self.main:
+            print(message, flush=True)
+
+    def all_sum(self, x: float) -> float:
+        if not self.sharded:
+            return x
+        t = torch.tensor([float(x)], dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(t)
+        return float(t)
+
+    def barrier(self):
+        if self.sharded:
+            torch.distributed.barrier()
 
 
 def setup_processes(device: str, dtype: str = "auto") -> Dist:
@@ -655,24 +671,6 @@ def compute_dtype(device_type: str, dtype: str = "auto") -> torch.dtype:
     except OSError:
         flags = ""
     return torch.bfloat16 if "avx512_bf16" in flags or "amx_bf16" in flags else torch.float32
-
-
-def all_sum(x: float, d: Dist) -> float:
-    if not d.sharded:
-        return x
-    t = torch.tensor([float(x)], dtype=torch.float64, device=d.device)
-    torch.distributed.all_reduce(t)
-    return float(t)
-
-
-def barrier(d: Dist):
-    if d.sharded:
-        torch.distributed.barrier()
-
-
-def log(d: Dist, message: str):
-    if d.main:
-        print(message, flush=True)
 
 
 # Precision (--dtype). The student keeps float32 master weights (AdamW's lr 1e-5 updates vanish in
@@ -728,7 +726,7 @@ def load_student_and_teacher(args, d: Dist, with_teacher: bool = True):
 
 
 def make_optimizer(model, args):
-    """AdamW (model.configure_optimizer: no decay on the norms) with linear warm-up, then constant."""
+    """AdamW (model.configure_optimizer: no decay on the norms), linear warm-up, then constant."""
     optimizer = model.configure_optimizer(args.lr, args.weight_decay, (args.beta1, args.beta2))
     warmup = max(1, args.warmup)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
@@ -753,12 +751,12 @@ def save_checkpoint(student, optimizer, scheduler, step: int, args, d: Dist) -> 
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-    barrier(d)
+    d.barrier()
     model_state, optim_state = get_state_dict(student, optimizer)
-    with warnings.catch_warnings():                   # one process: DCP warns that it saves without a group
+    with warnings.catch_warnings():                   # one process: DCP warns it has no group
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
-    barrier(d)
+    d.barrier()
     if d.main:                                        # no GPU RNG state: nothing draws on it
         torch.save({"step": step, "scheduler": scheduler.state_dict(), "args": vars(args),
                     "rng_cpu": torch.get_rng_state()}, tmp / "trainer.pt")
@@ -768,7 +766,7 @@ def save_checkpoint(student, optimizer, scheduler, step: int, args, d: Dist) -> 
         old = sorted(p for p in root.glob("step_*") if p.name != final.name)
         for stale in old[: max(0, len(old) - (args.keep - 1))]:
             shutil.rmtree(stale, ignore_errors=True)
-    barrier(d)
+    d.barrier()
     return final
 
 
@@ -807,7 +805,7 @@ def load_checkpoint(path: Path, student, optimizer, scheduler, args) -> int:
                              f"resume from an earlier one by pointing {path.parent}/latest at it") from None
     set_state_dict(student, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     scheduler.load_state_dict(trainer["scheduler"])
-    torch.set_rng_state(trainer["rng_cpu"])           # per-GPU states some checkpoints hold are unused
+    torch.set_rng_state(trainer["rng_cpu"])           # per-GPU states, where saved, are unused
     return trainer["step"]
 
 
@@ -874,13 +872,8 @@ def read_rows(path, choices=None) -> list:
 
 
 def read_pairs(path) -> list[tuple[str, str]]:
-    """(prompt, response) pairs: MetaMathQA as distributed (query, response) or (prompt, response) rows."""
+    """(prompt, response) pairs: MetaMathQA rows as distributed (query, response) or (prompt, response)."""
     return read_rows(path, [("query", "response"), ("prompt", "response")])
-
-
-def read_questions(path) -> list[str]:
-    """The prompts of any of our row types: GSM8K `question`, MetaMathQA `query`, generic `prompt`."""
-    return [q for (q,) in read_rows(path, [("question",), ("query",), ("prompt",)])]
 
 
 def read_gsm8k(path) -> list[tuple[str, str]]:
@@ -902,7 +895,7 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
             c.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"), help="compute "
                            "dtype (auto: bfloat16 on GPUs and on CPUs with bfloat16 arithmetic, else float32)")
-        c.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: torch's, one per core)")
+        c.add_argument("--threads", type=positive_int, help="CPU threads (default: torch's, one per core)")
 
     def decoding_flags(c, max_new_tokens):            # what eval, analyze and data share
         format_flag(c)
@@ -996,10 +989,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_paths(args):
-    """Before any work: the files and folders a command reads exist, the one it writes can be made."""
+    """Before any work: what a command reads exists, and what it writes can be made."""
     if getattr(args, "model", None) is not None:
         input_path(args.model, "--model", folder=True)
-        read_model_config(args.model)                 # the config first: it says most about a wrong folder
+        read_model_config(args.model)                 # the config says most about a wrong folder
     for path in [args.data] if isinstance(getattr(args, "data", None), str) else getattr(args, "data", None) or []:
         input_path(path, "--data")
     for flag in ("checkpoint", "reference"):
