@@ -204,7 +204,7 @@ def test_train_resume_is_exact_and_export_loads_in_transformers(tiny, tmp_path, 
 
 def test_resume_ignores_gpu_rng_states_of_another_machine(tiny, tmp_path, capsys):
     """Checkpoints hold no per-GPU RNG state (nothing draws on it), so a resume never depends on
-    how many GPUs it sees; one written with 8 GPUs' states (as older versions did) resumes too."""
+    how many GPUs it sees; a checkpoint that holds 8 GPUs' states resumes too."""
     out = tmp_path / "run"
     assert F.main(train_args(tiny, out, "--steps", "2", "--device", "cpu")) == 0
     path = out / "checkpoints" / "step_000002" / "trainer.pt"
