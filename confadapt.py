@@ -1,48 +1,35 @@
-"""Decoding a multi-token model with a KV cache: static k, ConfAdapt, a lossless mode, batching.
+"""Decoding a multi-token model: static k, ConfAdapt and a lossless mode, with a KV cache and batching.
 
-An MTP model (model.py, trained by distill.py) predicts several tokens in one forward pass:
-feed the text so far followed by k-1 `<mask>` tokens, and the logits at the last real token and
-at the k-1 masks are k predictions. This file turns that into generation:
+An MTP model (model.py, trained by distill.py) predicts several tokens in one forward pass: feed
+the text so far followed by k-1 `<mask>` tokens, and the logits at the last real token and at the
+k-1 masks are k predictions. How many of them to keep is the decoding rule:
 
     static k          keep all k predictions of every pass.
-    ConfAdapt(tau, k) keep the longest leading run of predictions whose top-1 probability is at
-                      least tau, never fewer than one (the paper's main decoding rule).
-    lossless          keep nothing unverified: mask predictions are only *drafts*, checked by
-                      the model's own next-token prediction in the following pass, so the output
-                      is exactly plain greedy decoding, with fewer forward passes (beyond the
-                      paper: blockwise parallel decoding, Stern et al. 2018, with mask drafts).
+    ConfAdapt(tau, k) keep the longest leading run whose top-1 probability is at least tau, never
+                      fewer than one (the paper's main decoding rule).
+    lossless          mask predictions are only *drafts*, checked by the model's own next-token
+                      predictions in the following pass: the output is exactly plain greedy, in
+                      fewer passes (beyond the paper: blockwise parallel decoding with mask drafts).
     greedy            one token per pass: static k = 1.
 
-Every pass goes through the KV cache (model.KVCache). The cache holds the K/V of every accepted
-token except the `pending` ones (accepted by the last pass but never fed), which the next pass feeds:
-
-    pass input   = pending tokens + (lossless: drafts) + masks    (a batch: ragged, no padding computed)
-    predictions  = logits at the last pending token and at every draft / mask after it
-    after        = roll the cache back to drop masks and rejected drafts
-
-Batching: each row accepts its own number of tokens per pass, so each row keeps its own cache
-length (and thus its own positions) and feeds its own number of tokens (a ragged pass: no
-padding is computed, model.forward's n_tokens). A row that finishes hands its place to the next
-waiting prompt (`batch_size`: continuous batching), or leaves the batch. A row's output is the
-same as decoding it alone. (Exactly so in arithmetic; in floating point a batched matmul may
-round differently in the last bit, which could flip an argmax between two logits tied to ~1e-6,
-or a confidence sitting on tau. The same caveat applies to "lossless == greedy".)
-
-Statistics: "effective k" = generated tokens / forward passes. It is not a wall-clock speed-up,
-because a pass that reads 2k-1 tokens costs more than one that reads 1; `bench` measures both.
+`generate_uncached` states this for one prompt without a cache; `generate` is the same thing with
+a KV cache, ragged batches and continuous batching, and tests/test_confadapt.py checks that the two
+agree token for token. "Effective k" = generated tokens / forward passes; it is not a wall-clock
+speed-up, because a pass that reads 2k-1 tokens costs more than one that reads 1
+(benchmarks/bench_modes.py measures both).
 
 Run:  python confadapt.py --model DIR --prompt "1 2 3" [--tau 0.9 --k-max 16 | --static-k 4 | --lossless]
-      python confadapt.py bench --model DIR --prompt "..." [--json]
 
-References: Multi-Token Prediction via Self-Distillation (arXiv 2602.06019); Blockwise Parallel Decoding for Deep Autoregressive Models (arXiv 1811.03115).
+References: Multi-Token Prediction via Self-Distillation (arXiv 2602.06019); Blockwise Parallel
+Decoding for Deep Autoregressive Models (arXiv 1811.03115).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
-import statistics
 import sys
 import time
 from collections import Counter
@@ -52,10 +39,6 @@ import torch
 
 MODES = ("greedy", "static", "confadapt", "lossless")
 
-
-# ----------------------------------------------------------------------------------------------
-# Settings and results
-# ----------------------------------------------------------------------------------------------
 
 @dataclass
 class DecodeConfig:
@@ -83,6 +66,107 @@ class DecodeConfig:
                 "confadapt": f"confadapt tau={self.tau:g} k_max={self.k_max}"}[self.kind]
 
 
+# ----------------------------------------------------------------------------------------------
+# The definition: the accept rules, and one prompt decoded without a cache
+# ----------------------------------------------------------------------------------------------
+
+def accept_confadapt(confidences: list[float], tau: float) -> int:
+    """ConfAdapt: the longest leading run of predictions with top-1 probability >= tau, at least 1.
+
+    The first prediction (at the last real token) is the ordinary next-token one, always safe; the
+    later ones were made at masks, without seeing the tokens just before them, and are kept only
+    while the model is confident. tau = 1.0 keeps only the first (plain greedy): a float32 softmax
+    rounds anything within ~6e-8 of 1 to exactly 1.0, and `>= 1.0` read literally would accept
+    such mask guesses, which greedy decoding need not produce.
+    """
+    if tau >= 1.0:
+        return 1
+    n = 0
+    while n < len(confidences) and confidences[n] >= tau:
+        n += 1
+    return max(n, 1)
+
+
+def verify_drafts(drafts: list[int], predictions: list[int]) -> int:
+    """Lossless: how many leading drafts equal the model's own greedy prediction at their place.
+
+    predictions[i] is the argmax just before drafts[i] (at the last real token for i = 0, at
+    drafts[i-1] after it): draft i is the greedy token iff every draft before it was (so its
+    context is greedy text) and it equals predictions[i].
+    """
+    n = 0
+    while n < len(drafts) and drafts[n] == predictions[n]:
+        n += 1
+    return n
+
+
+def accept(mode: DecodeConfig, preds: list[int], confs: list[float] | None, drafts: list[int], stop_ids):
+    """One pass's accept rule -> (accepted tokens, how many of them were fed as drafts, next drafts).
+
+    preds/confs: the argmax and its probability at the last real token, then at each draft and
+    mask the pass fed. Lossless keeps the a verified drafts plus preds[a], the model's own token
+    after them: every kept token is the argmax given greedy text, which is what greedy emits. Its
+    mask predictions become the next drafts only if every draft held (else they followed a wrong
+    token). A stop token ends the chunk and is kept.
+    """
+    verified, next_drafts = 0, []
+    if mode.kind == "confadapt":
+        tokens = preds[: accept_confadapt(confs, mode.tau)]
+    elif mode.kind == "lossless":
+        verified = verify_drafts(drafts, preds[: len(drafts)])
+        tokens = preds[: verified + 1]
+        next_drafts = preds[len(drafts) + 1:] if verified == len(drafts) else []
+    else:                                                            # greedy, static k: keep all
+        tokens = preds
+    stop = next((i for i, t in enumerate(tokens) if t in stop_ids), None)
+    return (tokens if stop is None else tokens[: stop + 1]), verified, next_drafts
+
+
+def pass_tail(mode: DecodeConfig, drafts: list[int], wanted: int, mask_id) -> tuple[list[int], list[int]]:
+    """(drafts, drafts + masks) to feed after the last real token, predicting at most `wanted`
+    tokens (so no pass predicts past max_new_tokens or the end of the context)."""
+    drafts = drafts[: wanted - 1]
+    return drafts, drafts + [mask_id] * min(mode.block - 1, wanted - 1 - len(drafts))
+
+
+@torch.no_grad()
+def generate_uncached(model, prompt: list[int], max_new_tokens: int, mode: DecodeConfig, mask_id=None,
+                      stop_ids=()) -> tuple[list[int], list[int]]:
+    """Every mode by definition, batch size 1, no cache: each pass runs the whole text + drafts +
+    masks. Returns (new tokens, tokens kept per pass); `generate` returns the same."""
+    mask_id = model.config.mask_token_id if mask_id is None else mask_id
+    budget = min(max_new_tokens, model.config.max_seq_len - len(prompt))
+    out, chunks, drafts = [], [], []
+    while len(out) < budget and not (out and out[-1] in stop_ids):
+        seq = prompt + out
+        drafts, tail = pass_tail(mode, drafts, budget - len(out), mask_id)
+        x = torch.tensor([seq + tail], device=next(model.parameters()).device)
+        logits = model(x)[0, len(seq) - 1:].float()                  # (1 + len(tail), V): the predictions
+        confs, preds = logits.softmax(-1).max(-1) if mode.kind == "confadapt" else (None, logits.argmax(-1))
+        new, _, drafts = accept(mode, preds.tolist(), confs.tolist() if confs is not None else None, drafts, stop_ids)
+        out += new
+        chunks.append(len(new))
+    return out, chunks
+
+
+# ----------------------------------------------------------------------------------------------
+# The same with a KV cache, ragged passes and continuous batching
+# ----------------------------------------------------------------------------------------------
+# The cache (model.KVCache) holds the K/V of every accepted token except the `pending` ones
+# (accepted by the last pass but never fed), which the next pass feeds:
+#
+#     pass input   = pending tokens + (lossless: drafts) + masks
+#     predictions  = logits at the last pending token and at every draft / mask after it
+#     after        = roll the cache back to drop masks and rejected drafts
+#
+# Each row of a batch accepts its own number of tokens per pass, so each keeps its own cache
+# length (its own positions) and feeds its own number of tokens: a ragged pass, no padding
+# computed (model.forward's n_tokens). A finished row hands its place to the next waiting prompt
+# (continuous batching) or leaves. A row's output is the same as decoding it alone: exactly so in
+# arithmetic; in floating point a batched matmul may round differently in the last bit, which
+# could flip an argmax between two logits tied to ~1e-6, or a confidence sitting on tau (the same
+# caveat applies to "lossless == greedy").
+
 @dataclass
 class Generation:
     """What one prompt produced."""
@@ -101,11 +185,7 @@ class Generation:
     @property
     def boundaries(self) -> list[int]:
         """End index (into `tokens`) of each chunk: [3, 4, 9] means tokens[0:3], [3:4], [4:9]."""
-        ends, total = [], 0
-        for n in self.chunk_sizes:
-            total += n
-            ends.append(total)
-        return ends
+        return list(itertools.accumulate(self.chunk_sizes))
 
 
 @dataclass
@@ -124,168 +204,53 @@ class DecodeStats:
     tokens_per_second: float    # tokens / decoding seconds (prefill excluded, like effective_k)
 
 
-# ----------------------------------------------------------------------------------------------
-# The accept rules: how many of a pass's predictions to keep
-# ----------------------------------------------------------------------------------------------
-
-def accept_confadapt(confidences: list[float], tau: float) -> int:
-    """ConfAdapt: the longest leading run of predictions with top-1 probability >= tau, at least 1.
-
-    The first prediction comes from the last real token, so it is the ordinary next-token
-    prediction and always safe to keep; the later ones were made at mask positions, i.e. without
-    seeing the tokens just before them, and are kept only while the model is confident. The run
-    starts at the first prediction: once any position is unsure, everything after it is dropped.
-
-    tau = 1.0 keeps only the first prediction (plain greedy). A true softmax probability is
-    never exactly 1, but a float32 softmax rounds anything within ~6e-8 of 1 to exactly 1.0,
-    which a well-trained model reaches easily; read literally, `>= 1.0` would then accept such
-    mask guesses, which are not guaranteed to be what greedy decoding would produce.
-    """
-    if tau >= 1.0:
-        return 1
-    n = 0
-    while n < len(confidences) and confidences[n] >= tau:
-        n += 1
-    return max(n, 1)
-
-
-def verify_drafts(drafts: list[int], predictions: list[int]) -> int:
-    """Lossless: how many leading drafts equal the model's own greedy prediction at their place.
-
-    predictions[i] is the argmax of the logits just before drafts[i] (at the last real token for
-    i = 0, at drafts[i-1] after it). Draft i is the greedy token iff all drafts before it were
-    (so its context is the greedy text) and it equals predictions[i].
-    """
-    n = 0
-    while n < len(drafts) and drafts[n] == predictions[n]:
-        n += 1
-    return n
-
-
-# ----------------------------------------------------------------------------------------------
-# One row of the batch
-# ----------------------------------------------------------------------------------------------
-
 @dataclass
 class Row:
-    """Decoding state of one prompt."""
+    """Decoding state of one prompt. The cache holds all of prompt + tokens except `pending`."""
     prompt: list[int]
     budget: int                                         # most new tokens (max_new_tokens, capped by context)
+    pending: list[int]                                  # accepted, K/V not in the cache yet: fed next pass
     tokens: list[int] = field(default_factory=list)     # accepted so far
     chunk_sizes: list[int] = field(default_factory=list)
-    pending: list[int] = field(default_factory=list)    # accepted, K/V not in the cache yet: fed next pass
     drafts: list[int] = field(default_factory=list)     # lossless: guesses for the tokens after `pending`
-    stopped: bool = False
     done: bool = False
 
-    @property
-    def cache_length(self) -> int:
-        """The cache holds every token of prompt + output except the pending ones."""
-        return len(self.prompt) + len(self.tokens) - len(self.pending)
 
-
-def plan_pass(row: Row, mode: DecodeConfig, mask_id: int | None) -> tuple[list[int], int]:
-    """The tokens this row feeds next, and how many predictions it reads (from index len(pending)-1).
-
-    The number of predictions never exceeds the tokens still wanted, so no pass predicts past
-    max_new_tokens or past the end of the context.
-    """
-    remaining = row.budget - len(row.tokens)
-    if mode.kind == "lossless":
-        row.drafts = row.drafts[: remaining - 1]                 # pending is one token here
-        n_masks = max(0, min(mode.k - 1, remaining - 1 - len(row.drafts)))
-        return row.pending + row.drafts + [mask_id] * n_masks, 1 + len(row.drafts) + n_masks
-    n = min(mode.block, remaining)
-    return row.pending + [mask_id] * (n - 1), n
-
-
-def take_pass(row: Row, mode: DecodeConfig, preds: list[int], confs: list[float] | None, stop_ids: set):
-    """Apply the accept rule to this row's predictions of one pass and update its state."""
-    in_cache = 0                                   # accepted tokens whose K/V this pass already wrote
-    if mode.kind in ("greedy", "static"):
-        accepted = preds
-    elif mode.kind == "confadapt":
-        accepted = preds[: accept_confadapt(confs, mode.tau)]
-    else:
-        # Lossless. The input was [last token, d_1..d_m, masks]; preds[i] is the model's greedy
-        # token after the verified text plus d_1..d_i. Every kept token is therefore the argmax
-        # of the next-token logits given a context made only of greedy tokens: exactly what
-        # plain greedy decoding emits. Verified drafts d_1..d_a were fed as themselves (not as
-        # masks), so their K/V is already correct and stays in the cache; preds[a] (the "bonus"
-        # token after them) is new and becomes the pending token. The mask predictions are the
-        # next drafts only if every draft was accepted: otherwise they were made after a wrong
-        # token and are discarded (and a rejected draft's K/V is rolled back, never attended).
-        m = len(row.drafts)
-        a = verify_drafts(row.drafts, preds[:m])
-        accepted, in_cache = preds[: a + 1], a
-        row.drafts = preds[m + 1:] if a == m else []
-    for i, t in enumerate(accepted):               # a stop token anywhere ends the row, cut after it
-        if t in stop_ids:
-            accepted, row.stopped = accepted[: i + 1], True
-            break
-    row.tokens += accepted
-    row.chunk_sizes.append(len(accepted))
-    row.pending = accepted[in_cache:]
-    row.done = row.stopped or len(row.tokens) >= row.budget
-
-
-# ----------------------------------------------------------------------------------------------
-# Passes over the cache
-# ----------------------------------------------------------------------------------------------
-
-def padded(rows: list[list[int]], pad_id: int, device):
-    """Right-pad token lists to one (B, T) tensor; also the real lengths (a list), or None if all equal.
-
-    With the lengths, model.forward skips the padding (a ragged pass): a row that feeds 2 tokens
-    beside one that feeds 15 costs 2 positions, not 15. They stay on the host, where the pass
-    builds its index tensors from them without asking the device.
-    """
-    T = max(len(x) for x in rows)
-    tokens = torch.tensor([x + [pad_id] * (T - len(x)) for x in rows], device=device)        # (B, T)
-    ragged = any(len(x) != T for x in rows)
-    return tokens, [len(x) for x in rows] if ragged else None
+def _sync(device):
+    """Wait for queued GPU work, so that a timer reads finished work (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def prefill(model, cache, prompts: dict[int, list[int]], pad_id: int) -> float:
     """Start cache rows afresh: row b gets prompts[b] except its last token (which becomes the
     first pending one); rows not in `prompts` feed nothing. Returns the seconds it took."""
     start = time.perf_counter()
-    device = cache.lengths.device
     lengths, heads = cache.lengths.clone(), [[] for _ in range(len(cache.lengths))]
     for b, prompt in prompts.items():
         lengths[b], heads[b] = 0, prompt[:-1]
     cache.rollback(lengths)                                      # a row's previous sequence is forgotten
-    if any(heads):
-        tokens, n_tokens = padded(heads, pad_id, device)
-        no_logits = torch.zeros(len(heads), 0, dtype=torch.long, device=device)   # only the cache is wanted
-        model(tokens, cache=cache, output_index=no_logits, n_tokens=n_tokens)
-    _sync(device)
+    if any(heads):                                               # only the cache is wanted: no logits
+        decode_pass(model, cache, heads, [0] * len(heads), [0] * len(heads), pad_id)
+    _sync(cache.lengths.device)
     return time.perf_counter() - start
 
 
 def decode_pass(model, cache, inputs: list[list[int]], firsts: list[int], n_preds: list[int], pad_id: int):
     """One forward pass of every row; logits (B, N, V) at each row's predicting positions.
 
-    Row b feeds inputs[b] at its own cache slots (rows of different lengths: a ragged pass);
-    its predictions are the logits at input index firsts[b] .. firsts[b] + n_preds[b] - 1. Rows
-    with fewer predictions repeat their last index up to N = max(n_preds). The caller rolls back.
+    Row b feeds inputs[b] at its own cache slots; its predictions are the logits at input index
+    firsts[b] .. firsts[b] + n_preds[b] - 1 (rows with fewer repeat their last index up to
+    N = max(n_preds)). Rows are right-padded, and model.forward skips the padding (a ragged pass)
+    given the real lengths, which stay on the host so that no index tensor waits for the device.
+    The caller rolls back.
     """
-    device = cache.lengths.device
-    tokens, n_tokens = padded(inputs, pad_id, device)
-    N = max(n_preds)
+    device, T, N = cache.lengths.device, max(len(x) for x in inputs), max(n_preds)
+    tokens = torch.tensor([x + [pad_id] * (T - len(x)) for x in inputs], device=device)      # (B, T)
+    n_tokens = [len(x) for x in inputs] if any(len(x) != T for x in inputs) else None
     index = torch.tensor([[f + min(j, n - 1) for j in range(N)] for f, n in zip(firsts, n_preds)],
-                         device=device)                                                       # (B, N)
+                         dtype=torch.long, device=device)                                     # (B, N)
     return model(tokens, cache=cache, output_index=index, n_tokens=n_tokens)                 # (B, N, V)
-
-
-# ----------------------------------------------------------------------------------------------
-# Generation
-# ----------------------------------------------------------------------------------------------
-
-def _sync(device):
-    """Wait for queued GPU work, so that a timer reads finished work (no-op on CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @torch.inference_mode()
@@ -318,6 +283,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, mode: DecodeC
     stop_ids = set(stop_ids)
     pad_id = 0 if mask_id is None else mask_id       # padding is never computed (ragged passes): any id will do
 
+    # 1) prefill the first batch_size prompts; the others wait for a free cache row
     start = time.perf_counter()
     rows = [Row(list(p), budget=min(max_new_tokens, context - len(p)), pending=[p[-1]]) for p in prompts]
     width = min(batch_size or len(rows), len(rows))
@@ -329,11 +295,15 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, mode: DecodeC
     prefill_seconds = time.perf_counter() - start            # setting up counts as prefill, not decoding
     passes = fed = 0
     while active:
-        batch = [rows[i] for i in active]
-        plans = [plan_pass(r, mode, mask_id) for r in batch]
-        fed += sum(len(x) for x, _ in plans)
-        logits = decode_pass(model, cache, [x for x, _ in plans], [len(r.pending) - 1 for r in batch],
-                             [n for _, n in plans], pad_id).float()                  # (B, N, V)
+        # 2) one ragged pass: every row feeds its pending tokens, then drafts and masks
+        batch, inputs = [rows[i] for i in active], []
+        for r in batch:
+            r.drafts, tail = pass_tail(mode, r.drafts, r.budget - len(r.tokens), mask_id)
+            inputs.append(r.pending + tail)
+        n_preds = [len(x) - len(r.pending) + 1 for x, r in zip(inputs, batch)]
+        fed += sum(len(x) for x in inputs)
+        logits = decode_pass(model, cache, inputs, [len(r.pending) - 1 for r in batch], n_preds,
+                             pad_id).float()                                          # (B, N, V)
         passes += 1
         if mode.kind == "confadapt":
             confs, preds = logits.softmax(-1).max(-1)                                 # (B, N) each
@@ -341,11 +311,18 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, mode: DecodeC
         else:
             preds, confs = logits.argmax(-1), None
         preds = preds.tolist()
-        for b, (r, (_, n)) in enumerate(zip(batch, plans)):
-            take_pass(r, mode, preds[b][:n], confs[b][:n] if confs else None, stop_ids)
-        # Keep exactly the accepted tokens that were fed; drop masks and rejected drafts.
-        cache.rollback(torch.tensor([r.cache_length for r in batch], device=cache.lengths.device))
-        # A finished row hands its cache row to the next waiting prompt; with none left, it leaves.
+        # 3) each row keeps what the accept rule allows. Verified drafts were fed as themselves,
+        # so their K/V stays; the other kept tokens become pending; masks and rejected drafts go.
+        for b, (r, n) in enumerate(zip(batch, n_preds)):
+            tokens, in_cache, r.drafts = accept(mode, preds[b][:n], confs[b][:n] if confs else None, r.drafts,
+                                                stop_ids)
+            r.tokens += tokens
+            r.chunk_sizes.append(len(tokens))
+            r.pending = tokens[in_cache:]
+            r.done = tokens[-1] in stop_ids or len(r.tokens) >= r.budget
+        cache.rollback(torch.tensor([len(r.prompt) + len(r.tokens) - len(r.pending) for r in batch],
+                                    device=cache.lengths.device))
+        # 4) a finished row hands its cache row to the next waiting prompt; with none left, it leaves
         joining = {}
         for b, r in enumerate(batch):
             if r.done and waiting:
@@ -359,20 +336,20 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, mode: DecodeC
         active = [active[b] for b in still]
     seconds = time.perf_counter() - start
 
-    gens = [Generation(r.tokens, r.chunk_sizes, r.stopped) for r in rows]
+    gens = [Generation(r.tokens, r.chunk_sizes, stopped=r.tokens[-1] in stop_ids) for r in rows]
     n_tokens = sum(len(g.tokens) for g in gens)
     row_passes = sum(g.forward_passes for g in gens)
     hist = Counter(n for g in gens for n in g.chunk_sizes)
     stats = DecodeStats(mode=mode.describe(), batch_size=width, forward_passes=passes, row_passes=row_passes,
                         tokens=n_tokens, effective_k=n_tokens / max(1, row_passes), fed_tokens=fed,
-                        accept_hist=dict(sorted(hist.items())),
-                        seconds=seconds, prefill_seconds=prefill_seconds,
+                        accept_hist=dict(sorted(hist.items())), seconds=seconds, prefill_seconds=prefill_seconds,
                         tokens_per_second=n_tokens / max(seconds - prefill_seconds, 1e-9))
     return gens, stats
 
 
 # ----------------------------------------------------------------------------------------------
 # Showing the chunks (the paper's Figure 1): one colour run per forward pass
+# ----------------------------------------------------------------------------------------------
 # ----------------------------------------------------------------------------------------------
 
 def chunk_texts(tokenizer, tokens: list[int], chunk_sizes: list[int]) -> list[str]:
@@ -471,122 +448,10 @@ def format_stats(stats: DecodeStats, gen: Generation | None = None) -> str:
     return "\n".join(lines)
 
 
-# ----------------------------------------------------------------------------------------------
-# Benchmark: every mode on the same model and prompts, at several batch sizes
-# ----------------------------------------------------------------------------------------------
-
-@torch.inference_mode()
-def forward_latency(model, batch_size: int, context: int, sizes, repeats: int = 5) -> dict:
-    """Median seconds of one cached pass of T new tokens per row, on top of `context` cached tokens.
-
-    This is the price list of multi-token decoding: if a 31-token pass costs about what a 1-token
-    pass costs (memory-bound decoding), effective k turns into wall-clock speed-up almost 1:1.
-    """
-    device = next(model.parameters()).device
-    vocab = model.config.vocab_size
-    cache = model.new_cache(batch_size, context + max(sizes))
-    filler = torch.arange(batch_size * context, device=device).view(batch_size, context) % vocab  # (B, context)
-    model(filler, cache=cache, output_index=torch.zeros(batch_size, 1, dtype=torch.long, device=device))
-    out = {}
-    for T in sizes:
-        tokens = torch.arange(T, device=device).expand(batch_size, T) % vocab        # (B, T)
-        times = []
-        for i in range(repeats + 1):                                                  # run 0 warms up
-            _sync(device)
-            t0 = time.perf_counter()
-            model(tokens, cache=cache, output_index=tokens.new_tensor(range(T)).expand(batch_size, T))
-            _sync(device)
-            if i > 0:
-                times.append(time.perf_counter() - t0)
-            cache.rollback(context)
-        out[T] = statistics.median(times)
-    return out
-
-
-def bench(model, prompts: list[list[int]], max_new_tokens: int, modes: list[DecodeConfig],
-          batch_sizes=(1, 4, 16), mask_id=None, stop_ids=(), repeats: int = 3, latency_sizes=range(1, 33),
-          n_rows: int | None = None, others: dict | None = None) -> dict:
-    """Time every mode at every batch size on the same workload.
-
-    The workload is the prompts cycled up to n_rows rows (default: as many as the prompts or the
-    largest batch size); batch size b decodes it b rows at a time, a finished row's place going
-    to the next waiting one (generate's continuous batching), so every batch size and mode
-    decodes the same rows. The modes take turns, `repeats` rounds, and each keeps
-    its fastest round (decoding is deterministic, so only the time varies; taking turns spreads
-    a busy moment of the machine over all modes instead of one).
-    Tokens/second counts decoding time (prefill excluded, as in DecodeStats); speed-up is over
-    greedy at the same batch size; efficiency = speed-up / effective k, the share of the saved
-    passes that became saved time. "Fed per token" is the positions the passes computed per
-    generated token (greedy: 1): where a pass's cost grows with its positions (the latency
-    curve), this is what a multi-token mode pays for its fewer passes. "Equals greedy": the
-    mode's tokens are greedy's, row for row (what the lossless mode promises).
-
-    `others` adds decoders from elsewhere to the turns (benchmarks/ passes transformers'
-    `generate` here): {name: decode(rows, max_new_tokens, batch_size) -> (list[Generation],
-    DecodeStats), or None at a batch size it does not support}.
-    """
-    n_rows = n_rows or max(len(prompts), max(batch_sizes))
-    rows = [prompts[i % len(prompts)] for i in range(n_rows)]
-    decoders = [(m.describe(), m.kind, lambda r, n, bs, m=m: generate(model, r, n, m, mask_id, stop_ids, batch_size=bs))
-                for m in modes] + [(name, name, fn) for name, fn in (others or {}).items()]
-    results, latency = [], {}
-    for bs in batch_sizes:
-        # Warm-up (allocator, kernels); a decoder that answers None does not take this batch size.
-        here = [d for d in decoders if d[2](rows[:bs], min(8, max_new_tokens), bs) is not None]
-        rounds = [[decode(rows, max_new_tokens, bs) for _, _, decode in here]
-                  for _ in range(repeats)]                                   # rounds[r][m]: (gens, DecodeStats)
-
-        def decoding_seconds(run):                                  # prefill excluded
-            return run[1].seconds - run[1].prefill_seconds
-
-        greedy = greedy_tps = None
-        for m, (name, kind, _) in enumerate(here):
-            gens, best = min((r[m] for r in rounds), key=decoding_seconds)
-            tokens, row_passes, seconds = best.tokens, best.row_passes, decoding_seconds((gens, best))
-            tps = tokens / max(seconds, 1e-9)
-            if kind == "greedy":
-                greedy, greedy_tps = [g.tokens for g in gens], tps
-            speedup = tps / greedy_tps if greedy_tps else float("nan")
-            effective_k = tokens / max(1, row_passes)
-            results.append({"batch_size": bs, "mode": name, "kind": kind, "tokens": tokens,
-                            "forward_passes": best.forward_passes, "effective_k": effective_k,
-                            "fed_per_token": best.fed_tokens / max(1, tokens),
-                            "tokens_per_second": tps, "seconds": seconds,
-                            "speedup": speedup, "efficiency": speedup / effective_k,
-                            "equals_greedy": None if greedy is None else [g.tokens for g in gens] == greedy,
-                            "accept_hist": best.accept_hist})
-        if latency_sizes:
-            context = max(len(p) for p in rows) + max_new_tokens // 2
-            latency[bs] = forward_latency(model, bs, context, list(latency_sizes))
-    return {"results": results, "latency_seconds": latency}
-
-
-def format_bench(report: dict) -> str:
-    lines = [f"{'batch':>5}  {'mode':<28} {'tokens/s':>10} {'eff. k':>7} {'speed-up':>9} "
-             f"{'efficiency':>10} {'passes':>7} {'fed/token':>9} {'= greedy':>8}"]
-    for r in report["results"]:
-        lines.append(f"{r['batch_size']:>5}  {r['mode']:<28} {r['tokens_per_second']:>10.1f} {r['effective_k']:>7.2f} "
-                     f"{r['speedup']:>8.2f}x {r['efficiency']:>10.2f} {r['forward_passes']:>7} "
-                     f"{r['fed_per_token']:>9.2f} {'yes' if r['equals_greedy'] else 'no':>8}")
-    lines.append("")
-    lines.append("forward-pass latency (ms) for T new tokens per row on a filled cache; ratio to T = 1")
-    for bs, curve in report["latency_seconds"].items():
-        base = curve[min(curve)]
-        cells = "  ".join(f"T={T}: {s * 1e3:.2f} ({s / base:.2f}x)" for T, s in curve.items()
-                          if T in (1, 2, 4, 8, 16, 24, 32) or T == max(curve))
-        lines.append(f"batch {bs:>3}: {cells}")
-    return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------------------------
-# Command line
-# ----------------------------------------------------------------------------------------------
-
-# The three command lines (this file's, train_toy.py's and finetune_hf.py's) share what follows:
-# argparse types that range-check a number where it is parsed, checks of the paths and the device
-# before any work starts, and one error path: a mistake a user can make ends in one line
-# `error: ...` on stderr and exit status 2, never a traceback; Ctrl-C in one line saying what is
-# saved and how to continue (exit status 130).
+# --- plumbing: the command line, shared by confadapt.py, train_toy.py and finetune_hf.py ---------
+# argparse types that range-check a number where it is parsed, checks of the paths before any work
+# starts, and one error path: a mistake a user can make ends in one line `error: ...` on stderr and
+# exit status 2, never a traceback; Ctrl-C in one line saying what is saved and how to go on (130).
 
 class CliError(Exception):
     pass
@@ -827,50 +692,8 @@ def generate_main(argv) -> int:
     return 0
 
 
-def bench_main(argv) -> int:
-    p = Parser(prog="confadapt.py bench", description="Time greedy, static k, ConfAdapt and lossless decoding.")
-    add_model_args(p)
-    b = p.add_argument_group("benchmark")
-    b.add_argument("--prompt", action="append", required=True,
-                   help="a prompt (repeat for several; batches cycle through them)")
-    b.add_argument("--max-new-tokens", type=positive_int, default=128, help="most tokens per prompt")
-    b.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 4, 16], help="batch sizes to time")
-    b.add_argument("--static-k", type=positive_int, default=4, help="static k to time")
-    b.add_argument("--taus", type=probability, nargs="+", default=[0.5, 0.7, 0.8, 0.9, 0.95, 0.99],
-                   help="ConfAdapt thresholds")
-    b.add_argument("--k-max", type=positive_int, nargs="+", default=[16],
-                   help="ConfAdapt: most tokens per pass (several: a sweep)")
-    b.add_argument("--lossless-k", type=positive_int, default=None,
-                   help="lossless: most tokens per pass (default: the largest --k-max)")
-    b.add_argument("--rows", type=positive_int, default=None,
-                   help="rows in the workload, the prompts cycled (default: the number of prompts or the largest batch)")
-    b.add_argument("--repeats", type=positive_int, default=3,
-                   help="rounds over all modes; each mode keeps its fastest")
-    b.add_argument("--latency-max", type=positive_int, default=32,
-                   help="latency curve for 1..N new tokens per pass")
-    b.add_argument("--ignore-stop", action="store_true", help="always generate --max-new-tokens tokens")
-    b.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    args = p.parse_args(argv)
-
-    modes = [DecodeConfig("greedy"), DecodeConfig("static", k=args.static_k)]
-    modes += [DecodeConfig("confadapt", tau=t, k_max=k) for k in args.k_max for t in args.taus]
-    modes += [DecodeConfig("lossless", k=args.lossless_k or max(args.k_max))]
-    for m in modes:
-        m.validate()
-    model, tokenizer, mask_id, stop_ids = load(args)
-    require_mask(modes[1], mask_id, args.model)
-    prompts = [encode_prompt(tokenizer, model, t, args.no_bos) for t in args.prompt]
-    report = bench(model, prompts, args.max_new_tokens, modes, args.batch_sizes, mask_id,
-                   () if args.ignore_stop else stop_ids, args.repeats, range(1, args.latency_max + 1), args.rows)
-    report.update(model=args.model, device=args.device, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
-                  prompt_tokens=[len(x) for x in prompts])
-    print(json.dumps(report) if args.json else format_bench(report))
-    return 0
-
-
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    return run_cli(lambda a: bench_main(a[1:]) if a[:1] == ["bench"] else generate_main(a), argv)
+    return run_cli(generate_main, sys.argv[1:] if argv is None else list(argv))
 
 
 if __name__ == "__main__":
