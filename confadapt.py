@@ -4,24 +4,20 @@ An MTP model (model.py, trained by distill.py) predicts several tokens in one fo
 the text so far followed by k-1 `<mask>` tokens, and the logits at the last real token and at the
 k-1 masks are k predictions. How many of them to keep is the decoding rule:
 
-    static k          keep all k predictions of every pass.
+    static k          keep all k predictions of every pass (greedy: k = 1).
     ConfAdapt(tau, k) keep the longest leading run whose top-1 probability is at least tau, never
                       fewer than one (the paper's main decoding rule).
-    lossless          mask predictions are only *drafts*, checked by the model's own next-token
-                      predictions in the following pass: the output is exactly plain greedy, in
-                      fewer passes (beyond the paper: blockwise parallel decoding with mask drafts).
-    greedy            one token per pass: static k = 1.
+    lossless          mask predictions are only drafts, checked by the model's own next-token
+                      predictions in the next pass: exactly plain greedy output, in fewer passes.
 
-`generate_uncached` states this for one prompt without a cache; `generate` is the same thing with
-a KV cache, ragged batches and continuous batching, and tests/test_confadapt.py checks that the two
-agree token for token. "Effective k" = generated tokens / forward passes; it is not a wall-clock
-speed-up, because a pass that reads 2k-1 tokens costs more than one that reads 1
-(benchmarks/bench_modes.py measures both).
+`generate_uncached` is this for one prompt without a cache; `generate` is the same with a KV cache
+and batching (tests/test_confadapt.py checks that they agree). "Effective k" = tokens / forward
+passes is not a wall-clock speed-up: a pass that reads 2k-1 tokens costs more than one that
+reads 1 (benchmarks/bench_modes.py measures both).
 
 Run:  python confadapt.py --model DIR --prompt "1 2 3" [--tau 0.9 --k-max 16 | --static-k 4 | --lossless]
-
-References: Multi-Token Prediction via Self-Distillation (arXiv 2602.06019); Blockwise Parallel
-Decoding for Deep Autoregressive Models (arXiv 1811.03115).
+References: Multi-Token Prediction via Self-Distillation (arXiv 2602.06019); blockwise parallel
+decoding (arXiv 1811.03115), which the lossless mode follows with mask drafts.
 """
 
 from __future__ import annotations
@@ -49,8 +45,7 @@ class DecodeConfig:
     k_max: int = 16           # confadapt: most tokens per pass
 
     @property
-    def block(self) -> int:
-        """Predictions per pass: one at the last real token plus block-1 at masks (or drafts)."""
+    def block(self) -> int:                   # predictions per pass: at the last real token, then masks
         return {"greedy": 1, "static": self.k, "confadapt": self.k_max, "lossless": self.k}[self.kind]
 
     def validate(self):
@@ -66,48 +61,31 @@ class DecodeConfig:
                 "confadapt": f"confadapt tau={self.tau:g} k_max={self.k_max}"}[self.kind]
 
 
-# ----------------------------------------------------------------------------------------------
-# The definition: the accept rules, and one prompt decoded without a cache
-# ----------------------------------------------------------------------------------------------
+# --- The definition: the accept rules, and one prompt decoded without a cache -------------------
 
 def accept_confadapt(confidences: list[float], tau: float) -> int:
-    """ConfAdapt: the longest leading run of predictions with top-1 probability >= tau, at least 1.
-
-    The first prediction (at the last real token) is the ordinary next-token one, always safe; the
-    later ones were made at masks, without seeing the tokens just before them, and are kept only
-    while the model is confident. tau = 1.0 keeps only the first (plain greedy): a float32 softmax
-    rounds anything within ~6e-8 of 1 to exactly 1.0, and `>= 1.0` read literally would accept
-    such mask guesses, which greedy decoding need not produce.
-    """
-    if tau >= 1.0:
-        return 1
-    n = 0
-    while n < len(confidences) and confidences[n] >= tau:
-        n += 1
-    return max(n, 1)
+    """ConfAdapt: the longest leading run of predictions with top-1 probability >= tau, at least 1
+    (the first, at the last real token, is the ordinary next-token prediction). tau = 1.0 keeps only
+    the first: a float32 softmax rounds anything within ~6e-8 of 1 to 1.0, and `>= 1.0` read
+    literally would accept such mask guesses, which greedy decoding need not produce."""
+    run = next((i for i, c in enumerate(confidences) if c < tau), len(confidences))   # leading c >= tau
+    return 1 if tau >= 1.0 else max(run, 1)
 
 
 def verify_drafts(drafts: list[int], predictions: list[int]) -> int:
     """Lossless: how many leading drafts equal the model's own greedy prediction at their place.
-
-    predictions[i] is the argmax just before drafts[i] (at the last real token for i = 0, at
-    drafts[i-1] after it): draft i is the greedy token iff every draft before it was (so its
-    context is greedy text) and it equals predictions[i].
-    """
-    n = 0
-    while n < len(drafts) and drafts[n] == predictions[n]:
-        n += 1
-    return n
+    predictions[i] is the argmax just before drafts[i]: draft i is the greedy token iff every draft
+    before it was (so its context is greedy text) and it equals predictions[i]."""
+    return next((i for i, (d, p) in enumerate(zip(drafts, predictions)) if d != p), len(drafts))
 
 
 def accept(mode: DecodeConfig, preds: list[int], confs: list[float] | None, drafts: list[int], stop_ids):
     """One pass's accept rule -> (accepted tokens, how many of them were fed as drafts, next drafts).
 
-    preds/confs: the argmax and its probability at the last real token, then at each draft and
-    mask the pass fed. Lossless keeps the a verified drafts plus preds[a], the model's own token
-    after them: every kept token is the argmax given greedy text, which is what greedy emits. Its
-    mask predictions become the next drafts only if every draft held (else they followed a wrong
-    token). A stop token ends the chunk and is kept.
+    preds/confs: argmax and its probability at the last real token, then at each draft and mask.
+    Lossless keeps the `a` verified drafts plus preds[a], the model's own token after them: each
+    kept token is the argmax given greedy text, i.e. what greedy emits. The mask predictions become
+    the next drafts only if every draft held. A stop token ends the chunk and is kept.
     """
     verified, next_drafts = 0, []
     if mode.kind == "confadapt":
@@ -122,9 +100,16 @@ def accept(mode: DecodeConfig, preds: list[int], confs: list[float] | None, draf
     return (tokens if stop is None else tokens[: stop + 1]), verified, next_drafts
 
 
+def top1(mode: DecodeConfig, logits: torch.Tensor) -> tuple[list, list | None]:
+    """Argmax of logits (..., V), and for ConfAdapt its probability (else None), as lists."""
+    if mode.kind != "confadapt":
+        return logits.argmax(-1).tolist(), None
+    confs, preds = logits.softmax(-1).max(-1)
+    return preds.tolist(), confs.tolist()
+
+
 def pass_tail(mode: DecodeConfig, drafts: list[int], wanted: int, mask_id) -> tuple[list[int], list[int]]:
-    """(drafts, drafts + masks) to feed after the last real token, predicting at most `wanted`
-    tokens (so no pass predicts past max_new_tokens or the end of the context)."""
+    """(drafts, drafts + masks) to feed after the last real token: at most `wanted` predictions."""
     drafts = drafts[: wanted - 1]
     return drafts, drafts + [mask_id] * min(mode.block - 1, wanted - 1 - len(drafts))
 
@@ -142,30 +127,21 @@ def generate_uncached(model, prompt: list[int], max_new_tokens: int, mode: Decod
         drafts, tail = pass_tail(mode, drafts, budget - len(out), mask_id)
         x = torch.tensor([seq + tail], device=next(model.parameters()).device)
         logits = model(x)[0, len(seq) - 1:].float()                  # (1 + len(tail), V): the predictions
-        confs, preds = logits.softmax(-1).max(-1) if mode.kind == "confadapt" else (None, logits.argmax(-1))
-        new, _, drafts = accept(mode, preds.tolist(), confs.tolist() if confs is not None else None, drafts, stop_ids)
+        preds, confs = top1(mode, logits)
+        new, _, drafts = accept(mode, preds, confs, drafts, stop_ids)
         out += new
         chunks.append(len(new))
     return out, chunks
 
 
-# ----------------------------------------------------------------------------------------------
-# The same with a KV cache, ragged passes and continuous batching
-# ----------------------------------------------------------------------------------------------
-# The cache (model.KVCache) holds the K/V of every accepted token except the `pending` ones
-# (accepted by the last pass but never fed), which the next pass feeds:
-#
-#     pass input   = pending tokens + (lossless: drafts) + masks
-#     predictions  = logits at the last pending token and at every draft / mask after it
-#     after        = roll the cache back to drop masks and rejected drafts
-#
-# Each row of a batch accepts its own number of tokens per pass, so each keeps its own cache
-# length (its own positions) and feeds its own number of tokens: a ragged pass, no padding
-# computed (model.forward's n_tokens). A finished row hands its place to the next waiting prompt
-# (continuous batching) or leaves. A row's output is the same as decoding it alone: exactly so in
-# arithmetic; in floating point a batched matmul may round differently in the last bit, which
-# could flip an argmax between two logits tied to ~1e-6, or a confidence sitting on tau (the same
-# caveat applies to "lossless == greedy").
+# --- The same with a KV cache, ragged passes and continuous batching ---------------------------
+# The cache (model.KVCache) holds the K/V of every accepted token except the `pending` ones, which
+# the next pass feeds: input = pending + (lossless: drafts) + masks; predictions at the last pending
+# token and after; then the cache rolls back to drop masks and rejected drafts. Each row keeps its
+# own cache length and feeds its own number of tokens (a ragged pass, padding not computed); a
+# finished row hands its place to the next waiting prompt (continuous batching). A row's output is
+# the one it gets alone, up to float rounding of a batched matmul in the last bit (which could flip
+# an argmax between logits tied to ~1e-6, or a confidence sitting on tau; so could "lossless == greedy").
 
 @dataclass
 class Generation:
@@ -216,15 +192,14 @@ class Row:
     done: bool = False
 
 
-def _sync(device):
-    """Wait for queued GPU work, so that a timer reads finished work (no-op on CPU)."""
+def _sync(device):                        # a timer must read finished GPU work (no-op on the CPU)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def prefill(model, cache, prompts: dict[int, list[int]], pad_id: int) -> float:
-    """Start cache rows afresh: row b gets prompts[b] except its last token (which becomes the
-    first pending one); rows not in `prompts` feed nothing. Returns the seconds it took."""
+    """Start cache rows afresh: row b gets prompts[b] but its last token (its first pending one);
+    other rows feed nothing. Returns the seconds it took."""
     start = time.perf_counter()
     lengths, heads = cache.lengths.clone(), [[] for _ in range(len(cache.lengths))]
     for b, prompt in prompts.items():
@@ -237,14 +212,9 @@ def prefill(model, cache, prompts: dict[int, list[int]], pad_id: int) -> float:
 
 
 def decode_pass(model, cache, inputs: list[list[int]], firsts: list[int], n_preds: list[int], pad_id: int):
-    """One forward pass of every row; logits (B, N, V) at each row's predicting positions.
-
-    Row b feeds inputs[b] at its own cache slots; its predictions are the logits at input index
-    firsts[b] .. firsts[b] + n_preds[b] - 1 (rows with fewer repeat their last index up to
-    N = max(n_preds)). Rows are right-padded, and model.forward skips the padding (a ragged pass)
-    given the real lengths, which stay on the host so that no index tensor waits for the device.
-    The caller rolls back.
-    """
+    """One pass of every row -> logits (B, N, V) at input index firsts[b] .. firsts[b] + n_preds[b] - 1
+    of row b (fewer repeat the last, up to N = max(n_preds)). Row b feeds inputs[b] at its own cache
+    slots, right-padded; model.forward skips the padding given the lengths (kept on the host)."""
     device, T, N = cache.lengths.device, max(len(x) for x in inputs), max(n_preds)
     tokens = torch.tensor([x + [pad_id] * (T - len(x)) for x in inputs], device=device)      # (B, T)
     n_tokens = [len(x) for x in inputs] if any(len(x) != T for x in inputs) else None
@@ -259,11 +229,9 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, mode: DecodeC
              ) -> tuple[list[Generation], DecodeStats]:
     """Continue every prompt (token ids) by up to max_new_tokens tokens; one Generation per prompt.
 
-    mask_id defaults to model.config.mask_token_id (needed by every mode except greedy).
-    stop_ids: generation of a row ends at the first of these tokens, which is kept.
-    batch_size: decode at most this many prompts at once (default: all). When a row finishes,
-    the next waiting prompt takes its place in the cache (continuous batching, as a server
-    does), so the batch stays full instead of shrinking to its slowest row.
+    mask_id defaults to model.config.mask_token_id (every mode but greedy needs one). A row ends at
+    its first stop token (kept). batch_size: most prompts decoded at once (default: all); a finished
+    row's place goes to the next waiting prompt, so the batch stays full (as a server does).
     """
     mode = mode or DecodeConfig()
     mode.validate()
@@ -276,24 +244,18 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, mode: DecodeC
             raise ValueError("empty prompt: give at least one token (e.g. BOS)")
         if len(p) >= context:
             raise ValueError(f"prompt of {len(p)} tokens does not fit the context of {context} tokens")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    if batch_size is not None and batch_size < 1:
-        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-    stop_ids = set(stop_ids)
-    pad_id = 0 if mask_id is None else mask_id       # padding is never computed (ragged passes): any id will do
+    if max_new_tokens < 1 or (batch_size is not None and batch_size < 1):
+        raise ValueError(f"max_new_tokens and batch_size must be at least 1, got {max_new_tokens}, {batch_size}")
+    stop_ids, pad_id = set(stop_ids), 0 if mask_id is None else mask_id    # padding is never computed: any id
 
     # 1) prefill the first batch_size prompts; the others wait for a free cache row
     start = time.perf_counter()
     rows = [Row(list(p), budget=min(max_new_tokens, context - len(p)), pending=[p[-1]]) for p in prompts]
     width = min(batch_size or len(rows), len(rows))
-    # Slots needed: prompt + output, plus one pass of up to 2*block - 1 tokens on top.
-    cache = model.new_cache(width, max(len(r.prompt) + r.budget for r in rows) + 2 * mode.block)
-    active = list(range(width))                    # batch row b of the cache is rows[active[b]]
-    waiting = list(range(width, len(rows)))        # prompts not started yet, in order
+    cache = model.new_cache(width, max(len(r.prompt) + r.budget for r in rows) + 2 * mode.block)  # + one pass
+    active, waiting = list(range(width)), list(range(width, len(rows)))    # cache row b decodes rows[active[b]]
     prefill(model, cache, {b: rows[i].prompt for b, i in enumerate(active)}, pad_id)
-    prefill_seconds = time.perf_counter() - start            # setting up counts as prefill, not decoding
-    passes = fed = 0
+    prefill_seconds, passes, fed = time.perf_counter() - start, 0, 0       # setting up counts as prefill
     while active:
         # 2) one ragged pass: every row feeds its pending tokens, then drafts and masks
         batch, inputs = [rows[i] for i in active], []
@@ -305,17 +267,11 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, mode: DecodeC
         logits = decode_pass(model, cache, inputs, [len(r.pending) - 1 for r in batch], n_preds,
                              pad_id).float()                                          # (B, N, V)
         passes += 1
-        if mode.kind == "confadapt":
-            confs, preds = logits.softmax(-1).max(-1)                                 # (B, N) each
-            confs = confs.tolist()
-        else:
-            preds, confs = logits.argmax(-1), None
-        preds = preds.tolist()
+        preds, confs = top1(mode, logits)                                             # (B, N) each
         # 3) each row keeps what the accept rule allows. Verified drafts were fed as themselves,
         # so their K/V stays; the other kept tokens become pending; masks and rejected drafts go.
         for b, (r, n) in enumerate(zip(batch, n_preds)):
-            tokens, in_cache, r.drafts = accept(mode, preds[b][:n], confs[b][:n] if confs else None, r.drafts,
-                                                stop_ids)
+            tokens, in_cache, r.drafts = accept(mode, preds[b][:n], confs and confs[b][:n], r.drafts, stop_ids)
             r.tokens += tokens
             r.chunk_sizes.append(len(tokens))
             r.pending = tokens[in_cache:]
@@ -340,17 +296,13 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, mode: DecodeC
     n_tokens = sum(len(g.tokens) for g in gens)
     row_passes = sum(g.forward_passes for g in gens)
     hist = Counter(n for g in gens for n in g.chunk_sizes)
-    stats = DecodeStats(mode=mode.describe(), batch_size=width, forward_passes=passes, row_passes=row_passes,
-                        tokens=n_tokens, effective_k=n_tokens / max(1, row_passes), fed_tokens=fed,
-                        accept_hist=dict(sorted(hist.items())), seconds=seconds, prefill_seconds=prefill_seconds,
-                        tokens_per_second=n_tokens / max(seconds - prefill_seconds, 1e-9))
-    return gens, stats
+    return gens, DecodeStats(mode=mode.describe(), batch_size=width, forward_passes=passes, row_passes=row_passes,
+                             tokens=n_tokens, effective_k=n_tokens / max(1, row_passes), fed_tokens=fed,
+                             accept_hist=dict(sorted(hist.items())), seconds=seconds, prefill_seconds=prefill_seconds,
+                             tokens_per_second=n_tokens / max(seconds - prefill_seconds, 1e-9))
 
 
-# ----------------------------------------------------------------------------------------------
-# Showing the chunks (the paper's Figure 1): one colour run per forward pass
-# ----------------------------------------------------------------------------------------------
-# ----------------------------------------------------------------------------------------------
+# --- Showing the chunks (the paper's Figure 1): one colour run per forward pass ----------------
 
 def chunk_texts(tokenizer, tokens: list[int], chunk_sizes: list[int]) -> list[str]:
     """The text of each chunk. Decoded as prefixes, so a character split across chunks lands whole
@@ -386,8 +338,8 @@ def render_chunks(prompt_text: str, texts: list[str], sizes: list[int], colour: 
 
 def save_chunks_png(path: str, prompt_text: str, texts: list[str], sizes: list[int], title: str = "",
                     width: int = 80):
-    """The same picture as a PNG: monospace text on a character grid, each chunk on its own
-    alternating background, its size written small above its first character."""
+    """The same picture as a PNG: monospace text on a character grid, wrapped at spaces, each chunk
+    on its alternating background, its size written small above its first character."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -408,24 +360,18 @@ def save_chunks_png(path: str, prompt_text: str, texts: list[str], sizes: list[i
             continue
         cells.append((row, col, ch, chunk))
         col += 1
-    n_rows = row + 1
-    n_cols = max((c for _, c, _, _ in cells), default=0) + 1
-    fig, ax = plt.subplots(figsize=(n_cols * 0.11 + 0.4, n_rows * 0.26 + 0.6))
-    line_h = 1.6
+    n_cols, line_h, starts = max((c for _, c, _, _ in cells), default=0) + 1, 1.6, {}
+    fig, ax = plt.subplots(figsize=(n_cols * 0.11 + 0.4, (row + 1) * 0.26 + 0.6))
     for r, c, ch, chunk in cells:
-        y = -r * line_h
         if chunk >= 0:
-            ax.add_patch(plt.Rectangle((c, y - 0.55), 1, 1.3, color=PNG_COLOURS[chunk % 2], lw=0))
-        ax.text(c + 0.5, y, ch, ha="center", va="center", family="monospace", fontsize=9, parse_math=False,
-                color="#666666" if chunk < 0 else "black")
-    starts = {}
-    for r, c, _, chunk in cells:
-        if chunk >= 0 and chunk not in starts:
-            starts[chunk] = (r, c)
+            ax.add_patch(plt.Rectangle((c, -r * line_h - 0.55), 1, 1.3, color=PNG_COLOURS[chunk % 2], lw=0))
+            starts.setdefault(chunk, (r, c))
+        ax.text(c + 0.5, -r * line_h, ch, ha="center", va="center", family="monospace", fontsize=9,
+                parse_math=False, color="#666666" if chunk < 0 else "black")
     for chunk, (r, c) in starts.items():
         ax.text(c + 0.1, -r * line_h + 0.75, str(sizes[chunk]), fontsize=4.5, color="#444444", va="bottom")
     ax.set_xlim(-0.5, n_cols + 0.5)
-    ax.set_ylim(-(n_rows - 1) * line_h - 1.2, 1.4)
+    ax.set_ylim(-row * line_h - 1.2, 1.4)
     ax.axis("off")
     if title:
         ax.set_title(title, fontsize=9, loc="left")
@@ -449,9 +395,9 @@ def format_stats(stats: DecodeStats, gen: Generation | None = None) -> str:
 
 
 # --- plumbing: the command line, shared by confadapt.py, train_toy.py and finetune_hf.py ---------
-# argparse types that range-check a number where it is parsed, checks of the paths before any work
-# starts, and one error path: a mistake a user can make ends in one line `error: ...` on stderr and
-# exit status 2, never a traceback; Ctrl-C in one line saying what is saved and how to go on (130).
+# Numbers are range-checked where argparse parses them, paths before any work starts; a mistake a
+# user can make ends in one line `error: ...` on stderr and exit status 2, never a traceback, and
+# Ctrl-C in one line saying what is saved and how to go on (exit status 130).
 
 class CliError(Exception):
     pass
@@ -508,8 +454,8 @@ def input_path(path, flag: str, folder: bool = False) -> str:
 
 
 def output_folder(path, flag: str) -> str:
-    """A folder the command writes: it may not exist yet, but it must not be a file, and the
-    nearest folder that exists on the way to it must be writable (checked before any work)."""
+    """A folder the command writes: not a file, and the nearest existing folder on the way to it
+    writable (checked before any work)."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise CliError(f"{flag} {path}: is a file, expected a folder")
     parent = os.path.abspath(path)
@@ -523,8 +469,7 @@ def output_folder(path, flag: str) -> str:
 
 
 class Progress:
-    """When to print a progress line: at most one every `seconds`, the first and the last always,
-    so a long run prints a readable page instead of one line per step."""
+    """When to print a progress line: the first and the last always, else at most one every `seconds`."""
     def __init__(self, seconds: float = 10.0):
         self.seconds, self.last = seconds, None
 
@@ -544,8 +489,8 @@ def format_seconds(s: float) -> str:
 
 
 def run_cli(body, argv) -> int:
-    """Call body(argv) and turn what a user can cause into one line on stderr: bad flags and
-    files (exit 2), Ctrl-C (exit 130, its message saying what is saved and how to continue)."""
+    """body(argv), with what a user can cause as one line on stderr: bad flags and files (exit 2),
+    Ctrl-C (exit 130, its message saying what is saved and how to continue)."""
     try:
         body(argv)
         return 0
@@ -581,19 +526,8 @@ def load_tokenizer(path):
         raise ValueError(f"cannot read the tokenizer in {path} (tokenizer.json): {type(e).__name__}: {e}") from None
 
 
-def load(args):
-    """Model, tokenizer, mask id and stop ids for the --model/--device/--dtype/--threads flags."""
-    from model import parse_device
-
-    input_path(args.model, "--model", folder=True)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    return load_model(args.model, parse_device(args.device), getattr(torch, args.dtype))
-
-
 def load_model(path, device="cpu", dtype=torch.float32):
-    """Model (eval mode), tokenizer, mask id (None without one) and stop ids from a model folder;
-    errors as ValueError."""
+    """Model (eval mode), tokenizer, mask id (None without one) and stop ids of a model folder."""
     from model import Transformer
 
     model = Transformer.from_pretrained(path, device=device, dtype=dtype)
@@ -603,7 +537,20 @@ def load_model(path, device="cpu", dtype=torch.float32):
     if mask_id is not None and not 0 <= mask_id < cfg.vocab_size:
         raise ValueError(f"mask token id {mask_id} is outside the model's vocabulary of {cfg.vocab_size}")
     eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
-    stop_ids = {t for t in eos if t is not None} | set(tokenizer.stop_ids)
+    return model, tokenizer, mask_id, {t for t in eos if t is not None} | set(tokenizer.stop_ids)
+
+
+def load(args, mode: DecodeConfig):
+    """load_model for the --model/--device/--dtype/--threads flags, checking that `mode` has a mask."""
+    from model import parse_device
+
+    input_path(args.model, "--model", folder=True)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer, mask_id, stop_ids = load_model(args.model, parse_device(args.device), getattr(torch, args.dtype))
+    if mode.block > 1 and mask_id is None:
+        raise ValueError(f"model {args.model} has no mask token (no mask_token_id in config.json, no <mask> in the "
+                         f"tokenizer): only --greedy works; add one with model.add_mask_token and fine-tune")
     return model, tokenizer, mask_id, stop_ids
 
 
@@ -623,13 +570,7 @@ def decode_modes(static_ks=(), taus=(), k_max: int = 16, lossless_k: int | None 
     return modes
 
 
-def require_mask(mode: DecodeConfig, mask_id, path):
-    if mode.block > 1 and mask_id is None:
-        raise ValueError(f"model {path} has no mask token (no mask_token_id in config.json, no <mask> in the "
-                         f"tokenizer): only --greedy works; add one with model.add_mask_token and fine-tune")
-
-
-def generate_main(argv) -> int:
+def generate_main(argv):
     p = Parser(prog="confadapt.py", description="Multi-token decoding of an MTP model with a KV cache.")
     add_model_args(p)
     d = p.add_argument_group("decoding (default: ConfAdapt tau=0.9, k_max=16)")
@@ -649,7 +590,6 @@ def generate_main(argv) -> int:
     args = p.parse_args(argv)
     if args.png:
         output_folder(os.path.dirname(args.png) or ".", f"--png {args.png}: its folder")
-
     if args.static_k is not None or args.greedy or args.lossless:
         if args.tau is not None:
             raise CliError("--tau applies to ConfAdapt only (not with --static-k, --lossless or --greedy)")
@@ -666,30 +606,25 @@ def generate_main(argv) -> int:
         mode = DecodeConfig("confadapt", tau=0.9 if args.tau is None else args.tau, k_max=k_max)
     mode.validate()                                              # bad tau / k before loading anything
 
-    model, tokenizer, mask_id, stop_ids = load(args)
-    require_mask(mode, mask_id, args.model)
+    model, tokenizer, mask_id, stop_ids = load(args, mode)
     prompt = encode_prompt(tokenizer, model, args.prompt, args.no_bos)
     generate(model, [prompt[-8:]], 2, mode, mask_id)            # untimed warm-up: first calls are slow
     [gen], stats = generate(model, [prompt], args.max_new_tokens, mode, mask_id, stop_ids)
     texts = chunk_texts(tokenizer, gen.tokens, gen.chunk_sizes)
-
     if args.json:
+        keys = ("mode", "forward_passes", "effective_k", "seconds", "prefill_seconds", "tokens_per_second",
+                "accept_hist")
         print(json.dumps({"text": "".join(texts), "tokens": gen.tokens, "prompt_tokens": len(prompt),
-                          "mode": stats.mode, "forward_passes": stats.forward_passes,
-                          "effective_k": stats.effective_k, "seconds": stats.seconds,
-                          "prefill_seconds": stats.prefill_seconds, "tokens_per_second": stats.tokens_per_second,
-                          "accept_hist": stats.accept_hist, "chunk_sizes": gen.chunk_sizes,
+                          **{key: getattr(stats, key) for key in keys}, "chunk_sizes": gen.chunk_sizes,
                           "chunk_ends": gen.boundaries, "chunks": texts, "stopped": gen.stopped}))
     else:
         colour = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
-        print(render_chunks(args.prompt, texts, gen.chunk_sizes, colour))
-        print()
+        print(render_chunks(args.prompt, texts, gen.chunk_sizes, colour) + "\n")
         print(format_stats(stats, gen))
     if args.png:
         save_chunks_png(args.png, args.prompt, texts, gen.chunk_sizes,
                         title=f"{stats.mode}: {stats.tokens} tokens in {stats.forward_passes} passes "
                               f"(effective k {stats.effective_k:.2f})")
-    return 0
 
 
 def main(argv=None) -> int:

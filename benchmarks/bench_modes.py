@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from confadapt import (DecodeConfig, Parser, _sync, add_model_args, encode_prompt, generate, load,  # noqa: E402
-                       positive_int, probability, require_mask, run_cli)
+                       positive_int, probability, run_cli)
 
 
 @torch.inference_mode()
@@ -154,8 +154,7 @@ def bench_main(argv):
     modes += [DecodeConfig("lossless", k=args.lossless_k or max(args.k_max))]
     for m in modes:
         m.validate()
-    model, tokenizer, mask_id, stop_ids = load(args)
-    require_mask(modes[1], mask_id, args.model)
+    model, tokenizer, mask_id, stop_ids = load(args, modes[1])
     prompts = [encode_prompt(tokenizer, model, t, args.no_bos) for t in args.prompt]
     report = bench(model, prompts, args.max_new_tokens, modes, args.batch_sizes, mask_id,
                    () if args.ignore_stop else stop_ids, args.repeats, range(1, args.latency_max + 1), args.rows)
