@@ -68,8 +68,9 @@ def accept_confadapt(confidences: list[float], tau: float) -> int:
     (the first, at the last real token, is the ordinary next-token prediction). tau = 1.0 keeps only
     the first: a float32 softmax rounds anything within ~6e-8 of 1 to 1.0, and `>= 1.0` read
     literally would accept such mask guesses, which greedy decoding need not produce."""
-    run = next((i for i, c in enumerate(confidences) if c < tau), len(confidences))   # leading c >= tau
-    return 1 if tau >= 1.0 else max(run, 1)
+    if tau >= 1.0:
+        return 1
+    return max(1, next((i for i, c in enumerate(confidences) if c < tau), len(confidences)))
 
 
 def verify_drafts(drafts: list[int], predictions: list[int]) -> int:
@@ -136,12 +137,11 @@ def generate_uncached(model, prompt: list[int], max_new_tokens: int, mode: Decod
 
 # --- The same with a KV cache, ragged passes and continuous batching ---------------------------
 # The cache (model.KVCache) holds the K/V of every accepted token except the `pending` ones, which
-# the next pass feeds: input = pending + (lossless: drafts) + masks; predictions at the last pending
-# token and after; then the cache rolls back to drop masks and rejected drafts. Each row keeps its
-# own cache length and feeds its own number of tokens (a ragged pass, padding not computed); a
-# finished row hands its place to the next waiting prompt (continuous batching). A row's output is
-# the one it gets alone, up to float rounding of a batched matmul in the last bit (which could flip
-# an argmax between logits tied to ~1e-6, or a confidence sitting on tau; so could "lossless == greedy").
+# the next pass feeds: input = pending + (lossless: drafts) + masks, predictions from the last
+# pending token on, then a rollback drops masks and rejected drafts. Each row keeps its own cache
+# length and feeds its own number of tokens (a ragged pass); a finished row hands its place to the
+# next waiting prompt (continuous batching). A row's output is the one it gets alone, up to float
+# rounding in the last bit (which could flip an argmax between logits tied to ~1e-6).
 
 @dataclass
 class Generation:
@@ -421,20 +421,21 @@ class Parser(argparse.ArgumentParser):
         raise CliError(message)
 
 
-def number(kind, low=None, high=None, low_open=False, name=None):
+def number(kind, low, high=None, low_open=False):
     """An argparse type: `kind` (int or float) within [low, high] ((low, high] if low_open)."""
+    where = (f"in ({low:g}, {high:g}]" if low_open else f"in [{low:g}, {high:g}]") if high is not None \
+        else f"{'above' if low_open else 'at least'} {low:g}"
+
     def parse(text):
         try:
             x = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {'a whole number' if kind is int else 'a number'}, "
                                              f"got {text!r}") from None
-        if (low is not None and (x <= low if low_open else x < low)) or (high is not None and x > high) or x != x:
-            where = (f"in ({low:g}, {high:g}]" if low_open else f"in [{low:g}, {high:g}]") if high is not None \
-                else f"{'above' if low_open else 'at least'} {low:g}"
+        if (x <= low if low_open else x < low) or (high is not None and x > high) or x != x:
             raise argparse.ArgumentTypeError(f"must be {where}, got {text}")
         return x
-    parse.__name__ = name or kind.__name__
+    parse.__name__ = kind.__name__
     return parse
 
 
@@ -475,10 +476,9 @@ class Progress:
 
     def due(self, last: bool = False) -> bool:
         now = time.perf_counter()
-        if last or self.last is None or now - self.last >= self.seconds:
-            self.last = now
-            return True
-        return False
+        due = last or self.last is None or now - self.last >= self.seconds
+        self.last = now if due else self.last
+        return due
 
 
 def format_seconds(s: float) -> str:
@@ -509,9 +509,8 @@ def add_model_args(p):
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (cuda when available)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights")
     g.add_argument("--no-bos", action="store_true", help="do not prepend the model's BOS token to the prompt")
-    g.add_argument("--threads", type=positive_int, default=None,
-                   help="CPU threads for torch (default: torch's choice; small models on a busy machine: 1 is "
-                        "fastest and steadiest)")
+    g.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch (default: torch's "
+                   "choice; small models on a busy machine: 1 is fastest and steadiest)")
 
 
 def load_tokenizer(path):

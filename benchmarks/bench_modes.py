@@ -140,7 +140,8 @@ def bench_main(argv):
     b.add_argument("--lossless-k", type=positive_int, default=None,
                    help="lossless: most tokens per pass (default: the largest --k-max)")
     b.add_argument("--rows", type=positive_int, default=None,
-                   help="rows in the workload, the prompts cycled (default: the number of prompts or the largest batch)")
+                   help="rows in the workload, the prompts cycled "
+                        "(default: the number of prompts or the largest batch)")
     b.add_argument("--repeats", type=positive_int, default=3,
                    help="rounds over all modes; each mode keeps its fastest")
     b.add_argument("--latency-max", type=positive_int, default=32,

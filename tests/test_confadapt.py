@@ -174,8 +174,10 @@ def test_generate_is_the_uncached_definition(random_model, toy_model, mode, devi
         for stop_ids in [(), {prompts[1][-1], 7}]:
             want = [uncached(model, p, 30, mode, stop_ids) for p in prompts]
             for batch_size in (1, 2, None):
-                gens, _ = generate(model, prompts, 30, mode, stop_ids=stop_ids, batch_size=batch_size)
+                gens, stats = generate(model, prompts, 30, mode, stop_ids=stop_ids, batch_size=batch_size)
                 assert [(g.tokens, g.chunk_sizes) for g in gens] == want, batch_size
+                if batch_size == 1:                        # one row at a time: passes add up
+                    assert stats.forward_passes == sum(len(chunks) for _, chunks in want)
             sizes |= {n for _, chunks in want for n in chunks[:-1]}
     if mode.kind in ("greedy", "static"):
         assert sizes == {mode.block}
