@@ -1,48 +1,31 @@
-"""Decoding a multi-token model with a KV cache: static k, ConfAdapt, a lossless mode, batching.
+"""Decoding a multi-token model: static k, ConfAdapt and a lossless mode, with a KV cache and batching.
 
-An MTP model (model.py, trained by distill.py) predicts several tokens in one forward pass:
-feed the text so far followed by k-1 `<mask>` tokens, and the logits at the last real token and
-at the k-1 masks are k predictions. This file turns that into generation:
+An MTP model (model.py, trained by distill.py) predicts several tokens in one forward pass: feed
+the text so far followed by k-1 `<mask>` tokens, and the logits at the last real token and at the
+k-1 masks are k predictions. How many of them to keep is the decoding rule:
 
-    static k          keep all k predictions of every pass.
-    ConfAdapt(tau, k) keep the longest leading run of predictions whose top-1 probability is at
-                      least tau, never fewer than one (the paper's main decoding rule).
-    lossless          keep nothing unverified: mask predictions are only *drafts*, checked by
-                      the model's own next-token prediction in the following pass, so the output
-                      is exactly plain greedy decoding, with fewer forward passes (beyond the
-                      paper: blockwise parallel decoding, Stern et al. 2018, with mask drafts).
-    greedy            one token per pass: static k = 1.
+    static k          keep all k predictions of every pass (greedy: k = 1).
+    ConfAdapt(tau, k) keep the longest leading run whose top-1 probability is at least tau, never
+                      fewer than one (the paper's main decoding rule).
+    lossless          mask predictions are only drafts, checked by the model's own next-token
+                      predictions in the next pass: exactly plain greedy output, in fewer passes.
 
-Every pass goes through the KV cache (model.KVCache). The cache holds the K/V of every accepted
-token except the `pending` ones (accepted by the last pass but never fed), which the next pass feeds:
-
-    pass input   = pending tokens + (lossless: drafts) + masks    (a batch: ragged, no padding computed)
-    predictions  = logits at the last pending token and at every draft / mask after it
-    after        = roll the cache back to drop masks and rejected drafts
-
-Batching: each row accepts its own number of tokens per pass, so each row keeps its own cache
-length (and thus its own positions) and feeds its own number of tokens (a ragged pass: no
-padding is computed, model.forward's n_tokens). A row that finishes hands its place to the next
-waiting prompt (`batch_size`: continuous batching), or leaves the batch. A row's output is the
-same as decoding it alone. (Exactly so in arithmetic; in floating point a batched matmul may
-round differently in the last bit, which could flip an argmax between two logits tied to ~1e-6,
-or a confidence sitting on tau. The same caveat applies to "lossless == greedy".)
-
-Statistics: "effective k" = generated tokens / forward passes. It is not a wall-clock speed-up,
-because a pass that reads 2k-1 tokens costs more than one that reads 1; `bench` measures both.
+`generate_uncached` is this for one prompt without a cache; `generate` is the same with a KV cache
+and batching (tests/test_confadapt.py checks that they agree). "Effective k" = tokens / forward
+passes is not a wall-clock speed-up: a pass that reads 2k-1 tokens costs more than one that
+reads 1 (benchmarks/bench_modes.py measures both).
 
 Run:  python confadapt.py --model DIR --prompt "1 2 3" [--tau 0.9 --k-max 16 | --static-k 4 | --lossless]
-      python confadapt.py bench --model DIR --prompt "..." [--json]
-
-References: Multi-Token Prediction via Self-Distillation (arXiv 2602.06019); Blockwise Parallel Decoding for Deep Autoregressive Models (arXiv 1811.03115).
+References: Multi-Token Prediction via Self-Distillation (arXiv 2602.06019); blockwise parallel
+decoding (arXiv 1811.03115), which the lossless mode follows with mask drafts.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
-import statistics
 import sys
 import time
 from collections import Counter
@@ -53,10 +36,6 @@ import torch
 MODES = ("greedy", "static", "confadapt", "lossless")
 
 
-# ----------------------------------------------------------------------------------------------
-# Settings and results
-# ----------------------------------------------------------------------------------------------
-
 @dataclass
 class DecodeConfig:
     """Which decoding rule to use and how many predictions one pass may make."""
@@ -66,8 +45,7 @@ class DecodeConfig:
     k_max: int = 16           # confadapt: most tokens per pass
 
     @property
-    def block(self) -> int:
-        """Predictions per pass: one at the last real token plus block-1 at masks (or drafts)."""
+    def block(self) -> int:                   # predictions per pass: at the last real token, then masks
         return {"greedy": 1, "static": self.k, "confadapt": self.k_max, "lossless": self.k}[self.kind]
 
     def validate(self):
@@ -82,6 +60,88 @@ class DecodeConfig:
         return {"greedy": "greedy", "static": f"static k={self.k}", "lossless": f"lossless k={self.k}",
                 "confadapt": f"confadapt tau={self.tau:g} k_max={self.k_max}"}[self.kind]
 
+
+# --- The definition: the accept rules, and one prompt decoded without a cache -------------------
+
+def accept_confadapt(confidences: list[float], tau: float) -> int:
+    """ConfAdapt: the longest leading run of predictions with top-1 probability >= tau, at least 1
+    (the first, at the last real token, is the ordinary next-token prediction). tau = 1.0 keeps only
+    the first: a float32 softmax rounds anything within ~6e-8 of 1 to 1.0, and `>= 1.0` read
+    literally would accept such mask guesses, which greedy decoding need not produce."""
+    if tau >= 1.0:
+        return 1
+    return max(1, next((i for i, c in enumerate(confidences) if c < tau), len(confidences)))
+
+
+def verify_drafts(drafts: list[int], predictions: list[int]) -> int:
+    """Lossless: how many leading drafts equal the model's own greedy prediction at their place.
+    predictions[i] is the argmax just before drafts[i]: draft i is the greedy token iff every draft
+    before it was (so its context is greedy text) and it equals predictions[i]."""
+    return next((i for i, (d, p) in enumerate(zip(drafts, predictions)) if d != p), len(drafts))
+
+
+def accept(mode: DecodeConfig, preds: list[int], confs: list[float] | None, drafts: list[int], stop_ids):
+    """One pass's accept rule -> (accepted tokens, how many of them were fed as drafts, next drafts).
+
+    preds/confs: argmax and its probability at the last real token, then at each draft and mask.
+    Lossless keeps the `a` verified drafts plus preds[a], the model's own token after them: each
+    kept token is the argmax given greedy text, i.e. what greedy emits. The mask predictions become
+    the next drafts only if every draft held. A stop token ends the chunk and is kept.
+    """
+    verified, next_drafts = 0, []
+    if mode.kind == "confadapt":
+        tokens = preds[: accept_confadapt(confs, mode.tau)]
+    elif mode.kind == "lossless":
+        verified = verify_drafts(drafts, preds[: len(drafts)])
+        tokens = preds[: verified + 1]
+        next_drafts = preds[len(drafts) + 1:] if verified == len(drafts) else []
+    else:                                                            # greedy, static k: keep all
+        tokens = preds
+    stop = next((i for i, t in enumerate(tokens) if t in stop_ids), None)
+    return (tokens if stop is None else tokens[: stop + 1]), verified, next_drafts
+
+
+def top1(mode: DecodeConfig, logits: torch.Tensor) -> tuple[list, list | None]:
+    """Argmax of logits (..., V), and for ConfAdapt its probability (else None), as lists."""
+    if mode.kind != "confadapt":
+        return logits.argmax(-1).tolist(), None
+    confs, preds = logits.softmax(-1).max(-1)
+    return preds.tolist(), confs.tolist()
+
+
+def pass_tail(mode: DecodeConfig, drafts: list[int], wanted: int, mask_id) -> tuple[list[int], list[int]]:
+    """(drafts, drafts + masks) to feed after the last real token: at most `wanted` predictions."""
+    drafts = drafts[: wanted - 1]
+    return drafts, drafts + [mask_id] * min(mode.block - 1, wanted - 1 - len(drafts))
+
+
+@torch.no_grad()
+def generate_uncached(model, prompt: list[int], max_new_tokens: int, mode: DecodeConfig, mask_id=None,
+                      stop_ids=()) -> tuple[list[int], list[int]]:
+    """Every mode by definition, batch size 1, no cache: each pass runs the whole text + drafts +
+    masks. Returns (new tokens, tokens kept per pass); `generate` returns the same."""
+    mask_id = model.config.mask_token_id if mask_id is None else mask_id
+    budget = min(max_new_tokens, model.config.max_seq_len - len(prompt))
+    out, chunks, drafts = [], [], []
+    while len(out) < budget and not (out and out[-1] in stop_ids):
+        seq = prompt + out
+        drafts, tail = pass_tail(mode, drafts, budget - len(out), mask_id)
+        x = torch.tensor([seq + tail], device=next(model.parameters()).device)
+        logits = model(x)[0, len(seq) - 1:].float()                  # (1 + len(tail), V): the predictions
+        preds, confs = top1(mode, logits)
+        new, _, drafts = accept(mode, preds, confs, drafts, stop_ids)
+        out += new
+        chunks.append(len(new))
+    return out, chunks
+
+
+# --- The same with a KV cache, ragged passes and continuous batching ---------------------------
+# The cache (model.KVCache) holds the K/V of every accepted token except the `pending` ones, which
+# the next pass feeds: input = pending + (lossless: drafts) + masks, predictions from the last
+# pending token on, then a rollback drops masks and rejected drafts. Each row keeps its own cache
+# length and feeds its own number of tokens (a ragged pass); a finished row hands its place to the
+# next waiting prompt (continuous batching). A row's output is the one it gets alone, up to float
+# rounding in the last bit (which could flip an argmax between logits tied to ~1e-6).
 
 @dataclass
 class Generation:
@@ -101,11 +161,7 @@ class Generation:
     @property
     def boundaries(self) -> list[int]:
         """End index (into `tokens`) of each chunk: [3, 4, 9] means tokens[0:3], [3:4], [4:9]."""
-        ends, total = [], 0
-        for n in self.chunk_sizes:
-            total += n
-            ends.append(total)
-        return ends
+        return list(itertools.accumulate(self.chunk_sizes))
 
 
 @dataclass
@@ -124,168 +180,47 @@ class DecodeStats:
     tokens_per_second: float    # tokens / decoding seconds (prefill excluded, like effective_k)
 
 
-# ----------------------------------------------------------------------------------------------
-# The accept rules: how many of a pass's predictions to keep
-# ----------------------------------------------------------------------------------------------
-
-def accept_confadapt(confidences: list[float], tau: float) -> int:
-    """ConfAdapt: the longest leading run of predictions with top-1 probability >= tau, at least 1.
-
-    The first prediction comes from the last real token, so it is the ordinary next-token
-    prediction and always safe to keep; the later ones were made at mask positions, i.e. without
-    seeing the tokens just before them, and are kept only while the model is confident. The run
-    starts at the first prediction: once any position is unsure, everything after it is dropped.
-
-    tau = 1.0 keeps only the first prediction (plain greedy). A true softmax probability is
-    never exactly 1, but a float32 softmax rounds anything within ~6e-8 of 1 to exactly 1.0,
-    which a well-trained model reaches easily; read literally, `>= 1.0` would then accept such
-    mask guesses, which are not guaranteed to be what greedy decoding would produce.
-    """
-    if tau >= 1.0:
-        return 1
-    n = 0
-    while n < len(confidences) and confidences[n] >= tau:
-        n += 1
-    return max(n, 1)
-
-
-def verify_drafts(drafts: list[int], predictions: list[int]) -> int:
-    """Lossless: how many leading drafts equal the model's own greedy prediction at their place.
-
-    predictions[i] is the argmax of the logits just before drafts[i] (at the last real token for
-    i = 0, at drafts[i-1] after it). Draft i is the greedy token iff all drafts before it were
-    (so its context is the greedy text) and it equals predictions[i].
-    """
-    n = 0
-    while n < len(drafts) and drafts[n] == predictions[n]:
-        n += 1
-    return n
-
-
-# ----------------------------------------------------------------------------------------------
-# One row of the batch
-# ----------------------------------------------------------------------------------------------
-
 @dataclass
 class Row:
-    """Decoding state of one prompt."""
+    """Decoding state of one prompt. The cache holds all of prompt + tokens except `pending`."""
     prompt: list[int]
     budget: int                                         # most new tokens (max_new_tokens, capped by context)
+    pending: list[int]                                  # accepted, K/V not in the cache yet: fed next pass
     tokens: list[int] = field(default_factory=list)     # accepted so far
     chunk_sizes: list[int] = field(default_factory=list)
-    pending: list[int] = field(default_factory=list)    # accepted, K/V not in the cache yet: fed next pass
     drafts: list[int] = field(default_factory=list)     # lossless: guesses for the tokens after `pending`
-    stopped: bool = False
     done: bool = False
 
-    @property
-    def cache_length(self) -> int:
-        """The cache holds every token of prompt + output except the pending ones."""
-        return len(self.prompt) + len(self.tokens) - len(self.pending)
 
-
-def plan_pass(row: Row, mode: DecodeConfig, mask_id: int | None) -> tuple[list[int], int]:
-    """The tokens this row feeds next, and how many predictions it reads (from index len(pending)-1).
-
-    The number of predictions never exceeds the tokens still wanted, so no pass predicts past
-    max_new_tokens or past the end of the context.
-    """
-    remaining = row.budget - len(row.tokens)
-    if mode.kind == "lossless":
-        row.drafts = row.drafts[: remaining - 1]                 # pending is one token here
-        n_masks = max(0, min(mode.k - 1, remaining - 1 - len(row.drafts)))
-        return row.pending + row.drafts + [mask_id] * n_masks, 1 + len(row.drafts) + n_masks
-    n = min(mode.block, remaining)
-    return row.pending + [mask_id] * (n - 1), n
-
-
-def take_pass(row: Row, mode: DecodeConfig, preds: list[int], confs: list[float] | None, stop_ids: set):
-    """Apply the accept rule to this row's predictions of one pass and update its state."""
-    in_cache = 0                                   # accepted tokens whose K/V this pass already wrote
-    if mode.kind in ("greedy", "static"):
-        accepted = preds
-    elif mode.kind == "confadapt":
-        accepted = preds[: accept_confadapt(confs, mode.tau)]
-    else:
-        # Lossless. The input was [last token, d_1..d_m, masks]; preds[i] is the model's greedy
-        # token after the verified text plus d_1..d_i. Every kept token is therefore the argmax
-        # of the next-token logits given a context made only of greedy tokens: exactly what
-        # plain greedy decoding emits. Verified drafts d_1..d_a were fed as themselves (not as
-        # masks), so their K/V is already correct and stays in the cache; preds[a] (the "bonus"
-        # token after them) is new and becomes the pending token. The mask predictions are the
-        # next drafts only if every draft was accepted: otherwise they were made after a wrong
-        # token and are discarded (and a rejected draft's K/V is rolled back, never attended).
-        m = len(row.drafts)
-        a = verify_drafts(row.drafts, preds[:m])
-        accepted, in_cache = preds[: a + 1], a
-        row.drafts = preds[m + 1:] if a == m else []
-    for i, t in enumerate(accepted):               # a stop token anywhere ends the row, cut after it
-        if t in stop_ids:
-            accepted, row.stopped = accepted[: i + 1], True
-            break
-    row.tokens += accepted
-    row.chunk_sizes.append(len(accepted))
-    row.pending = accepted[in_cache:]
-    row.done = row.stopped or len(row.tokens) >= row.budget
-
-
-# ----------------------------------------------------------------------------------------------
-# Passes over the cache
-# ----------------------------------------------------------------------------------------------
-
-def padded(rows: list[list[int]], pad_id: int, device):
-    """Right-pad token lists to one (B, T) tensor; also the real lengths (a list), or None if all equal.
-
-    With the lengths, model.forward skips the padding (a ragged pass): a row that feeds 2 tokens
-    beside one that feeds 15 costs 2 positions, not 15. They stay on the host, where the pass
-    builds its index tensors from them without asking the device.
-    """
-    T = max(len(x) for x in rows)
-    tokens = torch.tensor([x + [pad_id] * (T - len(x)) for x in rows], device=device)        # (B, T)
-    ragged = any(len(x) != T for x in rows)
-    return tokens, [len(x) for x in rows] if ragged else None
+def _sync(device):                        # a timer must read finished GPU work (no-op on the CPU)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def prefill(model, cache, prompts: dict[int, list[int]], pad_id: int) -> float:
-    """Start cache rows afresh: row b gets prompts[b] except its last token (which becomes the
-    first pending one); rows not in `prompts` feed nothing. Returns the seconds it took."""
+    """Start cache rows afresh: row b gets prompts[b] but its last token (its first pending one);
+    other rows feed nothing. Returns the seconds it took."""
     start = time.perf_counter()
-    device = cache.lengths.device
     lengths, heads = cache.lengths.clone(), [[] for _ in range(len(cache.lengths))]
     for b, prompt in prompts.items():
         lengths[b], heads[b] = 0, prompt[:-1]
     cache.rollback(lengths)                                      # a row's previous sequence is forgotten
-    if any(heads):
-        tokens, n_tokens = padded(heads, pad_id, device)
-        no_logits = torch.zeros(len(heads), 0, dtype=torch.long, device=device)   # only the cache is wanted
-        model(tokens, cache=cache, output_index=no_logits, n_tokens=n_tokens)
-    _sync(device)
+    if any(heads):                                               # only the cache is wanted: no logits
+        decode_pass(model, cache, heads, [0] * len(heads), [0] * len(heads), pad_id)
+    _sync(cache.lengths.device)
     return time.perf_counter() - start
 
 
 def decode_pass(model, cache, inputs: list[list[int]], firsts: list[int], n_preds: list[int], pad_id: int):
-    """One forward pass of every row; logits (B, N, V) at each row's predicting positions.
-
-    Row b feeds inputs[b] at its own cache slots (rows of different lengths: a ragged pass);
-    its predictions are the logits at input index firsts[b] .. firsts[b] + n_preds[b] - 1. Rows
-    with fewer predictions repeat their last index up to N = max(n_preds). The caller rolls back.
-    """
-    device = cache.lengths.device
-    tokens, n_tokens = padded(inputs, pad_id, device)
-    N = max(n_preds)
+    """One pass of every row -> logits (B, N, V) at input index firsts[b] .. firsts[b] + n_preds[b] - 1
+    of row b (fewer repeat the last, up to N = max(n_preds)). Row b feeds inputs[b] at its own cache
+    slots, right-padded; model.forward skips the padding given the lengths (kept on the host)."""
+    device, T, N = cache.lengths.device, max(len(x) for x in inputs), max(n_preds)
+    tokens = torch.tensor([x + [pad_id] * (T - len(x)) for x in inputs], device=device)      # (B, T)
+    n_tokens = [len(x) for x in inputs] if any(len(x) != T for x in inputs) else None
     index = torch.tensor([[f + min(j, n - 1) for j in range(N)] for f, n in zip(firsts, n_preds)],
-                         device=device)                                                       # (B, N)
+                         dtype=torch.long, device=device)                                     # (B, N)
     return model(tokens, cache=cache, output_index=index, n_tokens=n_tokens)                 # (B, N, V)
-
-
-# ----------------------------------------------------------------------------------------------
-# Generation
-# ----------------------------------------------------------------------------------------------
-
-def _sync(device):
-    """Wait for queued GPU work, so that a timer reads finished work (no-op on CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @torch.inference_mode()
@@ -294,11 +229,9 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, mode: DecodeC
              ) -> tuple[list[Generation], DecodeStats]:
     """Continue every prompt (token ids) by up to max_new_tokens tokens; one Generation per prompt.
 
-    mask_id defaults to model.config.mask_token_id (needed by every mode except greedy).
-    stop_ids: generation of a row ends at the first of these tokens, which is kept.
-    batch_size: decode at most this many prompts at once (default: all). When a row finishes,
-    the next waiting prompt takes its place in the cache (continuous batching, as a server
-    does), so the batch stays full instead of shrinking to its slowest row.
+    mask_id defaults to model.config.mask_token_id (every mode but greedy needs one). A row ends at
+    its first stop token (kept). batch_size: most prompts decoded at once (default: all); a finished
+    row's place goes to the next waiting prompt, so the batch stays full (as a server does).
     """
     mode = mode or DecodeConfig()
     mode.validate()
@@ -311,41 +244,41 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, mode: DecodeC
             raise ValueError("empty prompt: give at least one token (e.g. BOS)")
         if len(p) >= context:
             raise ValueError(f"prompt of {len(p)} tokens does not fit the context of {context} tokens")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    if batch_size is not None and batch_size < 1:
-        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-    stop_ids = set(stop_ids)
-    pad_id = 0 if mask_id is None else mask_id       # padding is never computed (ragged passes): any id will do
+    if max_new_tokens < 1 or (batch_size is not None and batch_size < 1):
+        raise ValueError(f"max_new_tokens and batch_size must be at least 1, got {max_new_tokens}, {batch_size}")
+    stop_ids, pad_id = set(stop_ids), 0 if mask_id is None else mask_id    # padding is never computed: any id
 
+    # 1) prefill the first batch_size prompts; the others wait for a free cache row
     start = time.perf_counter()
     rows = [Row(list(p), budget=min(max_new_tokens, context - len(p)), pending=[p[-1]]) for p in prompts]
     width = min(batch_size or len(rows), len(rows))
-    # Slots needed: prompt + output, plus one pass of up to 2*block - 1 tokens on top.
-    cache = model.new_cache(width, max(len(r.prompt) + r.budget for r in rows) + 2 * mode.block)
-    active = list(range(width))                    # batch row b of the cache is rows[active[b]]
-    waiting = list(range(width, len(rows)))        # prompts not started yet, in order
+    cache = model.new_cache(width, max(len(r.prompt) + r.budget for r in rows) + 2 * mode.block)  # + one pass
+    active, waiting = list(range(width)), list(range(width, len(rows)))    # cache row b decodes rows[active[b]]
     prefill(model, cache, {b: rows[i].prompt for b, i in enumerate(active)}, pad_id)
-    prefill_seconds = time.perf_counter() - start            # setting up counts as prefill, not decoding
-    passes = fed = 0
+    prefill_seconds, passes, fed = time.perf_counter() - start, 0, 0       # setting up counts as prefill
     while active:
-        batch = [rows[i] for i in active]
-        plans = [plan_pass(r, mode, mask_id) for r in batch]
-        fed += sum(len(x) for x, _ in plans)
-        logits = decode_pass(model, cache, [x for x, _ in plans], [len(r.pending) - 1 for r in batch],
-                             [n for _, n in plans], pad_id).float()                  # (B, N, V)
+        # 2) one ragged pass: every row feeds its pending tokens, then drafts and masks
+        batch, inputs = [rows[i] for i in active], []
+        for r in batch:
+            r.drafts, tail = pass_tail(mode, r.drafts, r.budget - len(r.tokens), mask_id)
+            inputs.append(r.pending + tail)
+        n_preds = [len(x) - len(r.pending) + 1 for x, r in zip(inputs, batch)]
+        fed += sum(len(x) for x in inputs)
+        logits = decode_pass(model, cache, inputs, [len(r.pending) - 1 for r in batch], n_preds,
+                             pad_id).float()                                          # (B, N, V)
         passes += 1
-        if mode.kind == "confadapt":
-            confs, preds = logits.softmax(-1).max(-1)                                 # (B, N) each
-            confs = confs.tolist()
-        else:
-            preds, confs = logits.argmax(-1), None
-        preds = preds.tolist()
-        for b, (r, (_, n)) in enumerate(zip(batch, plans)):
-            take_pass(r, mode, preds[b][:n], confs[b][:n] if confs else None, stop_ids)
-        # Keep exactly the accepted tokens that were fed; drop masks and rejected drafts.
-        cache.rollback(torch.tensor([r.cache_length for r in batch], device=cache.lengths.device))
-        # A finished row hands its cache row to the next waiting prompt; with none left, it leaves.
+        preds, confs = top1(mode, logits)                                             # (B, N) each
+        # 3) each row keeps what the accept rule allows. Verified drafts were fed as themselves,
+        # so their K/V stays; the other kept tokens become pending; masks and rejected drafts go.
+        for b, (r, n) in enumerate(zip(batch, n_preds)):
+            tokens, in_cache, r.drafts = accept(mode, preds[b][:n], confs and confs[b][:n], r.drafts, stop_ids)
+            r.tokens += tokens
+            r.chunk_sizes.append(len(tokens))
+            r.pending = tokens[in_cache:]
+            r.done = tokens[-1] in stop_ids or len(r.tokens) >= r.budget
+        cache.rollback(torch.tensor([len(r.prompt) + len(r.tokens) - len(r.pending) for r in batch],
+                                    device=cache.lengths.device))
+        # 4) a finished row hands its cache row to the next waiting prompt; with none left, it leaves
         joining = {}
         for b, r in enumerate(batch):
             if r.done and waiting:
@@ -359,21 +292,17 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, mode: DecodeC
         active = [active[b] for b in still]
     seconds = time.perf_counter() - start
 
-    gens = [Generation(r.tokens, r.chunk_sizes, r.stopped) for r in rows]
+    gens = [Generation(r.tokens, r.chunk_sizes, stopped=r.tokens[-1] in stop_ids) for r in rows]
     n_tokens = sum(len(g.tokens) for g in gens)
     row_passes = sum(g.forward_passes for g in gens)
     hist = Counter(n for g in gens for n in g.chunk_sizes)
-    stats = DecodeStats(mode=mode.describe(), batch_size=width, forward_passes=passes, row_passes=row_passes,
-                        tokens=n_tokens, effective_k=n_tokens / max(1, row_passes), fed_tokens=fed,
-                        accept_hist=dict(sorted(hist.items())),
-                        seconds=seconds, prefill_seconds=prefill_seconds,
-                        tokens_per_second=n_tokens / max(seconds - prefill_seconds, 1e-9))
-    return gens, stats
+    return gens, DecodeStats(mode=mode.describe(), batch_size=width, forward_passes=passes, row_passes=row_passes,
+                             tokens=n_tokens, effective_k=n_tokens / max(1, row_passes), fed_tokens=fed,
+                             accept_hist=dict(sorted(hist.items())), seconds=seconds, prefill_seconds=prefill_seconds,
+                             tokens_per_second=n_tokens / max(seconds - prefill_seconds, 1e-9))
 
 
-# ----------------------------------------------------------------------------------------------
-# Showing the chunks (the paper's Figure 1): one colour run per forward pass
-# ----------------------------------------------------------------------------------------------
+# --- Showing the chunks (the paper's Figure 1): one colour run per forward pass ----------------
 
 def chunk_texts(tokenizer, tokens: list[int], chunk_sizes: list[int]) -> list[str]:
     """The text of each chunk. Decoded as prefixes, so a character split across chunks lands whole
@@ -409,8 +338,8 @@ def render_chunks(prompt_text: str, texts: list[str], sizes: list[int], colour: 
 
 def save_chunks_png(path: str, prompt_text: str, texts: list[str], sizes: list[int], title: str = "",
                     width: int = 80):
-    """The same picture as a PNG: monospace text on a character grid, each chunk on its own
-    alternating background, its size written small above its first character."""
+    """The same picture as a PNG: monospace text on a character grid, wrapped at spaces, each chunk
+    on its alternating background, its size written small above its first character."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -431,24 +360,18 @@ def save_chunks_png(path: str, prompt_text: str, texts: list[str], sizes: list[i
             continue
         cells.append((row, col, ch, chunk))
         col += 1
-    n_rows = row + 1
-    n_cols = max((c for _, c, _, _ in cells), default=0) + 1
-    fig, ax = plt.subplots(figsize=(n_cols * 0.11 + 0.4, n_rows * 0.26 + 0.6))
-    line_h = 1.6
+    n_cols, line_h, starts = max((c for _, c, _, _ in cells), default=0) + 1, 1.6, {}
+    fig, ax = plt.subplots(figsize=(n_cols * 0.11 + 0.4, (row + 1) * 0.26 + 0.6))
     for r, c, ch, chunk in cells:
-        y = -r * line_h
         if chunk >= 0:
-            ax.add_patch(plt.Rectangle((c, y - 0.55), 1, 1.3, color=PNG_COLOURS[chunk % 2], lw=0))
-        ax.text(c + 0.5, y, ch, ha="center", va="center", family="monospace", fontsize=9, parse_math=False,
-                color="#666666" if chunk < 0 else "black")
-    starts = {}
-    for r, c, _, chunk in cells:
-        if chunk >= 0 and chunk not in starts:
-            starts[chunk] = (r, c)
+            ax.add_patch(plt.Rectangle((c, -r * line_h - 0.55), 1, 1.3, color=PNG_COLOURS[chunk % 2], lw=0))
+            starts.setdefault(chunk, (r, c))
+        ax.text(c + 0.5, -r * line_h, ch, ha="center", va="center", family="monospace", fontsize=9,
+                parse_math=False, color="#666666" if chunk < 0 else "black")
     for chunk, (r, c) in starts.items():
         ax.text(c + 0.1, -r * line_h + 0.75, str(sizes[chunk]), fontsize=4.5, color="#444444", va="bottom")
     ax.set_xlim(-0.5, n_cols + 0.5)
-    ax.set_ylim(-(n_rows - 1) * line_h - 1.2, 1.4)
+    ax.set_ylim(-row * line_h - 1.2, 1.4)
     ax.axis("off")
     if title:
         ax.set_title(title, fontsize=9, loc="left")
@@ -471,122 +394,10 @@ def format_stats(stats: DecodeStats, gen: Generation | None = None) -> str:
     return "\n".join(lines)
 
 
-# ----------------------------------------------------------------------------------------------
-# Benchmark: every mode on the same model and prompts, at several batch sizes
-# ----------------------------------------------------------------------------------------------
-
-@torch.inference_mode()
-def forward_latency(model, batch_size: int, context: int, sizes, repeats: int = 5) -> dict:
-    """Median seconds of one cached pass of T new tokens per row, on top of `context` cached tokens.
-
-    This is the price list of multi-token decoding: if a 31-token pass costs about what a 1-token
-    pass costs (memory-bound decoding), effective k turns into wall-clock speed-up almost 1:1.
-    """
-    device = next(model.parameters()).device
-    vocab = model.config.vocab_size
-    cache = model.new_cache(batch_size, context + max(sizes))
-    filler = torch.arange(batch_size * context, device=device).view(batch_size, context) % vocab  # (B, context)
-    model(filler, cache=cache, output_index=torch.zeros(batch_size, 1, dtype=torch.long, device=device))
-    out = {}
-    for T in sizes:
-        tokens = torch.arange(T, device=device).expand(batch_size, T) % vocab        # (B, T)
-        times = []
-        for i in range(repeats + 1):                                                  # run 0 warms up
-            _sync(device)
-            t0 = time.perf_counter()
-            model(tokens, cache=cache, output_index=tokens.new_tensor(range(T)).expand(batch_size, T))
-            _sync(device)
-            if i > 0:
-                times.append(time.perf_counter() - t0)
-            cache.rollback(context)
-        out[T] = statistics.median(times)
-    return out
-
-
-def bench(model, prompts: list[list[int]], max_new_tokens: int, modes: list[DecodeConfig],
-          batch_sizes=(1, 4, 16), mask_id=None, stop_ids=(), repeats: int = 3, latency_sizes=range(1, 33),
-          n_rows: int | None = None, others: dict | None = None) -> dict:
-    """Time every mode at every batch size on the same workload.
-
-    The workload is the prompts cycled up to n_rows rows (default: as many as the prompts or the
-    largest batch size); batch size b decodes it b rows at a time, a finished row's place going
-    to the next waiting one (generate's continuous batching), so every batch size and mode
-    decodes the same rows. The modes take turns, `repeats` rounds, and each keeps
-    its fastest round (decoding is deterministic, so only the time varies; taking turns spreads
-    a busy moment of the machine over all modes instead of one).
-    Tokens/second counts decoding time (prefill excluded, as in DecodeStats); speed-up is over
-    greedy at the same batch size; efficiency = speed-up / effective k, the share of the saved
-    passes that became saved time. "Fed per token" is the positions the passes computed per
-    generated token (greedy: 1): where a pass's cost grows with its positions (the latency
-    curve), this is what a multi-token mode pays for its fewer passes. "Equals greedy": the
-    mode's tokens are greedy's, row for row (what the lossless mode promises).
-
-    `others` adds decoders from elsewhere to the turns (benchmarks/ passes transformers'
-    `generate` here): {name: decode(rows, max_new_tokens, batch_size) -> (list[Generation],
-    DecodeStats), or None at a batch size it does not support}.
-    """
-    n_rows = n_rows or max(len(prompts), max(batch_sizes))
-    rows = [prompts[i % len(prompts)] for i in range(n_rows)]
-    decoders = [(m.describe(), m.kind, lambda r, n, bs, m=m: generate(model, r, n, m, mask_id, stop_ids, batch_size=bs))
-                for m in modes] + [(name, name, fn) for name, fn in (others or {}).items()]
-    results, latency = [], {}
-    for bs in batch_sizes:
-        # Warm-up (allocator, kernels); a decoder that answers None does not take this batch size.
-        here = [d for d in decoders if d[2](rows[:bs], min(8, max_new_tokens), bs) is not None]
-        rounds = [[decode(rows, max_new_tokens, bs) for _, _, decode in here]
-                  for _ in range(repeats)]                                   # rounds[r][m]: (gens, DecodeStats)
-
-        def decoding_seconds(run):                                  # prefill excluded
-            return run[1].seconds - run[1].prefill_seconds
-
-        greedy = greedy_tps = None
-        for m, (name, kind, _) in enumerate(here):
-            gens, best = min((r[m] for r in rounds), key=decoding_seconds)
-            tokens, row_passes, seconds = best.tokens, best.row_passes, decoding_seconds((gens, best))
-            tps = tokens / max(seconds, 1e-9)
-            if kind == "greedy":
-                greedy, greedy_tps = [g.tokens for g in gens], tps
-            speedup = tps / greedy_tps if greedy_tps else float("nan")
-            effective_k = tokens / max(1, row_passes)
-            results.append({"batch_size": bs, "mode": name, "kind": kind, "tokens": tokens,
-                            "forward_passes": best.forward_passes, "effective_k": effective_k,
-                            "fed_per_token": best.fed_tokens / max(1, tokens),
-                            "tokens_per_second": tps, "seconds": seconds,
-                            "speedup": speedup, "efficiency": speedup / effective_k,
-                            "equals_greedy": None if greedy is None else [g.tokens for g in gens] == greedy,
-                            "accept_hist": best.accept_hist})
-        if latency_sizes:
-            context = max(len(p) for p in rows) + max_new_tokens // 2
-            latency[bs] = forward_latency(model, bs, context, list(latency_sizes))
-    return {"results": results, "latency_seconds": latency}
-
-
-def format_bench(report: dict) -> str:
-    lines = [f"{'batch':>5}  {'mode':<28} {'tokens/s':>10} {'eff. k':>7} {'speed-up':>9} "
-             f"{'efficiency':>10} {'passes':>7} {'fed/token':>9} {'= greedy':>8}"]
-    for r in report["results"]:
-        lines.append(f"{r['batch_size']:>5}  {r['mode']:<28} {r['tokens_per_second']:>10.1f} {r['effective_k']:>7.2f} "
-                     f"{r['speedup']:>8.2f}x {r['efficiency']:>10.2f} {r['forward_passes']:>7} "
-                     f"{r['fed_per_token']:>9.2f} {'yes' if r['equals_greedy'] else 'no':>8}")
-    lines.append("")
-    lines.append("forward-pass latency (ms) for T new tokens per row on a filled cache; ratio to T = 1")
-    for bs, curve in report["latency_seconds"].items():
-        base = curve[min(curve)]
-        cells = "  ".join(f"T={T}: {s * 1e3:.2f} ({s / base:.2f}x)" for T, s in curve.items()
-                          if T in (1, 2, 4, 8, 16, 24, 32) or T == max(curve))
-        lines.append(f"batch {bs:>3}: {cells}")
-    return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------------------------
-# Command line
-# ----------------------------------------------------------------------------------------------
-
-# The three command lines (this file's, train_toy.py's and finetune_hf.py's) share what follows:
-# argparse types that range-check a number where it is parsed, checks of the paths and the device
-# before any work starts, and one error path: a mistake a user can make ends in one line
-# `error: ...` on stderr and exit status 2, never a traceback; Ctrl-C in one line saying what is
-# saved and how to continue (exit status 130).
+# --- plumbing: the command line, shared by confadapt.py, train_toy.py and finetune_hf.py ---------
+# Numbers are range-checked where argparse parses them, paths before any work starts; a mistake a
+# user can make ends in one line `error: ...` on stderr and exit status 2, never a traceback, and
+# Ctrl-C in one line saying what is saved and how to go on (exit status 130).
 
 class CliError(Exception):
     pass
@@ -610,20 +421,21 @@ class Parser(argparse.ArgumentParser):
         raise CliError(message)
 
 
-def number(kind, low=None, high=None, low_open=False, name=None):
+def number(kind, low, high=None, low_open=False):
     """An argparse type: `kind` (int or float) within [low, high] ((low, high] if low_open)."""
+    where = (f"in ({low:g}, {high:g}]" if low_open else f"in [{low:g}, {high:g}]") if high is not None \
+        else f"{'above' if low_open else 'at least'} {low:g}"
+
     def parse(text):
         try:
             x = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {'a whole number' if kind is int else 'a number'}, "
                                              f"got {text!r}") from None
-        if (low is not None and (x <= low if low_open else x < low)) or (high is not None and x > high) or x != x:
-            where = (f"in ({low:g}, {high:g}]" if low_open else f"in [{low:g}, {high:g}]") if high is not None \
-                else f"{'above' if low_open else 'at least'} {low:g}"
+        if (x <= low if low_open else x < low) or (high is not None and x > high) or x != x:
             raise argparse.ArgumentTypeError(f"must be {where}, got {text}")
         return x
-    parse.__name__ = name or kind.__name__
+    parse.__name__ = kind.__name__
     return parse
 
 
@@ -643,8 +455,8 @@ def input_path(path, flag: str, folder: bool = False) -> str:
 
 
 def output_folder(path, flag: str) -> str:
-    """A folder the command writes: it may not exist yet, but it must not be a file, and the
-    nearest folder that exists on the way to it must be writable (checked before any work)."""
+    """A folder the command writes: not a file, and the nearest existing folder on the way to it
+    writable (checked before any work)."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise CliError(f"{flag} {path}: is a file, expected a folder")
     parent = os.path.abspath(path)
@@ -658,17 +470,15 @@ def output_folder(path, flag: str) -> str:
 
 
 class Progress:
-    """When to print a progress line: at most one every `seconds`, the first and the last always,
-    so a long run prints a readable page instead of one line per step."""
+    """When to print a progress line: the first and the last always, else at most one every `seconds`."""
     def __init__(self, seconds: float = 10.0):
         self.seconds, self.last = seconds, None
 
     def due(self, last: bool = False) -> bool:
         now = time.perf_counter()
-        if last or self.last is None or now - self.last >= self.seconds:
-            self.last = now
-            return True
-        return False
+        due = last or self.last is None or now - self.last >= self.seconds
+        self.last = now if due else self.last
+        return due
 
 
 def format_seconds(s: float) -> str:
@@ -679,8 +489,8 @@ def format_seconds(s: float) -> str:
 
 
 def run_cli(body, argv) -> int:
-    """Call body(argv) and turn what a user can cause into one line on stderr: bad flags and
-    files (exit 2), Ctrl-C (exit 130, its message saying what is saved and how to continue)."""
+    """body(argv), with what a user can cause as one line on stderr: bad flags and files (exit 2),
+    Ctrl-C (exit 130, its message saying what is saved and how to continue)."""
     try:
         body(argv)
         return 0
@@ -699,9 +509,8 @@ def add_model_args(p):
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (cuda when available)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights")
     g.add_argument("--no-bos", action="store_true", help="do not prepend the model's BOS token to the prompt")
-    g.add_argument("--threads", type=positive_int, default=None,
-                   help="CPU threads for torch (default: torch's choice; small models on a busy machine: 1 is "
-                        "fastest and steadiest)")
+    g.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch (default: torch's "
+                   "choice; small models on a busy machine: 1 is fastest and steadiest)")
 
 
 def load_tokenizer(path):
@@ -716,19 +525,8 @@ def load_tokenizer(path):
         raise ValueError(f"cannot read the tokenizer in {path} (tokenizer.json): {type(e).__name__}: {e}") from None
 
 
-def load(args):
-    """Model, tokenizer, mask id and stop ids for the --model/--device/--dtype/--threads flags."""
-    from model import parse_device
-
-    input_path(args.model, "--model", folder=True)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    return load_model(args.model, parse_device(args.device), getattr(torch, args.dtype))
-
-
 def load_model(path, device="cpu", dtype=torch.float32):
-    """Model (eval mode), tokenizer, mask id (None without one) and stop ids from a model folder;
-    errors as ValueError."""
+    """Model (eval mode), tokenizer, mask id (None without one) and stop ids of a model folder."""
     from model import Transformer
 
     model = Transformer.from_pretrained(path, device=device, dtype=dtype)
@@ -738,7 +536,20 @@ def load_model(path, device="cpu", dtype=torch.float32):
     if mask_id is not None and not 0 <= mask_id < cfg.vocab_size:
         raise ValueError(f"mask token id {mask_id} is outside the model's vocabulary of {cfg.vocab_size}")
     eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
-    stop_ids = {t for t in eos if t is not None} | set(tokenizer.stop_ids)
+    return model, tokenizer, mask_id, {t for t in eos if t is not None} | set(tokenizer.stop_ids)
+
+
+def load(args, mode: DecodeConfig):
+    """load_model for the --model/--device/--dtype/--threads flags, checking that `mode` has a mask."""
+    from model import parse_device
+
+    input_path(args.model, "--model", folder=True)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer, mask_id, stop_ids = load_model(args.model, parse_device(args.device), getattr(torch, args.dtype))
+    if mode.block > 1 and mask_id is None:
+        raise ValueError(f"model {args.model} has no mask token (no mask_token_id in config.json, no <mask> in the "
+                         f"tokenizer): only --greedy works; add one with model.add_mask_token and fine-tune")
     return model, tokenizer, mask_id, stop_ids
 
 
@@ -758,13 +569,7 @@ def decode_modes(static_ks=(), taus=(), k_max: int = 16, lossless_k: int | None 
     return modes
 
 
-def require_mask(mode: DecodeConfig, mask_id, path):
-    if mode.block > 1 and mask_id is None:
-        raise ValueError(f"model {path} has no mask token (no mask_token_id in config.json, no <mask> in the "
-                         f"tokenizer): only --greedy works; add one with model.add_mask_token and fine-tune")
-
-
-def generate_main(argv) -> int:
+def generate_main(argv):
     p = Parser(prog="confadapt.py", description="Multi-token decoding of an MTP model with a KV cache.")
     add_model_args(p)
     d = p.add_argument_group("decoding (default: ConfAdapt tau=0.9, k_max=16)")
@@ -784,7 +589,6 @@ def generate_main(argv) -> int:
     args = p.parse_args(argv)
     if args.png:
         output_folder(os.path.dirname(args.png) or ".", f"--png {args.png}: its folder")
-
     if args.static_k is not None or args.greedy or args.lossless:
         if args.tau is not None:
             raise CliError("--tau applies to ConfAdapt only (not with --static-k, --lossless or --greedy)")
@@ -801,76 +605,29 @@ def generate_main(argv) -> int:
         mode = DecodeConfig("confadapt", tau=0.9 if args.tau is None else args.tau, k_max=k_max)
     mode.validate()                                              # bad tau / k before loading anything
 
-    model, tokenizer, mask_id, stop_ids = load(args)
-    require_mask(mode, mask_id, args.model)
+    model, tokenizer, mask_id, stop_ids = load(args, mode)
     prompt = encode_prompt(tokenizer, model, args.prompt, args.no_bos)
     generate(model, [prompt[-8:]], 2, mode, mask_id)            # untimed warm-up: first calls are slow
     [gen], stats = generate(model, [prompt], args.max_new_tokens, mode, mask_id, stop_ids)
     texts = chunk_texts(tokenizer, gen.tokens, gen.chunk_sizes)
-
     if args.json:
+        keys = ("mode", "forward_passes", "effective_k", "seconds", "prefill_seconds", "tokens_per_second",
+                "accept_hist")
         print(json.dumps({"text": "".join(texts), "tokens": gen.tokens, "prompt_tokens": len(prompt),
-                          "mode": stats.mode, "forward_passes": stats.forward_passes,
-                          "effective_k": stats.effective_k, "seconds": stats.seconds,
-                          "prefill_seconds": stats.prefill_seconds, "tokens_per_second": stats.tokens_per_second,
-                          "accept_hist": stats.accept_hist, "chunk_sizes": gen.chunk_sizes,
+                          **{key: getattr(stats, key) for key in keys}, "chunk_sizes": gen.chunk_sizes,
                           "chunk_ends": gen.boundaries, "chunks": texts, "stopped": gen.stopped}))
     else:
         colour = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
-        print(render_chunks(args.prompt, texts, gen.chunk_sizes, colour))
-        print()
+        print(render_chunks(args.prompt, texts, gen.chunk_sizes, colour) + "\n")
         print(format_stats(stats, gen))
     if args.png:
         save_chunks_png(args.png, args.prompt, texts, gen.chunk_sizes,
                         title=f"{stats.mode}: {stats.tokens} tokens in {stats.forward_passes} passes "
                               f"(effective k {stats.effective_k:.2f})")
-    return 0
-
-
-def bench_main(argv) -> int:
-    p = Parser(prog="confadapt.py bench", description="Time greedy, static k, ConfAdapt and lossless decoding.")
-    add_model_args(p)
-    b = p.add_argument_group("benchmark")
-    b.add_argument("--prompt", action="append", required=True,
-                   help="a prompt (repeat for several; batches cycle through them)")
-    b.add_argument("--max-new-tokens", type=positive_int, default=128, help="most tokens per prompt")
-    b.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 4, 16], help="batch sizes to time")
-    b.add_argument("--static-k", type=positive_int, default=4, help="static k to time")
-    b.add_argument("--taus", type=probability, nargs="+", default=[0.5, 0.7, 0.8, 0.9, 0.95, 0.99],
-                   help="ConfAdapt thresholds")
-    b.add_argument("--k-max", type=positive_int, nargs="+", default=[16],
-                   help="ConfAdapt: most tokens per pass (several: a sweep)")
-    b.add_argument("--lossless-k", type=positive_int, default=None,
-                   help="lossless: most tokens per pass (default: the largest --k-max)")
-    b.add_argument("--rows", type=positive_int, default=None,
-                   help="rows in the workload, the prompts cycled (default: the number of prompts or the largest batch)")
-    b.add_argument("--repeats", type=positive_int, default=3,
-                   help="rounds over all modes; each mode keeps its fastest")
-    b.add_argument("--latency-max", type=positive_int, default=32,
-                   help="latency curve for 1..N new tokens per pass")
-    b.add_argument("--ignore-stop", action="store_true", help="always generate --max-new-tokens tokens")
-    b.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    args = p.parse_args(argv)
-
-    modes = [DecodeConfig("greedy"), DecodeConfig("static", k=args.static_k)]
-    modes += [DecodeConfig("confadapt", tau=t, k_max=k) for k in args.k_max for t in args.taus]
-    modes += [DecodeConfig("lossless", k=args.lossless_k or max(args.k_max))]
-    for m in modes:
-        m.validate()
-    model, tokenizer, mask_id, stop_ids = load(args)
-    require_mask(modes[1], mask_id, args.model)
-    prompts = [encode_prompt(tokenizer, model, t, args.no_bos) for t in args.prompt]
-    report = bench(model, prompts, args.max_new_tokens, modes, args.batch_sizes, mask_id,
-                   () if args.ignore_stop else stop_ids, args.repeats, range(1, args.latency_max + 1), args.rows)
-    report.update(model=args.model, device=args.device, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
-                  prompt_tokens=[len(x) for x in prompts])
-    print(json.dumps(report) if args.json else format_bench(report))
-    return 0
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    return run_cli(lambda a: bench_main(a[1:]) if a[:1] == ["bench"] else generate_main(a), argv)
+    return run_cli(generate_main, sys.argv[1:] if argv is None else list(argv))
 
 
 if __name__ == "__main__":

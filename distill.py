@@ -1,35 +1,30 @@
 """The MTP losses: student-forced self-distillation (hard / soft teacher) and the naive GT baseline.
 
 Reference: Kirchenbauer et al., "Multi-Token Prediction via Self-Distillation" (arXiv 2602.06019).
-The packed batch comes from `data.mtp_layout`.
+The packed batch comes from `data.mtp_layout`: M regions per row, each a prefix followed by k-1
+mask slots, with k predictions (at the last prefix token and at each mask). One step:
 
-One training step, for M regions of k predictions per row:
+    1. the student predicts at the k prediction indices of every region (with gradient);
+    2. its argmax there are the proposals y' (no gradient);
+    3. the frozen teacher sees the student's input with mask slot j holding y'_j, i.e. the
+       prefix followed by the student's own guesses ("student forcing"), same positions and
+       attention mask, and gives its next-token distribution at the same k indices;
+    4. cross-entropy of the student against the teacher's argmax ("hard") or its whole
+       distribution ("soft");
+    5. the mean over the valid predictions (not past the end of a row's text).
 
-    1. student forward over the packed sequence (with gradient), logits only at the k
-       prediction indices of every region: the last prefix token and the k-1 mask slots;
-    2. proposals y' = argmax of those logits (deterministic, no gradient);
-    3. teacher input = the student input with slot j of each region holding y'_{j-1},
-       i.e. the region's prefix followed by the student's own guesses ("student forcing");
-       same positions, same attention mask;
-    4. teacher forward under no_grad: its logits at the same k indices are the teacher's
-       next-token distributions given prefix + y'_1..y'_{j-1}, the chain-rule targets;
-    5. loss averaged over the valid predictions.
+Why one packed teacher pass is enough: slot j sees its prefix and slots 1..j of its own region
+only, and holds y'_j at the position of the token it stands for, so the teacher's logits there
+are exactly a plain causal forward over `prefix + y'_1..y'_j` (tests/test_distill.py checks this
+against a slow per-region reference). Training on the ground-truth next k tokens instead ("gt",
+the naive baseline) teaches each mask position the marginal of its token, not what fits the
+guesses before it: mixtures ("panda meat") and, far ahead, the most frequent token ("the the").
 
-Why one packed teacher pass is enough: slot j sees the prefix and slots 1..j of its own block
-only, and now holds y'_j at the position of the token it stands for, so the teacher's logits
-there are exactly a plain causal forward over `prefix + y'_1..y'_j` (tests/test_distill.py
-checks this against a slow per-region reference).
-
-The loss is reported relative to the teacher. With target distribution q (one-hot argmax
-for "hard", the teacher softmax for "soft"),
-
-    loss = CE(q, student) - CE(q, teacher)
-
-The subtracted term does not depend on the student, so the gradient is the usual
-cross-entropy gradient; for "soft" the value is exactly KL(teacher || student). With k = 1 and
-student == teacher the value is 0 at step 0. In "hard" mode the gradient is NOT zero there:
-cross-entropy against the argmax sharpens the distribution. "gt" is plain cross-entropy
-against the ground-truth next k tokens (the naive baseline).
+The loss is reported relative to the teacher: with target q (one-hot argmax for "hard", the
+teacher softmax for "soft"), loss = CE(q, student) - CE(q, teacher). The subtracted term does not
+depend on the student, so the gradient is the usual cross-entropy one; for "soft" the value is
+exactly KL(teacher || student), and with k = 1 and student == teacher it is 0 at step 0 (in
+"hard" mode the gradient is not zero there: cross-entropy against the argmax sharpens).
 """
 import copy
 
@@ -48,19 +43,12 @@ def frozen_teacher(model: torch.nn.Module) -> torch.nn.Module:
     return teacher
 
 
-def logits_at(model, batch: MTPBatch, input_ids, output_index) -> torch.Tensor:
-    """One packed forward; logits (float32) only at output_index (B, P) -> (B, P, V)."""
-    logits = model(input_ids, positions=batch.positions, attn_mask=batch.attn_mask, output_index=output_index)
-    return logits.float()
-
-
 def teacher_input(batch: MTPBatch, proposals: torch.Tensor) -> torch.Tensor:
-    """The student input with each region's mask slots replaced by the student's guesses -> (B, L).
+    """The student input with each region's mask slots holding the student's guesses -> (B, L).
 
-    proposals (B, M, k): the student's argmax at the k predictions of each region; proposal
-    j (0-based) guesses original token e_r + 1 + j, so it goes into slot j + 1, the slot that
-    stands for that token (same position). The last proposal is never fed (nothing comes
-    after it). Padding stays padding.
+    proposals (B, M, k): proposal j (0-based) guesses the token after slot j, so it goes into slot
+    j + 1, which stands for that token (same position). The last proposal is never fed; padding
+    stays padding.
     """
     B, M, k = proposals.shape
     slots = batch.pred_index[:, :, 1:].reshape(B, M * (k - 1))              # (B, M*(k-1))
@@ -69,94 +57,71 @@ def teacher_input(batch: MTPBatch, proposals: torch.Tensor) -> torch.Tensor:
 
 
 def teacher_logits(teacher, batch: MTPBatch, proposals: torch.Tensor) -> torch.Tensor:
-    """Teacher logits at the k prediction indices, student-forced -> (B, M, k, V). No gradient."""
+    """Teacher logits (float32) at the k prediction indices, student-forced -> (B, M, k, V)."""
     B, M, k = proposals.shape
     with torch.no_grad():
-        logits = logits_at(teacher, batch, teacher_input(batch, proposals), batch.pred_index.reshape(B, M * k))
-    return logits.view(B, M, k, -1)                                         # (B, M, k, V)
+        logits = teacher(teacher_input(batch, proposals), positions=batch.positions, attn_mask=batch.attn_mask,
+                         output_index=batch.pred_index.reshape(B, M * k))
+    return logits.float().view(B, M, k, -1)
 
 
-def cross_entropy(target_probs_or_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """Per-prediction cross-entropy; target ids (...) or a target distribution (..., V) -> (...)."""
+def cross_entropy(target: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Per-prediction cross-entropy against target ids (...) or a target distribution (..., V)."""
     logp = F.log_softmax(logits, dim=-1)
-    if target_probs_or_ids.dtype == torch.long:
-        return -logp.gather(-1, target_probs_or_ids[..., None]).squeeze(-1)
-    return -(target_probs_or_ids * logp).sum(-1)
+    if target.dtype == torch.long:
+        return -logp.gather(-1, target[..., None]).squeeze(-1)
+    return -(target * logp).sum(-1)
 
 
 def masked_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return (values * valid).sum() / valid.sum().clamp(min=1)
 
 
-def per_position_sums(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Sums of values (B, M, k) and of valid over batch and regions, per prediction j -> (2, k)."""
-    return torch.stack([(values.float() * valid).sum((0, 1)), valid.sum((0, 1)).float()])
-
-
-def to_host(**tensors) -> dict:
-    """Statistics in one device-to-host copy (each float() would wait for the GPU on its own):
-    a 0-d tensor becomes a float, an (r, c) one r lists of c floats."""
-    flat = torch.cat([t.detach().float().reshape(-1) for t in tensors.values()]).tolist()
-    out, i = {}, 0
-    for name, t in tensors.items():
-        values, c = flat[i:i + t.numel()], t.shape[-1] if t.dim() else 1
-        out[name] = values[0] if t.dim() == 0 else [values[r:r + c] for r in range(0, len(values), c)]
-        i += t.numel()
-    return out
-
-
-def per_position_mean(sums) -> list[float]:
-    """[sums of values, counts] per prediction j -> the means (NaN where j has no valid prediction)."""
-    return [n / d if d > 0 else float("nan") for n, d in zip(*sums)]
-
-
 def mtp_loss(student, teacher, batch: MTPBatch, mode: str = "hard",
              prefix_ntp_weight: float = 0.0) -> tuple[torch.Tensor, dict]:
     """The MTP loss for one packed batch -> (scalar loss with gradient into the student, stats).
 
-    mode "hard" | "soft": student-forced self-distillation from `teacher`; "gt": ground truth
-    (teacher unused, may be None). prefix_ntp_weight adds that much ordinary next-token
-    cross-entropy on the ground-truth tokens (an ablation; 0 in the paper's main setting).
+    mode "hard" | "soft": student-forced self-distillation from `teacher`; "gt": the ground truth
+    (teacher unused, may be None). prefix_ntp_weight adds that much ordinary next-token loss on
+    the prefix tokens (an ablation; 0 in the paper's main setting). stats: loss, mtp_loss, k,
+    n_pred, acc (per prediction j: how often the student's argmax equals the target; NaN where j
+    has no valid prediction) and, with the prefix loss, ntp_loss.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     B, M, k = batch.pred_index.shape
-    valid = batch.valid
-    want_ntp = prefix_ntp_weight > 0
+    valid = batch.valid                                                     # (B, M, k)
     index = batch.pred_index.reshape(B, M * k)                              # (B, M*k)
-    if want_ntp:
+    if prefix_ntp_weight > 0:
         index = torch.cat([index, batch.ntp_index], dim=1)                  # (B, M*k + N-1)
-    logits = logits_at(student, batch, batch.input_ids, index)
+    # 1. the student's predictions at the k indices of every region
+    logits = student(batch.input_ids, positions=batch.positions, attn_mask=batch.attn_mask,
+                     output_index=index).float()
     s_logits = logits[:, : M * k].reshape(B, M, k, -1)                      # (B, M, k, V)
-    proposals = s_logits.detach().argmax(-1)                                # (B, M, k) y'
-
-    if mode == "gt":
+    # 2. its proposals y'
+    proposals = s_logits.detach().argmax(-1)                                # (B, M, k)
+    if mode == "gt":                                                        # the naive baseline
         targets = batch.targets
         per_pred = cross_entropy(targets, s_logits)                         # (B, M, k)
     else:
+        # 3. the teacher, student-forced: prefix + y'_1..y'_{j-1} -> its next-token logits at j
         t_logits = teacher_logits(teacher, batch, proposals)                # (B, M, k, V)
-        if mode == "hard":
-            targets = t_logits.argmax(-1)                                   # (B, M, k)
-            q = targets
-        else:
-            q = t_logits.softmax(-1)                                        # (B, M, k, V)
-            targets = t_logits.argmax(-1)                                   # for the agreement stats
-        student_ce = cross_entropy(q, s_logits)                             # (B, M, k)
-        per_pred = student_ce - cross_entropy(q, t_logits)                  # (B, M, k)
-
-    mtp = masked_mean(per_pred, valid)
-    loss = mtp
-    stats = {"mtp_loss": mtp, "n_pred": valid.sum(),
-             "acc": per_position_sums(proposals == targets, valid),         # student argmax == target, per j
-             "gt_acc": per_position_sums(proposals == batch.targets, valid)}
-    if mode != "gt":
-        stats["ce"] = masked_mean(student_ce.detach(), valid)
-    if want_ntp:
-        ntp_logits = logits[:, M * k:]                                      # (B, N-1, V)
-        ntp = masked_mean(cross_entropy(batch.ntp_targets, ntp_logits), batch.ntp_valid)
+        targets = t_logits.argmax(-1)                                       # (B, M, k)
+        # 4. cross-entropy against its argmax or distribution, relative to the teacher's own
+        q = targets if mode == "hard" else t_logits.softmax(-1)
+        per_pred = cross_entropy(q, s_logits) - cross_entropy(q, t_logits)  # (B, M, k)
+    # 5. the mean over valid predictions
+    loss = mtp = masked_mean(per_pred, valid)
+    stats = {"mtp_loss": mtp, "n_pred": valid.sum(), "k": k}
+    if prefix_ntp_weight > 0:
+        ntp = masked_mean(cross_entropy(batch.ntp_targets, logits[:, M * k:]), batch.ntp_valid)
         loss = loss + prefix_ntp_weight * ntp
         stats["ntp_loss"] = ntp
-    stats = to_host(**stats, loss=loss)
-    stats.update(k=k, n_pred=int(stats["n_pred"]), acc=per_position_mean(stats["acc"]),
-                 gt_acc=per_position_mean(stats["gt_acc"]))
+    # Statistics in one device-to-host copy (each float() would wait for the GPU on its own).
+    stats["loss"] = loss
+    names = [n for n, v in stats.items() if torch.is_tensor(v)]
+    hits = torch.stack([((proposals == targets) * valid).sum((0, 1)), valid.sum((0, 1))]).float()   # (2, k)
+    values = torch.cat([torch.stack([stats[n].detach().float() for n in names]), hits.reshape(-1)]).tolist()
+    stats.update(zip(names, values), n_pred=int(values[names.index("n_pred")]))
+    stats["acc"] = [n / d if d > 0 else float("nan") for n, d in zip(values[len(names):][:k], values[len(names) + k:])]
     return loss, stats

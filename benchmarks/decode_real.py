@@ -2,7 +2,7 @@
 
 On a real model (SmolLM2-135M-Instruct: about 0.5 GB of float32 weights read per pass) a forward
 pass costs real work, so its speed-ups say what a user gains. In one run, on the same weights
-and the same chat-formatted prompts, these decoders take turns (confadapt.bench):
+and the same chat-formatted prompts, these decoders take turns (bench_modes.bench):
 
     greedy                      ours: confadapt.generate, one token per pass
     transformers greedy         AutoModelForCausalLM.generate(do_sample=False) on the same folder
@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from confadapt import (CliError, DecodeConfig, DecodeStats, Generation, Parser, _sync, bench,  # noqa: E402
-                       forward_latency)
+from bench_modes import bench, forward_latency  # noqa: E402
+from confadapt import CliError, DecodeStats, Generation, Parser, _sync, decode_modes  # noqa: E402
 from data import FORMATS, Tokenizer, prompt_tokens, word_problem_split  # noqa: E402
 from finetune_hf import default_format, stop_ids_for  # noqa: E402
 from model import Transformer, add_mask_token, parse_device  # noqa: E402
@@ -187,26 +187,15 @@ def load(args, device, need_mask: bool):
     return ours, tok, hf
 
 
-def decoding_modes(args) -> list[DecodeConfig]:
-    modes = [DecodeConfig("greedy")]
-    if "static" in args.modes:
-        modes.append(DecodeConfig("static", k=args.static_k))
-    if "confadapt" in args.modes:
-        modes += [DecodeConfig("confadapt", tau=t, k_max=args.k_max) for t in args.taus]
-    if "lossless" in args.modes:
-        modes.append(DecodeConfig("lossless", k=args.lossless_k or args.k_max))
-    for m in modes:
-        m.validate()
-    return modes
-
-
 def run(args) -> dict:
     device = parse_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    modes = decoding_modes(args)
+    modes = decode_modes(dict.fromkeys([1] + [args.static_k] * ("static" in args.modes)),    # k = 1: greedy
+                         args.taus if "confadapt" in args.modes else (), args.k_max,
+                         (args.lossless_k or args.k_max) if "lossless" in args.modes else None)
     ours, tok, hf = load(args, device, need_mask=any(m.block > 1 for m in modes))
     fmt = args.format if args.format != "auto" else default_format(tok, ours.config)
     stop_ids = stop_ids_for(ours, tok, fmt)
@@ -215,7 +204,7 @@ def run(args) -> dict:
     meta = {"model": args.model, "machine": machine(device), "device": str(device), "dtype": args.dtype,
             "threads": torch.get_num_threads(), "torch": torch.__version__, "format": fmt,
             "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "requests": requests,
-            "rows": max(len(prompts), max(args.batch_sizes)),                  # confadapt.bench's workload
+            "rows": max(len(prompts), max(args.batch_sizes)),                  # bench_modes.bench's workload
             "prompt_tokens": [len(p) for p in prompts]}
     report = {"meta": meta, "decoding": [], "latency_ms": {}}
 

@@ -12,6 +12,7 @@ runs), on a tiny model written here and two tiny finished runs, so the whole fil
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,9 @@ import data
 import finetune_hf
 import train_toy
 from model import ModelConfig, Transformer
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import bench_modes  # noqa: E402  (benchmarks/bench_modes.py)
 
 pytestmark = pytest.mark.usefixtures("one_thread")                     # conftest.py
 
@@ -106,8 +110,8 @@ def bad_data_files(root) -> dict:
 # The matrix: (script, argv) -> must fail in one line and change nothing
 # ----------------------------------------------------------------------------------------------
 
-MAINS = {"confadapt": confadapt.main, "train_toy": lambda argv: confadapt.run_cli(train_toy.main, argv),
-         "finetune_hf": finetune_hf.main}
+MAINS = {"confadapt": confadapt.main, "bench_modes": bench_modes.main,
+         "train_toy": lambda argv: confadapt.run_cli(train_toy.main, argv), "finetune_hf": finetune_hf.main}
 
 NUMBERS = ["0", "-1", "x", "nan"]
 
@@ -123,11 +127,11 @@ def confadapt_cases(r, broken):
               ["--model", "base"], ["--prompt", "1 2"], ["--model", "missing", "--prompt", "1"],
               ["--model", "a_file", "--prompt", "1"]]
     cases += [["--model", path, "--prompt", "1"] for path in broken.values()]
-    bench = ["bench", "--model", "base", "--prompt", "1 2"]
-    cases += [[*bench, flag, v] for flag in ("--max-new-tokens", "--batch-sizes", "--static-k", "--k-max",
-                                             "--lossless-k", "--rows", "--repeats", "--latency-max") for v in NUMBERS]
-    cases += [[*bench, "--taus", v] for v in ("0", "1.5", "x")] + [["bench", "--model", "base"]]
-    return [("confadapt", c) for c in cases]
+    bench = ["--model", "base", "--prompt", "1 2"]
+    benches = [[*bench, flag, v] for flag in ("--max-new-tokens", "--batch-sizes", "--static-k", "--k-max",
+                                              "--lossless-k", "--rows", "--repeats", "--latency-max") for v in NUMBERS]
+    benches += [[*bench, "--taus", v] for v in ("0", "1.5", "x")] + [["--model", "base"]]
+    return [("confadapt", c) for c in cases] + [("bench_modes", c) for c in benches]
 
 
 def train_toy_cases(r):

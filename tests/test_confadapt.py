@@ -1,4 +1,4 @@
-"""confadapt.py: every decoding mode against plain greedy or an uncached reference.
+"""confadapt.py: every decoding mode against plain greedy and against its uncached definition.
 
 Two tiny models: a random one (weights scaled up so its argmaxes are well separated) and a toy
 MTP model trained here for a few seconds on arithmetic sequences (step 1 or 3, mod 16), so its
@@ -7,14 +7,20 @@ rejected, and ConfAdapt accepts chunks of varying size.
 """
 import copy
 import json
+import os
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import confadapt
-from confadapt import DecodeConfig, accept_confadapt, decode_pass, generate, prefill, verify_drafts
+from confadapt import (DecodeConfig, accept_confadapt, decode_pass, generate, generate_uncached, prefill,
+                       verify_drafts)
 from model import ModelConfig, Transformer
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import bench_modes  # noqa: E402
 
 MASK = 31
 PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13], [4], [20, 21]]     # different lengths on purpose
@@ -72,26 +78,8 @@ def on(device, *models):
     return moved[0] if len(moved) == 1 else moved
 
 
-@torch.no_grad()
-def uncached(model, prompt, n, k=1, tau=None, mask_id=None, stop_ids=()):
-    """The definition, without a cache: every pass recomputes prompt + output + k-1 masks."""
-    mask_id = model.config.mask_token_id if mask_id is None else mask_id
-    seq, out, chunks = list(prompt), [], []
-    while len(out) < n:
-        kk = min(k, n - len(out))
-        x = torch.tensor([seq + [mask_id] * (kk - 1)], device=model.tok_emb.weight.device)
-        logits = model(x)[0, len(seq) - 1:].float()                                        # (kk, V)
-        conf, pred = logits.softmax(-1).max(-1)
-        new = pred[: kk if tau is None else accept_confadapt(conf.tolist(), tau)].tolist()
-        for i, t in enumerate(new):
-            if t in stop_ids:
-                new = new[: i + 1]
-                break
-        out, seq = out + new, seq + new
-        chunks.append(len(new))
-        if new[-1] in stop_ids:
-            break
-    return out, chunks
+def uncached(model, prompt, n, mode=DecodeConfig("greedy"), stop_ids=()):
+    return generate_uncached(model, prompt, n, mode, stop_ids=stop_ids)
 
 
 def tokens(model, prompts, n, mode, **kw):
@@ -170,22 +158,36 @@ def test_tau_one_and_k_max_one_are_greedy(request, fixture):
             assert stats.forward_passes == len(want)
 
 
-@pytest.mark.parametrize("k", [2, 3, 5])
-def test_static_k_matches_uncached_recompute(random_model, k):
-    for p in PROMPTS:
-        [gen], stats = generate(random_model, [p], 17, DecodeConfig("static", k=k))
-        want, chunks = uncached(random_model, p, 17, k=k)
-        assert gen.tokens == want and gen.chunk_sizes == chunks
-        assert stats.forward_passes == -(-17 // k)
+EVERY_MODE = [DecodeConfig("greedy")] + [DecodeConfig("static", k=k) for k in (2, 3, 5)] + \
+    [DecodeConfig("confadapt", tau=t, k_max=k) for t, k in [(0.3, 4), (0.6, 8), (0.9, 8), (0.99, 16)]] + \
+    [DecodeConfig("lossless", k=k) for k in (2, 4, 8)]
+
+
+@pytest.mark.parametrize("mode", EVERY_MODE, ids=lambda m: m.describe())
+@pytest.mark.gpu
+def test_generate_is_the_uncached_definition(random_model, toy_model, mode, device):
+    """generate (KV cache, ragged passes, continuous batching) gives the tokens and chunk sizes of
+    generate_uncached (the definition: one prompt, every pass recomputed), alone and batched."""
+    random_model, toy_model = on(device, random_model, toy_model)
+    sizes = set()
+    for model, prompts in [(random_model, PROMPTS), (toy_model, TOY_PROMPTS)]:
+        for stop_ids in [(), {prompts[1][-1], 7}]:
+            want = [uncached(model, p, 30, mode, stop_ids) for p in prompts]
+            for batch_size in (1, 2, None):
+                gens, stats = generate(model, prompts, 30, mode, stop_ids=stop_ids, batch_size=batch_size)
+                assert [(g.tokens, g.chunk_sizes) for g in gens] == want, batch_size
+                if batch_size == 1:                        # one row at a time: passes add up
+                    assert stats.forward_passes == sum(len(chunks) for _, chunks in want)
+            sizes |= {n for _, chunks in want for n in chunks[:-1]}
+    if mode.kind in ("greedy", "static"):
+        assert sizes == {mode.block}
+    else:                                                  # chunks of varied sizes: the rule was at work
+        assert len(sizes) >= min(3, mode.block), sizes
 
 
 @pytest.mark.gpu
-def test_confadapt_matches_uncached_recompute(toy_model, device):
-    toy_model = on(device, toy_model)
-    for p in TOY_PROMPTS:
-        [gen], _ = generate(toy_model, [p], 30, DecodeConfig("confadapt", tau=0.9, k_max=8))
-        assert (gen.tokens, gen.chunk_sizes) == uncached(toy_model, p, 30, k=8, tau=0.9)
-    _, stats = generate(toy_model, TOY_PROMPTS, 30, DecodeConfig("confadapt", tau=0.9, k_max=8))
+def test_confadapt_accepts_chunks_on_a_trained_toy(toy_model, device):
+    _, stats = generate(on(device, toy_model), TOY_PROMPTS, 30, DecodeConfig("confadapt", tau=0.9, k_max=8))
     assert stats.effective_k > 1.5
 
 
@@ -251,7 +253,7 @@ def test_stop_token_in_the_middle_of_a_chunk(random_model):
     assert stopped.tokens == gen.tokens[:cut + 1] and stopped.stopped and not gen.stopped
     assert stopped.chunk_sizes == gen.chunk_sizes[:c] + [cut + 1 - ends[c - 1]]     # last chunk cut short
     assert stats.tokens == cut + 1
-    assert (stopped.tokens, stopped.chunk_sizes) == uncached(random_model, PROMPTS[0], 24, k=4, stop_ids={stop})
+    assert (stopped.tokens, stopped.chunk_sizes) == uncached(random_model, PROMPTS[0], 24, mode, {stop})
 
 
 MODES = [DecodeConfig("greedy"), DecodeConfig("static", k=3), DecodeConfig("confadapt", tau=0.5, k_max=6),
@@ -306,7 +308,7 @@ def test_generation_stops_at_the_end_of_the_context(random_model):
 
 
 # ----------------------------------------------------------------------------------------------
-# Showing the chunks, the benchmark, the command line
+# Showing the chunks, the benchmark (benchmarks/bench_modes.py), the command line
 # ----------------------------------------------------------------------------------------------
 
 class CharTokenizer:
@@ -330,7 +332,7 @@ def test_chunk_rendering(tmp_path):
 
 def test_bench_smoke(toy_model):
     modes = [DecodeConfig("greedy"), DecodeConfig("confadapt", tau=0.9, k_max=8), DecodeConfig("lossless", k=4)]
-    report = confadapt.bench(toy_model, TOY_PROMPTS, 12, modes, batch_sizes=(1, 2), repeats=1,
+    report = bench_modes.bench(toy_model, TOY_PROMPTS, 12, modes, batch_sizes=(1, 2), repeats=1,
                              latency_sizes=range(1, 4))
     rows = report["results"]
     assert len(rows) == 6 and {r["batch_size"] for r in rows} == {1, 2}
@@ -339,7 +341,7 @@ def test_bench_smoke(toy_model):
     assert tokens[1, "greedy"] == tokens[2, "greedy"] == tokens[1, "lossless"] == tokens[2, "lossless"]   # same rows
     assert all(r["equals_greedy"] for r in rows if r["kind"] in ("greedy", "lossless"))
     assert set(report["latency_seconds"][2]) == {1, 2, 3}
-    assert "speed-up" in confadapt.format_bench(report)
+    assert "speed-up" in bench_modes.format_bench(report)
     json.dumps(report)
 
 
@@ -423,7 +425,7 @@ def test_cli_errors_from_the_model(model_dirs, capsys):
 
 
 def test_cli_bench_json(model_dirs, capsys):
-    assert confadapt.main(["bench", "--model", model_dirs["mtp"], "--prompt", "1 2 3", "--prompt", "4",
+    assert bench_modes.main(["--model", model_dirs["mtp"], "--prompt", "1 2 3", "--prompt", "4",
                            "--max-new-tokens", "6", "--batch-sizes", "1", "2", "--taus", "0.5", "0.9",
                            "--repeats", "1", "--latency-max", "3", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

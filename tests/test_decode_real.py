@@ -9,7 +9,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import decode_real  # noqa: E402
-from confadapt import DecodeConfig, bench, generate  # noqa: E402
+from bench_modes import bench  # noqa: E402
+from confadapt import DecodeConfig, generate  # noqa: E402
 from data import word_problem_tokenizer  # noqa: E402
 from model import Transformer  # noqa: E402
 
