@@ -60,10 +60,10 @@ def mtp_layout(seqs: torch.Tensor, k: int, offset: int, n_regions: int, mask_id:
                eos_id=None, pad_id: int = 0, trained: torch.Tensor | None = None) -> MTPBatch:
     """Pack ground-truth rows (B, N) into M = n_regions MTP problems each.
 
-    `eos_id`: an int, a list of ints (any of them ends a row) or None. `trained` (B, N) bool: the
-    tokens that may be targets (answers, not prompts; a target after the EOS is the EOS). Example:
-    N = 12, k = 3, M = 2 (R = 6), offset 2, so e = (2, 8); kinds G/M/C = ground truth / mask slot
-    / copy; `r.j` = prediction j of region r, above the token it must produce:
+    `eos_id`: an int, a list of ints (any of them ends a row) or None. `trained` (B, N) bool: which
+    tokens may be targets (answers, say, not prompts; a target after the EOS counts as the EOS).
+    Example: N = 12, k = 3, M = 2 (R = 6), offset 2, so e = (2, 8); kinds G/M/C = ground truth /
+    mask slot / copy; `r.j` = prediction j of region r, above the token it must produce:
 
         idx       0   1   2   3   4   5   6   7   8   9  10  11  12  13  14  15
         token     a   b   c   M   M   d   e   f   g   h   i   M   M   j   k   l
@@ -77,11 +77,11 @@ def mtp_layout(seqs: torch.Tensor, k: int, offset: int, n_regions: int, mask_id:
     """
     B, N = seqs.shape
     device = seqs.device
-    S, M, R = k - 1, n_regions, N // n_regions        # slots per region, regions, region length
+    S, M, R = k - 1, n_regions, N // n_regions                    # slots per region, regions, region length
     if not (M >= 1 and R >= 1 and 0 <= offset < R):
         raise ValueError(f"need 1 <= n_regions <= seq_len and 0 <= offset < {R}, "
                          f"got n_regions={M}, offset={offset}, seq_len={N}")
-    ends = offset + R * torch.arange(M, device=device)            # (M,) prefix ends e_r
+    ends = offset + R * torch.arange(M, device=device)                            # (M,) prefix ends e_r
     L = N + M * S
     steps = torch.arange(N, device=device)
     # Where everything lands (the same in every row): token i moves right by S per block before it.
@@ -89,11 +89,11 @@ def mtp_layout(seqs: torch.Tensor, k: int, offset: int, n_regions: int, mask_id:
     first_pred = ends + S * torch.arange(M, device=device)                        # (M,) = gt_pos[ends]
     pred_index = first_pred[:, None] + torch.arange(k, device=device)             # (M, k)
     slot_pos = pred_index[:, 1:]                                                  # (M, S)
-    copied = ends[:, None] + torch.arange(1, k, device=device)    # (M, S) the token each slot stands for
+    copied = ends[:, None] + torch.arange(1, k, device=device)                    # (M, S) slot j stands for e_r + j
     input_ids = torch.full((B, L), mask_id, dtype=torch.long, device=device)
     input_ids[:, gt_pos] = seqs
     positions = torch.zeros(L, dtype=torch.long, device=device)
-    positions[gt_pos] = steps                     # copies keep their original positions
+    positions[gt_pos] = steps                                                     # copies keep their positions
     positions[slot_pos] = copied
     kind = torch.full((L,), GT, dtype=torch.long, device=device)
     kind[slot_pos] = MASK
@@ -101,7 +101,7 @@ def mtp_layout(seqs: torch.Tensor, k: int, offset: int, n_regions: int, mask_id:
 
     # Attention before padding: a ground-truth query sees the ground truth up to its own original
     # index; a slot of region r sees the ground truth up to e_r and its own block up to itself.
-    region = torch.full((L,), -1, dtype=torch.long, device=device)  # (L,) region of a slot, else -1
+    region = torch.full((L,), -1, dtype=torch.long, device=device)                # (L,) a slot's region, else -1
     region[slot_pos] = torch.arange(M, device=device)[:, None].expand(M, S)
     is_slot = region >= 0
     sees_up_to = torch.where(is_slot, ends[region.clamp(min=0)], positions)      # (L,) per query
@@ -112,7 +112,7 @@ def mtp_layout(seqs: torch.Tensor, k: int, offset: int, n_regions: int, mask_id:
     # Targets: prediction j of region r is about original token e_r + 1 + j; E = first EOS or N.
     is_eos = torch.zeros(B, N, dtype=torch.bool, device=device) if eos_id is None else \
         (seqs[..., None] == torch.as_tensor(eos_id, device=device).reshape(-1)).any(-1)   # (B, N)
-    is_eos[:, 0] = False                                          # index 0 is never a target
+    is_eos[:, 0] = False                                                          # index 0 is never a target
     E = torch.where(is_eos, steps, N).min(1).values                               # (B,)
     has_eos = E < N
     target_idx = ends[:, None] + 1 + torch.arange(k, device=device)               # (M, k)
@@ -132,7 +132,7 @@ def mtp_layout(seqs: torch.Tensor, k: int, offset: int, n_regions: int, mask_id:
     is_pad = torch.zeros(B, L, dtype=torch.bool, device=device)
     is_pad[:, gt_pos] = steps[None, :] > E[:, None]
     is_pad[:, slot_pos.reshape(-1)] = (~supervised_region).repeat_interleave(S, dim=1)
-    attn_mask = (sees_gt | own_block)[None] & ~is_pad[:, None, :] & ~is_pad[:, :, None]  # (B, L, L)
+    attn_mask = (sees_gt | own_block)[None] & ~is_pad[:, None, :] & ~is_pad[:, :, None]   # (B, L, L)
     attn_mask |= torch.eye(L, dtype=torch.bool, device=device)[None] & is_pad[:, :, None]
 
     def rows(x):   # the same for every row -> (B, ...)
@@ -197,8 +197,7 @@ def plot_attention_mask(batch: MTPBatch, path, row: int = 0, token_str=str):
     colours = list(legend.values())
     mask, kind = batch.attn_mask[row].cpu(), batch.kind[row].cpu()
     L = mask.shape[0]
-    image = torch.where(mask, kind[None, :].expand(L, L), -1).float()
-    image[image < 0] = float("nan")                               # not attended: blank
+    image = torch.where(mask, kind[None, :].expand(L, L).float(), float("nan"))   # not attended: blank
     fig = Figure(figsize=(2 + 0.28 * L, 1.5 + 0.28 * L))
     ax = fig.add_subplot()
     ax.imshow(image.numpy(), cmap=ListedColormap(colours), vmin=-0.5, vmax=3.5, interpolation="nearest")
