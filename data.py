@@ -55,6 +55,10 @@ class MTPBatch:
     offset: int
     region_len: int
 
+    def to(self, device) -> "MTPBatch":
+        moved = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        return MTPBatch(**{f: v.to(device) if torch.is_tensor(v) else v for f, v in moved.items()})
+
 
 def mtp_layout(seqs: torch.Tensor, k: int, offset: int, n_regions: int, mask_id: int,
                eos_id=None, pad_id: int = 0, trained: torch.Tensor | None = None) -> MTPBatch:
