@@ -90,8 +90,7 @@ def mtp_layout(seqs: torch.Tensor, k: int, offset: int, n_regions: int, mask_id:
     steps = torch.arange(N, device=device)
     # Where everything lands (the same in every row): token i moves right by S per block before it.
     gt_pos = steps + S * (steps[:, None] > ends[None, :]).sum(1)                  # (N,)
-    first_pred = ends + S * torch.arange(M, device=device)                        # (M,) = gt_pos[ends]
-    pred_index = first_pred[:, None] + torch.arange(k, device=device)             # (M, k)
+    pred_index = gt_pos[ends][:, None] + torch.arange(k, device=device)           # (M, k): e_r, then its slots
     slot_pos = pred_index[:, 1:]                                                  # (M, S)
     copied = ends[:, None] + torch.arange(1, k, device=device)                    # (M, S) slot j stands for e_r + j
     input_ids = torch.full((B, L), mask_id, dtype=torch.long, device=device)
@@ -546,11 +545,8 @@ class Tokenizer:
 
 
 def whole_token_tokenizer(pieces) -> Tokenizer:
-    """A byte-level BPE built in code (no training) in which every string of `pieces` is ONE token.
-
-    Ranks: the 256 bytes, then every prefix of every piece, shorter first. A prefix that is a
-    token can always grow by one byte, so BPE's merges reach each whole piece; other text still
-    encodes, byte by byte."""
+    """A byte-level BPE built in code, every string of `pieces` ONE token. Ranks: the 256 bytes,
+    then every prefix of every piece, shorter first, so BPE's merges grow a piece byte by byte."""
     ranks = {bytes([b]): b for b in range(256)}
     prefixes = {p.encode()[:n] for p in pieces for n in range(2, len(p.encode()) + 1)}
     for token in sorted(prefixes, key=lambda t: (len(t), t)):
@@ -580,10 +576,10 @@ def toy_tokenizer() -> Tokenizer:
 #                <|im_start|>assistant\n{response}<|im_end|>   (SmolLM2-Instruct, Qwen-Instruct)
 #   qwen         <|endoftext|>{prompt}\n\n{response}<eos>   (the paper's Qwen recipe)
 #   plain        <bos>{prompt}\n\n{response}<eos>             (small models with no chat tokens)
-# Prompt and response are tokenized apart, so a prompt formatted for generation is token for
-# token the prefix seen in training, and (a chat template tokenizes the text between special
-# tokens piece by piece) the ids of transformers' apply_chat_template. Rows are cut to seq_len
-# and padded with `padding_token`: from its first occurrence on, the layout sees padding.
+# Prompt and response are tokenized apart, so a prompt formatted for generation is the prefix
+# seen in training, token for token, and equals transformers' apply_chat_template (which also
+# tokenizes the text between special tokens piece by piece). Rows are cut to seq_len and padded
+# with `padding_token`.
 
 FORMATS = ("llama3-chat", "chatml", "qwen", "plain")
 # The system turn SmolLM2-Instruct's chat template writes when a conversation has none.
@@ -888,10 +884,8 @@ def read_hf_tokenizer_json(spec: dict, file: Path) -> tuple[dict, dict, str, boo
 
 def read_token_roles(folder: Path, specials: dict[str, int]) -> tuple[dict, list[int], dict]:
     """(bos/eos/pad token texts, stop ids, tokenizer_config.json) from the files next to a tokenizer.
-
-    tokenizer_config.json decides when it names a role (null means "none": Qwen has no BOS although
-    its config.json has a bos_token_id); otherwise config.json, then generation_config.json. Every
-    eos id found (eos may be a list) is a stop id."""
+    tokenizer_config.json decides when it names a role (null is "none": Qwen has no BOS, though its
+    config.json has a bos_token_id), then config.json, generation_config.json. Every eos id stops."""
     def read(name):
         file = folder / name
         return json.loads(file.read_text(encoding="utf-8")) if file.is_file() else {}
