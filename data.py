@@ -545,8 +545,8 @@ class Tokenizer:
 
 
 def whole_token_tokenizer(pieces) -> Tokenizer:
-    """A byte-level BPE built in code, every string of `pieces` ONE token. Ranks: the 256 bytes,
-    then every prefix of every piece, shorter first, so BPE's merges grow a piece byte by byte."""
+    """A byte-level BPE, built in code, in which every string of `pieces` is ONE token. Ranks: the
+    256 bytes, then every prefix of every piece, shorter first: merges grow a piece byte by byte."""
     ranks = {bytes([b]): b for b in range(256)}
     prefixes = {p.encode()[:n] for p in pieces for n in range(2, len(p.encode()) + 1)}
     for token in sorted(prefixes, key=lambda t: (len(t), t)):
@@ -557,7 +557,7 @@ def whole_token_tokenizer(pieces) -> Tokenizer:
 
 
 def toy_whole_tokens() -> list[str]:
-    """Every string the toy vocabulary holds as ONE token (":", "|", "." are single bytes)."""
+    """Every string the toy vocabulary holds as ONE token, besides the 256 single bytes."""
     numbers = [f"{n}" for n in range(1000)] + [f" {n}" for n in range(1000)]
     return numbers + [f" {w}" for w in TOY_WORDS] + TOY_PROMPT_WORDS + [" :", " |", " ."]
 
