@@ -1,23 +1,13 @@
-"""Fine-tune a Hugging Face Llama / Qwen checkpoint into a multi-token predictor, then measure it.
+"""Fine-tune a Hugging Face Llama / Qwen / SmolLM2 checkpoint into a multi-token predictor; measure it.
 
-The recipe of "Multi-Token Prediction via Self-Distillation" (arXiv 2602.06019) at full scale, and the same code on a miniature that a CPU finishes in minutes:
-
-    analyze   before tuning: how confident is the model along its own greedy answers to the
-              domain's prompts, and what acceleration could ConfAdapt reach from that?
-    train     add <mask>, keep a frozen teacher copy, and train the student on the packed MTP
-              layout (data.mtp_layout) with the student-forced distillation loss
-              (distill.mtp_loss) -- the same two functions train_toy.py uses. Checkpoints are
-              written atomically every N steps; --resume continues bit-for-bit. Under
-              `torchrun --nproc_per_node N` student and teacher are sharded with FSDP2.
-    export    the tuned model as a Hugging Face folder (mask token in tokenizer and config)
-              with a short model card; `train` does this at the end by itself.
-    eval      GSM8K as lm-evaluation-harness's `gsm8k_cot` task runs it (8-shot chain of
-              thought, its stop strings, flexible-extract and strict-match scoring), swept
-              over static k and ConfAdapt thresholds: the paper's table, plus tokens/second,
-              as JSON and Markdown, and the accuracy-vs-effective-k Pareto plot.
-
-Run `python finetune_hf.py COMMAND --help` for the options; the README has the full-scale and
-the miniature commands.
+The recipe of "Multi-Token Prediction via Self-Distillation" (arXiv 2602.06019) at full scale,
+and the same code on a miniature a CPU runs in minutes. `train` loads the checkpoint, adds a <mask>
+token and trains the model against a frozen copy of itself with train_toy.py's loss (data.mtp_layout
++ distill.mtp_loss), on one process or, under `torchrun --nproc_per_node N`, sharded with FSDP2, and
+exports a Hugging Face folder. `eval` scores GSM8K as lm-evaluation-harness's gsm8k_cot does, swept
+over static k and ConfAdapt thresholds; `analyze` estimates before tuning what ConfAdapt could reach
+on a domain; `data` writes the model's own answers as training rows; `export` turns a checkpoint
+into a folder. `python finetune_hf.py COMMAND --help` lists the options.
 """
 
 from __future__ import annotations
@@ -36,100 +26,141 @@ import time
 import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from confadapt import (CliError, DecodeConfig, Parser, Progress, accept_confadapt, count, decode_modes,
-                       format_seconds, generate, input_path, load_model, load_tokenizer, number, output_folder, positive_float, positive_int, probability,
-                       run_cli)
+from confadapt import (CliError, DecodeConfig, Parser, Progress, accept_confadapt, count, decode_modes, format_seconds,
+                       generate, input_path, load_model, load_tokenizer, number, output_folder, positive_float,
+                       positive_int, probability, run_cli)
 from data import (DOMAINS, FORMATS, Tokenizer, default_n_regions, domain_prompts, end_token, mtp_layout, padding_token,
                   prompt_tokens, response_tokens, sample_k_and_offset, start_tokens, training_sequences)
 from distill import MODES, frozen_teacher, mtp_loss
 from model import (ModelConfig, Transformer, add_mask_token, atomic_save, parse_device, read_checkpoint,
                    read_json, read_model_config, rope_inv_freq, write_json)
 
-# ==============================================================================================
-# Data: rows, prompt formats, training sequences
-# ==============================================================================================
+# === train: student + frozen teacher -> data rows -> AdamW -> the step loop -> export ==========
 #
-# Training data is a list of (prompt, response) pairs: MetaMathQA as distributed (one JSON array
-# of {"query", "response", ...}) or any JSON-lines file of {"prompt", "response"}. A format turns
-# a pair into token ids (data.py, "Prompt formats": llama3-chat, qwen, plain).
+# A step sees a global batch of --batch-size rows, split over the processes and, in each, into
+# micro-batches of --micro-batch rows (gradient accumulation). Every process draws the same k and
+# region offset, seeded by the step number, and the data order is a seeded permutation per epoch:
+# a step is a function of its number, so a run resumed at step s continues bit for bit.
 
-PAIR_FIELDS = (("query", "response"), ("prompt", "response"))     # MetaMathQA, generic JSONL
-QUESTION_FIELDS = ("question", "query", "prompt")                  # GSM8K, MetaMathQA, generic
-
-
-def read_records(path) -> list[dict]:
-    """A JSON array or a JSON-lines file -> its rows (dicts)."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no data file at {path}")
+def train(args, on_step=None) -> Path:
+    """`train`: the whole run; returns the exported folder. on_step(step, stats) is a test hook."""
+    check_train_args(args)
+    d = setup_processes(args.device, args.dtype)
+    # 1. The student (with <mask>) and a frozen copy of it as teacher; the gt ablation needs none.
+    student, teacher, tok, mask_id = load_student_and_teacher(args, d, args.mode != "gt")
+    # 2. Data: (prompt, response) rows in the model's prompt format, cut, padded: (rows, seq_len).
+    args.format = args.format if args.format != "auto" else default_format(tok, student.config)
+    pad = padding_token(tok, args.format)             # also a row's end for the layout's EOS rule
+    args.regions = args.regions or default_n_regions(args.seq_len, args.k_max)
+    pairs = [pair for path in args.data for pair in read_pairs(path)][: args.limit_rows or None]
+    seqs = training_sequences(pairs, tok, args.format, args.seq_len)
+    if args.activation_checkpointing:                 # recompute blocks in backward (same names)
+        from torch.distributed._composable import checkpoint
+        for block in student.layers:
+            checkpoint(block)
+    # 3. AdamW (no decay on the norms), linear warm-up then constant; --overwrite or --resume.
+    optimizer, scheduler = make_optimizer(student, args)
+    out, log, start = Path(args.out), Path(args.out) / "log.jsonl", 0
+    if args.overwrite and d.main:                     # check_train_args made sure it was asked for
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
+        shutil.rmtree(out / "final", ignore_errors=True)
+        log.unlink(missing_ok=True)
+    if args.resume and (ckpt := latest_checkpoint(out)) is not None:
+        start = load_checkpoint(ckpt, student, optimizer, scheduler, args)
+        d.log(f"resumed from {ckpt} at step {start}")
+        if d.main and log.is_file():                  # the steps after `start` are redone
+            kept = [line + "\n" for line in log.read_text().splitlines() if json.loads(line)["step"] <= start]
+            atomic_save(lambda p: Path(p).write_text("".join(kept)), log)
+    elif args.resume:
+        d.log(f"--resume: no checkpoint in {out / 'checkpoints'}, starting at step 0")
+    if d.main:
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(out / "train_args.json", vars(args))
+    d.log(f"{args.mode} training: {len(pairs):,} rows, format {args.format}, {d.world} process(es) "
+          f"on {d.device}, {args.batch_size // d.world // args.micro_batch} micro-batch(es) of {args.micro_batch} "
+          f"per process and step, {student.config.n_layers} layers, mask id {mask_id}")
+    # 4. The loop: rows of the step -> this process's micro-batches -> train_step -> log, save.
+    region_len, per, t0, progress = args.seq_len // args.regions, args.micro_batch, time.perf_counter(), Progress()
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
-    if text.lstrip().startswith("["):
-        try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: malformed JSON array: {e}") from None
-    else:
-        rows = []
-        for i, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path} line {i}: malformed JSON: {e}") from None
-    if not rows:
-        raise ValueError(f"{path} holds no rows")
-    if not all(isinstance(r, dict) for r in rows):
-        raise ValueError(f"{path}: every row must be a JSON object")
-    return rows
+        for step in range(start, args.steps):
+            g = torch.Generator().manual_seed(args.seed * 7_919 + step + 1)     # same on every process
+            k, offset = sample_k_and_offset(args.k_max, region_len, generator=g)
+            rows = rows_of_step(step, args.batch_size, len(seqs), args.seed)
+            micro = [seqs[rows[i * per:(i + 1) * per]].long()                   # micro-batch i: process i % world
+                     for i in range(d.rank, len(rows) // per, d.world)]
+            stats = train_step(student, teacher, optimizer, scheduler, micro, k, offset, args, d, mask_id, pad)
+            last, lr, elapsed = step + 1 == args.steps, scheduler.get_last_lr()[0], time.perf_counter() - t0
+            if d.main and ((step + 1) % args.log_every == 0 or last):
+                with open(log, "a") as f:
+                    f.write(json.dumps({"step": step + 1, **stats, "lr": lr}) + "\n")
+            if d.main and progress.due(last):
+                done = step + 1 - start
+                d.log(f"step {step + 1}/{args.steps} | loss {stats['loss']:.4f} | agree {stats['agree']:.3f} "
+                      f"| k {stats['k']:2d} | lr {lr:.2e} | grad {stats['grad_norm']:.3f} "
+                      f"| {done * args.batch_size * args.seq_len / elapsed:,.0f} tok/s "
+                      f"| ETA {format_seconds(elapsed / done * (args.steps - step - 1))}")
+            if (step + 1) % args.save_every == 0 or last:
+                d.log(f"saved checkpoint {save_checkpoint(student, optimizer, scheduler, step + 1, args, d)}")
+            if on_step is not None:
+                on_step(step + 1, stats)
+    except KeyboardInterrupt:                         # checkpoints are atomic: the last is whole
+        saved = latest_checkpoint(out)
+        raise KeyboardInterrupt(f"{'the last checkpoint is ' + str(saved) if saved else 'no checkpoint yet'}; "
+                                f"run the same command with --resume to continue") from None
+    # 5. Export: a Hugging Face folder, <mask> in tokenizer and config.
+    final = export(student, tok, out / "final", args, d)
+    d.log(f"exported {final}")
+    return final
 
 
-def _string_fields(rows, path, fields) -> list[tuple]:
-    bad = next((i for i, r in enumerate(rows) if not all(isinstance(r.get(f), str) for f in fields)), None)
-    if bad is not None:
-        raise ValueError(f"{path}: row {bad + 1} lacks a text field {' or '.join(repr(f) for f in fields)}")
-    return [tuple(r[f] for f in fields) for r in rows]
+def train_step(student, teacher, optimizer, scheduler, micro: list[torch.Tensor], k: int, offset: int,
+               args, d: Dist, mask_id, pad: int) -> dict:
+    """mtp_layout -> mtp_loss -> backward for each micro-batch (micro, seq_len), then clip and step;
+    returns the step's statistics over the global batch."""
+    # mtp_loss averages over the valid predictions of its micro-batch; weighting each by its share
+    # of the global batch's makes the gradient one mean over the global batch, however it is split
+    # (FSDP averages over processes, hence the factor world). Under FSDP2 each backward
+    # reduce-scatters at once: deferring it would hold a full float32 gradient on every GPU.
+    batches = [mtp_layout(s, k, offset, args.regions, mask_id=mask_id, eos_id=pad, pad_id=pad) for s in micro]
+    counts = [int(b.valid.sum()) for b in batches]    # counted on the host, before moving
+    batches = [b.to(d.device) for b in batches]
+    n_global = max(1.0, d.all_sum(sum(counts)))
+    autocast = (torch.autocast(d.device.type, dtype=d.dtype) if d.dtype != torch.float32 and not d.sharded
+                else nullcontext())                   # sharded, FSDP2's MixedPrecisionPolicy casts
+    loss_sum, agree = 0.0, 0.0
+    for batch, n in zip(batches, counts):
+        with autocast:
+            loss, stats = mtp_loss(student, teacher, batch, mode=args.mode, prefix_ntp_weight=args.prefix_ntp_weight)
+        (loss * (n / n_global) * d.world).backward()
+        loss_sum += stats["loss"] * n
+        accs = [a for a in stats["acc"] if a == a]    # per position j: argmax == target (NaN: none)
+        agree += n * (sum(accs) / len(accs) if accs else 0.0)
+    grad_norm = torch.nn.utils.clip_grad_norm_(student.parameters(), args.clip)
+    if hasattr(grad_norm, "full_tensor"):             # a DTensor under FSDP2
+        grad_norm = grad_norm.full_tensor()
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss": d.all_sum(loss_sum) / n_global, "agree": d.all_sum(agree) / n_global,
+            "grad_norm": float(grad_norm), "k": batches[0].k, "offset": batches[0].offset, "n_pred": int(n_global)}
 
 
-def read_pairs(path) -> list[tuple[str, str]]:
-    """(prompt, response) pairs from MetaMathQA rows (query/response) or generic prompt/response rows."""
-    rows = read_records(path)
-    for fields in PAIR_FIELDS:
-        if all(f in rows[0] for f in fields):
-            return _string_fields(rows, path, fields)
-    raise ValueError(f"{path}: expected rows with 'query' and 'response' (MetaMathQA) or 'prompt' and "
-                     f"'response'; the first row has {sorted(rows[0])}")
-
-
-def read_questions(path) -> list[str]:
-    """The prompts of any of our row types: GSM8K `question`, MetaMathQA `query`, generic `prompt`."""
-    rows = read_records(path)
-    field = next((f for f in QUESTION_FIELDS if f in rows[0]), None)
-    if field is None:
-        raise ValueError(f"{path}: expected rows with one of {', '.join(QUESTION_FIELDS)}; "
-                         f"the first row has {sorted(rows[0])}")
-    return [q for (q,) in _string_fields(rows, path, [field])]
-
-
-def read_gsm8k(path) -> list[tuple[str, str]]:
-    """GSM8K test rows -> (question, gold answer); gold is the text after the last '####'."""
-    rows = read_records(path)
-    if not all(f in rows[0] for f in ("question", "answer")):
-        raise ValueError(f"{path}: expected GSM8K rows with 'question' and 'answer'; "
-                         f"the first row has {sorted(rows[0])}")
-    return [(q, a.split("####")[-1].strip()) for q, a in _string_fields(rows, path, ["question", "answer"])]
+def rows_of_step(step: int, global_batch: int, n_rows: int, seed: int) -> list[int]:
+    """Row indices of the global batch of step `step` (0-based): a seeded permutation per epoch."""
+    first = step * global_batch
+    epochs = range(first // n_rows, (first + global_batch - 1) // n_rows + 1)
+    order = torch.cat([torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed * 1_000_003 + e))
+                       for e in epochs])
+    return order[first - epochs[0] * n_rows:][:global_batch].tolist()
 
 
 def default_format(tok: Tokenizer, cfg: ModelConfig) -> str:
-    """Llama-3 chat template when the tokenizer has its header tokens, the paper's recipe for Qwen
-    models, ChatML when the tokenizer has its turn tokens (SmolLM2), else plain."""
+    """llama3-chat when the tokenizer has its header tokens, the paper's recipe for Qwen, ChatML
+    when the tokenizer has its turn tokens (SmolLM2), else plain (data.py, "Prompt formats")."""
     if "<|start_header_id|>" in tok.special_tokens and "<|eot_id|>" in tok.special_tokens:
         return "llama3-chat"
     if cfg.model_type in ("qwen2", "qwen3") and "<|endoftext|>" in tok.special_tokens:
@@ -139,568 +170,18 @@ def default_format(tok: Tokenizer, cfg: ModelConfig) -> str:
     return "plain"
 
 
-def rows_of_step(step: int, global_batch: int, n_rows: int, seed: int) -> list[int]:
-    """Row indices of the global batch of optimizer step `step` (0-based).
-
-    The data order is a seeded permutation per epoch, so it is a pure function of the step
-    number: resuming at step s (with any number of processes) continues the same order.
-    """
-    rows, start = [], step * global_batch
-    for i in range(start, start + global_batch):
-        epoch, j = divmod(i, n_rows)
-        rows.append(int(_epoch_order(n_rows, seed, epoch)[j]))
-    return rows
-
-
-@lru_cache(maxsize=2)
-def _epoch_order(n_rows: int, seed: int, epoch: int) -> torch.Tensor:
-    return torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
-
-
-def step_k_and_offset(step: int, seed: int, k_max: int, region_len: int) -> tuple[int, int]:
-    """k and the region offset of one optimizer step, the same on every process (seeded by step)."""
-    g = torch.Generator().manual_seed(seed * 7_919 + step + 1)
-    return sample_k_and_offset(k_max, region_len, generator=g)
-
-
-# ==============================================================================================
-# Processes and devices: one process, or one per GPU under torchrun (FSDP2)
-# ==============================================================================================
-
-@dataclass
-class Dist:
-    rank: int = 0
-    world: int = 1
-    device: torch.device = torch.device("cpu")
-    dtype: torch.dtype = torch.float32               # what the matrix multiplications compute in
-    sharded: bool = False                            # under torchrun: FSDP2, at any number of processes
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-
-def setup_processes(device: str, dtype: str = "auto") -> Dist:
-    """Join the torchrun process group if there is one (nccl on GPU, gloo on CPU)."""
-    device = parse_device(device)
-    compute = compute_dtype(device.type, dtype)
-    if "WORLD_SIZE" not in os.environ:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        return Dist(device=device, dtype=compute)
-    import datetime
-    import torch.distributed as dist
-
-    if device.type == "cuda":                 # one GPU per process, whatever index --device named
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    elif dtype == "auto":                     # several CPU processes (gloo, tests): float32
-        compute = torch.float32
-    # Rank 0 alone reads the checkpoint and writes the export while the others wait in a
-    # collective; for an 8B model on a slow disk that can outlast NCCL's default 10 minutes.
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(hours=1))
-    return Dist(dist.get_rank(), dist.get_world_size(), device, compute, sharded=True)
-
-
-def cpu_has_bfloat16() -> bool:
-    """Native bfloat16 arithmetic (AVX-512 BF16 or AMX); elsewhere torch emulates it, slowly."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def compute_dtype(device_type: str, dtype: str = "auto") -> torch.dtype:
-    """--dtype: auto is bfloat16 on GPUs that have it (Ampere and later) and on CPUs with
-    bfloat16 arithmetic, else float32."""
-    if dtype == "auto":
-        gpu = device_type == "cuda" and torch.cuda.is_bf16_supported()
-        return torch.bfloat16 if gpu or (device_type == "cpu" and cpu_has_bfloat16()) else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-
-
-def all_sum(x: float, d: Dist) -> float:
-    if not d.sharded:
-        return x
-    import torch.distributed as dist
-
-    t = torch.tensor([float(x)], dtype=torch.float64, device=d.device)
-    dist.all_reduce(t)
-    return float(t)
-
-
-def barrier(d: Dist):
-    if d.sharded:
-        import torch.distributed as dist
-        dist.barrier()
-
-
-def broadcast(obj, d: Dist):
-    """Rank 0's Python object, on every rank."""
-    if not d.sharded:
-        return obj
-    import torch.distributed as dist
-
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-# ==============================================================================================
-# Models: student, frozen teacher, FSDP2 sharding
-# ==============================================================================================
-#
-# Precision (--dtype). The student keeps float32 master weights (AdamW's lr 1e-5 updates vanish
-# in bfloat16's 8-bit mantissa) and computes in bfloat16 on GPUs and on CPUs with bfloat16
-# arithmetic (a training step 1.5-1.8x faster there): FSDP2's MixedPrecisionPolicy when sharded,
-# torch.autocast otherwise. The teacher never changes, so it is stored in the compute dtype.
-# Elsewhere, float32, also on GPUs without bfloat16 (before Ampere): float16 would need loss
-# scaling, and its range overflows where bfloat16's does not.
-#
-# Sharding. Every rank builds student and teacher on the meta device (no memory), shards each
-# transformer block and then the whole model with `fully_shard`, and only rank 0 reads the
-# checkpoint: its weights are broadcast straight into the shards. An 8B model is thus never
-# held in full by more than one process.
-
-def load_student_and_teacher(args, d: Dist, with_teacher: bool = True):
-    """(student, teacher or None, tokenizer, mask id) on d.device, sharded when d.sharded."""
-    tok = load_tokenizer(args.model)
-    full = None
-    if d.main:
-        full = Transformer.from_pretrained(args.model, dtype=torch.float32)
-        mask_id = add_mask_token(full, tok)
-        meta = (full.config, mask_id)
-    cfg, mask_id = broadcast(meta if d.main else None, d)
-    if mask_id is not None:
-        tok.add_special_token("<mask>", mask_id)
-    if not d.sharded:
-        teacher = None
-        if with_teacher:                                          # copied on the CPU, then moved
-            teacher = frozen_teacher(full).to(device=d.device, dtype=d.dtype)
-            teacher.inv_freq = rope_inv_freq(cfg).to(d.device)    # keep RoPE frequencies in float32
-        return full.to(d.device).train(), teacher, tok, mask_id
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    with torch.device("meta"):
-        student = Transformer(cfg)
-    teacher = frozen_teacher(student).to(d.dtype) if with_teacher else None
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    for model in [student] + ([teacher] if teacher is not None else []):
-        shard(model, d, args)
-        model.to_empty(device=d.device)
-        model.inv_freq = rope_inv_freq(cfg).to(d.device)          # non-persistent buffer: recompute
-        set_model_state_dict(model, full.state_dict() if d.main else {}, options=options)
-    del full
-    return student.train(), teacher, tok, mask_id
-
-
-def shard(model: Transformer, d: Dist, args):
-    """FSDP2: each block is one all-gather unit; the root holds embeddings, final norm and head.
-
-    The mesh is built for d.device (fully_shard's default follows the machine's accelerator,
-    which would put a `--device cpu` run's shards on a GPU)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mesh = init_device_mesh(d.device.type, (d.world,))
-    mp = MixedPrecisionPolicy(param_dtype=d.dtype, reduce_dtype=torch.float32)
-    for block in model.layers:
-        fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-
-
-def enable_activation_checkpointing(model: Transformer):
-    """Recompute each block's activations in the backward pass instead of storing them.
-
-    The composable `checkpoint` only registers hooks, so parameter names (and thus checkpoints
-    and exports) are unchanged, and it composes with `fully_shard`.
-    """
-    from torch.distributed._composable import checkpoint
-
-    for block in model.layers:
-        checkpoint(block)
-
-
-# ==============================================================================================
-# Training
-# ==============================================================================================
-#
-# One optimizer step sees a global batch of --batch-size sequences: each of the world_size
-# processes runs accumulation_steps micro-batches of --micro-batch sequences. All of them share
-# the step's k and region offset (seeded by the step number). distill.mtp_loss averages over the
-# valid predictions of ITS micro-batch; we rescale each micro-batch's loss by its share of the
-# valid predictions of the whole global batch, so the gradient is that of one mean over the
-# global batch no matter how it is split across processes and micro-batches. (FSDP averages
-# gradients over processes, hence the extra factor world_size.)
-#
-# Under FSDP2 each micro-batch's backward reduce-scatters its gradients into the float32
-# gradient shards right away. Deferring that to the last micro-batch would save communication
-# but hold an unsharded float32 gradient of the whole model on every GPU (4 bytes per
-# parameter: 32 GB for 8B), more than the sharded training state itself on 4 GPUs.
-
-def micro_batches(seqs: torch.Tensor, rows: list[int], d: Dist, micro: int) -> list[torch.Tensor]:
-    """This process's micro-batches of one global batch: slice m*world + rank of size `micro`."""
-    per_rank = len(rows) // d.world
-    out = []
-    for m in range(per_rank // micro):
-        start = (m * d.world + d.rank) * micro
-        out.append(seqs[rows[start:start + micro]].long())
-    return out
-
-
-def train_step(student, teacher, optimizer, scheduler, micro: list[torch.Tensor], k: int, offset: int,
-               args, d: Dist, mask_id, pad: int) -> dict:
-    """Forward/backward every micro-batch, clip, step. Returns the step's statistics (global)."""
-    batches = [mtp_layout(s, k, offset, args.regions, mask_id=mask_id, eos_id=pad, pad_id=pad)
-               for s in micro]                # `pad` is also each row's end token (the EOS rule)
-    counts = [int(b.valid.sum()) for b in batches]               # counted on the host, before moving
-    batches = [b.to(d.device) for b in batches]
-    n_global = max(1.0, all_sum(sum(counts), d))
-    autocast = (torch.autocast(d.device.type, dtype=d.dtype) if d.dtype != torch.float32 and not d.sharded
-                else nullcontext())
-    loss_sum, agree = 0.0, 0.0
-    for batch, n in zip(batches, counts):
-        with autocast:
-            loss, stats = mtp_loss(student, teacher, batch, mode=args.mode, prefix_ntp_weight=args.prefix_ntp_weight)
-        (loss * (n / n_global) * d.world).backward()
-        loss_sum += stats["loss"] * n
-        accs = [a for a in stats["acc"] if a == a]    # student argmax == target per position j (NaN: none)
-        agree += n * (sum(accs) / len(accs) if accs else 0.0)
-    grad_norm = torch.nn.utils.clip_grad_norm_(student.parameters(), args.clip)
-    if hasattr(grad_norm, "full_tensor"):             # a DTensor under FSDP2
-        grad_norm = grad_norm.full_tensor()
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return {"loss": all_sum(loss_sum, d) / n_global,
-            "agree": all_sum(agree, d) / n_global,
-            "grad_norm": float(grad_norm), "k": batches[0].k, "offset": batches[0].offset, "n_pred": int(n_global)}
-
-
-def make_optimizer(model, args):
-    """AdamW (the paper's betas and weight decay); no decay on norms and biases."""
-    optimizer = model.configure_optimizer(args.lr, args.weight_decay, (args.beta1, args.beta2))
-    warmup = max(1, args.warmup)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
-    return optimizer, scheduler
-
-
-# --- checkpoints ------------------------------------------------------------------------------
-#
-# A checkpoint is a folder checkpoints/step_000123/ written by torch.distributed.checkpoint
-# (each process writes its own shards of model and optimizer state) plus trainer.pt (step,
-# scheduler, CPU RNG state, arguments). It is first written under a temporary name and renamed
-# when complete, then the file `latest` is atomically pointed at it: a crash at any moment
-# leaves the previous checkpoint intact. The data order and each step's k / offset are
-# functions of the step number, so the step is all the "data loader state" there is.
-
-RESUME_MUST_MATCH = ("model", "data", "format", "seq_len", "mode", "prefix_ntp_weight", "k_max", "regions",
-                     "batch_size", "lr", "warmup", "weight_decay", "beta1", "beta2", "seed")
-PATH_SETTINGS = ("model", "data")             # compared as the files they name, not as spelled
-
-
-def same_setting(name: str, saved, now) -> bool:
-    if name in PATH_SETTINGS and saved is not None and now is not None:
-        paths = lambda x: [os.path.realpath(p) for p in ([x] if isinstance(x, str) else x)]   # noqa: E731
-        return paths(saved) == paths(now)
-    return saved == now
-
-
-def checkpoint_dir(out) -> Path:
-    return Path(out) / "checkpoints"
-
-
-def save_checkpoint(student, optimizer, scheduler, step: int, args, d: Dist):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    root = checkpoint_dir(args.out)
-    final, tmp = root / f"step_{step:06d}", root / f".step_{step:06d}.tmp"
-    if d.main:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    barrier(d)
-    model_state, optim_state = get_state_dict(student, optimizer)
-    with warnings.catch_warnings():                   # one process: DCP warns that it saves without a group
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
-    barrier(d)
-    if d.main:
-        trainer = {"step": step, "scheduler": scheduler.state_dict(), "args": vars(args),
-                   "rng_cpu": torch.get_rng_state()}          # nothing draws on the GPUs' generators
-        torch.save(trainer, tmp / "trainer.pt")
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        atomic_save(lambda p: Path(p).write_text(final.name + "\n"), root / "latest")
-        old = sorted(p for p in root.glob("step_*") if p.name != final.name)
-        for stale in old[: max(0, len(old) - (args.keep - 1))]:
-            shutil.rmtree(stale, ignore_errors=True)
-    barrier(d)
-
-
-def latest_checkpoint(out) -> Path | None:
-    pointer = checkpoint_dir(out) / "latest"
-    if not pointer.is_file():
-        return None
-    path = checkpoint_dir(out) / pointer.read_text().strip()
-    return path if (path / "trainer.pt").is_file() else None
-
-
-def load_checkpoint(path: Path, student, optimizer, scheduler, args) -> int:
-    """Restore model, optimizer, scheduler and RNG from `path`; returns the step to continue from."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    trainer = read_checkpoint(path / "trainer.pt", "training checkpoint", weights_only=True)
-    saved = trainer["args"]
-    changed = [f"--{k.replace('_', '-')} {saved.get(k)} -> {getattr(args, k)}" for k in RESUME_MUST_MATCH
-               if not same_setting(k, saved.get(k), getattr(args, k))]
-    if changed:
-        raise ValueError(f"cannot resume from {path}: settings differ from the interrupted run ({'; '.join(changed)})")
-    model_state, optim_state = get_state_dict(student, optimizer)
-    state = {"model": model_state, "optim": optim_state}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        try:
-            dcp.load(state, checkpoint_id=str(path))
-        except Exception as e:                        # dcp wraps the reader's error in its own exception type
-            raise ValueError(f"cannot read the checkpoint {path}: truncated or corrupt ({type(e).__name__}); "
-                             f"resume from an earlier one by pointing {path.parent}/latest at it") from None
-    set_state_dict(student, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    scheduler.load_state_dict(trainer["scheduler"])
-    torch.set_rng_state(trainer["rng_cpu"])        # older checkpoints also hold per-GPU states: unused
-    return trainer["step"]
-
-
-# --- the loop ---------------------------------------------------------------------------------
-
-def format_progress(step: int, total: int, stats: dict, lr: float, tok_per_s: float, eta_s: float) -> str:
-    agree = f" | agree {stats['agree']:.3f}" if stats.get("agree") is not None else ""
-    return (f"step {step}/{total} | loss {stats['loss']:.4f}{agree} | k {stats['k']:2d} | lr {lr:.2e} "
-            f"| grad {stats['grad_norm']:.3f} | {tok_per_s:,.0f} tok/s | ETA {format_seconds(eta_s)}")
-
-
-def check_train_args(args):
-    """What `train` checks before loading anything (check_paths has seen the files): the sizes, the
-    state of --out."""
-    cfg = read_model_config(args.model)
-    used = [p for p in (checkpoint_dir(args.out), Path(args.out) / "log.jsonl", Path(args.out) / "final") if p.exists()]
-    if args.resume and args.overwrite:
-        raise CliError("--resume continues the run in --out, --overwrite replaces it: give one of them")
-    if used and not (args.resume or args.overwrite):
-        raise CliError(f"--out {args.out} already holds a training run ({used[0].name}): add --resume to continue "
-                       f"it, or --overwrite to replace it")
-    if args.seq_len + args.k_max - 2 >= cfg.max_seq_len:
-        raise CliError(f"--seq-len {args.seq_len} with --k-max {args.k_max} needs positions up to "
-                       f"{args.seq_len + args.k_max - 2}; the model supports {cfg.max_seq_len}")
-    if args.regions is not None and args.regions > args.seq_len:
-        raise CliError(f"--regions {args.regions}: at most --seq-len ({args.seq_len}) regions fit in a sequence")
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    if args.batch_size % (world * args.micro_batch):
-        raise CliError(f"--batch-size {args.batch_size} must be a multiple of --micro-batch {args.micro_batch} "
-                       f"x {world} processes")
-    if args.warmup > args.steps // 2:
-        reached = min(1.0, args.steps / max(1, args.warmup))
-        print(f"warning: --warmup {args.warmup} is over half of --steps {args.steps}: the learning rate "
-              f"{f'only reaches {100 * reached:.2g}% of' if reached < 1 else 'reaches'} --lr "
-              f"{args.lr:g}{'' if reached < 1 else ' only at step ' + str(args.warmup)}", flush=True)
-
-
-def train(args, on_step=None) -> Path:
-    """The whole run; returns the exported model folder. `on_step(step, stats)` is a test hook."""
-    check_train_args(args)
-    d = setup_processes(args.device, args.dtype)
-    student, teacher, tok, mask_id = load_student_and_teacher(
-        args, d, with_teacher=args.mode in ("hard", "soft"))
-    fmt = args.format if args.format != "auto" else default_format(tok, student.config)
-    args.format = fmt
-    pad = padding_token(tok, fmt)
-    if args.regions is None:
-        args.regions = default_n_regions(args.seq_len, args.k_max)
-    region_len = args.seq_len // args.regions
-    per_process = args.batch_size // d.world
-    pairs = [pair for path in args.data for pair in read_pairs(path)][: args.limit_rows or None]
-    seqs = training_sequences(pairs, tok, fmt, args.seq_len)
-    if args.activation_checkpointing:
-        enable_activation_checkpointing(student)
-    optimizer, scheduler = make_optimizer(student, args)
-
-    start = 0
-    if args.overwrite and d.main:                     # checked before: --overwrite was asked for
-        for old in (checkpoint_dir(args.out), Path(args.out) / "final"):
-            shutil.rmtree(old, ignore_errors=True)
-        (Path(args.out) / "log.jsonl").unlink(missing_ok=True)
-    if args.resume and (ckpt := latest_checkpoint(args.out)) is not None:
-        start = load_checkpoint(ckpt, student, optimizer, scheduler, args)
-        log(d, f"resumed from {ckpt} at step {start}")
-        if d.main:
-            forget_log_after(Path(args.out) / "log.jsonl", start)
-    elif args.resume:
-        log(d, f"--resume: no checkpoint in {checkpoint_dir(args.out)}, starting at step 0")
-    if d.main:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        write_json(Path(args.out) / "train_args.json", vars(args))
-    log(d, f"{args.mode} training: {len(pairs):,} rows, format {fmt}, {d.world} process(es) on {d.device}, "
-           f"{per_process // args.micro_batch} micro-batch(es) of {args.micro_batch} per process and step, "
-           f"{student.config.n_layers} layers, mask id {mask_id}")
-
-    t0, done_tokens, progress = time.perf_counter(), 0, Progress()
-    try:
-        for step in range(start, args.steps):
-            k, offset = step_k_and_offset(step, args.seed, args.k_max, region_len)
-            rows = rows_of_step(step, args.batch_size, len(seqs), args.seed)
-            stats = train_step(student, teacher, optimizer, scheduler, micro_batches(seqs, rows, d, args.micro_batch),
-                               k, offset, args, d, mask_id, pad)
-            done_tokens += args.batch_size * args.seq_len
-            elapsed = time.perf_counter() - t0
-            last = step + 1 == args.steps
-            if d.main and ((step + 1) % args.log_every == 0 or last):
-                with open(Path(args.out) / "log.jsonl", "a") as f:
-                    f.write(json.dumps({"step": step + 1, **stats, "lr": scheduler.get_last_lr()[0]}) + "\n")
-            if d.main and progress.due(last):
-                eta = elapsed / (step + 1 - start) * (args.steps - step - 1)
-                log(d, format_progress(step + 1, args.steps, stats, scheduler.get_last_lr()[0], done_tokens / elapsed, eta))
-            if (step + 1) % args.save_every == 0 or last:
-                save_checkpoint(student, optimizer, scheduler, step + 1, args, d)
-                log(d, f"saved checkpoint {checkpoint_dir(args.out) / f'step_{step + 1:06d}'}")
-            if on_step is not None:
-                on_step(step + 1, stats)
-    except KeyboardInterrupt:                         # checkpoints are atomic: the last one is whole
-        saved = latest_checkpoint(args.out)
-        raise KeyboardInterrupt(f"{'the last checkpoint is ' + str(saved) if saved else 'no checkpoint yet'}; "
-                                f"run the same command with --resume to continue") from None
-    final = export(student, tok, Path(args.out) / "final", args, d)
-    log(d, f"exported {final}")
-    return final
-
-
-def forget_log_after(path: Path, step: int):
-    """Drop log.jsonl lines of steps after `step` (they are about to be redone)."""
-    if path.is_file():
-        kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
-        atomic_save(lambda p: Path(p).write_text("".join(line + "\n" for line in kept)), path)
-
-
-def log(d: Dist, message: str):
-    if d.main:
-        print(message, flush=True)
-
-
-# ==============================================================================================
-# Export: a Hugging Face folder any transformers-based stack loads
-# ==============================================================================================
-
-def export(student, tok: Tokenizer, path: Path, args, d: Dist, extra_card: str = "") -> Path:
-    """config.json (with mask_token_id) + safetensors + tokenizer (with <mask>) + README.md.
-
-    Under FSDP2 the shards are gathered into one full state dict on rank 0 (in CPU memory). The
-    weights are written in the base checkpoint's dtype, whichever device trained them, so `train`
-    and `export` of one run write the same files and a tuned model ships like its base."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    state = get_model_state_dict(student, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if d.main:
-        with torch.device("meta"):
-            model = Transformer(student.config)
-        model.load_state_dict(state, assign=True, strict=True)
-        if model.config.tie_embeddings:
-            model.lm_head.weight = model.tok_emb.weight
-        path = Path(path)
-        model.save_pretrained(path, dtype=checkpoint_dtype(args.model))
-        tok.save_pretrained(path)
-        (path / "README.md").write_text(model_card(model.config, args, extra_card), encoding="utf-8")
-    barrier(d)
-    return Path(path)
-
-
-def checkpoint_dtype(path) -> torch.dtype:
-    """The dtype config.json says a Hugging Face checkpoint is stored in; float32 when unstated."""
-    cfg = read_json(os.path.join(path, "config.json"), "model config")
-    name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(name, torch.float32)
-
-
-def model_card(cfg: ModelConfig, args, extra: str = "") -> str:
-    """A short README.md: what the model is and how to decode it."""
-    lines = ["---", "library_name: transformers", "tags: [multi-token-prediction, self-distillation]", "---", ""]
-    how = {"hard": "student-forced self-distillation from a frozen copy of itself (hard teacher targets)",
-           "soft": "student-forced self-distillation from a frozen copy of itself (soft teacher targets)",
-           "gt": "the naive ground-truth multi-token loss (an ablation)"}[args.mode]
-    lines += [
-        "# Multi-token prediction by self-distillation", "",
-        f"Tuned from `{args.model}` on {', '.join(f'`{d}`' for d in args.data)} with {how}, following Kirchenbauer et al., "
-        "\"Multi-Token Prediction via Self-Distillation\" (arXiv 2602.06019).", "",
-        f"The architecture is unchanged; the vocabulary has one extra token, `<mask>` "
-        f"(id {cfg.mask_token_id}, also `mask_token_id` in config.json). Decoded normally (one token per "
-        "forward pass) it is an ordinary causal LM and loads with `AutoModelForCausalLM`.", "",
-        "## Decoding several tokens per forward pass", "",
-        "Feed the text so far followed by k-1 `<mask>` tokens; the logits at the last real token and at the "
-        "k-1 masks are the next k tokens. Keep only the longest leading run whose top-1 probability is at "
-        "least tau (ConfAdapt; always keep the first), drop the masks from the KV cache, repeat:", "",
-        "```bash",
-        "python confadapt.py --model THIS_FOLDER --prompt \"...\" --tau 0.9 --k-max 16   # ConfAdapt (paper: ~3x fewer passes)",
-        "python confadapt.py --model THIS_FOLDER --prompt \"...\" --lossless --k-max 8    # exactly greedy, fewer passes",
-        "python finetune_hf.py eval --model THIS_FOLDER --data gsm8k_test.jsonl          # accuracy vs effective k",
-        "```", "",
-        "One multi-token pass with plain transformers (positions default to 0..T-1, which is what the masks need):", "",
-        "```python",
-        "import torch",
-        "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        "model, tok = AutoModelForCausalLM.from_pretrained(FOLDER), AutoTokenizer.from_pretrained(FOLDER)",
-        "ids = tok(prompt, return_tensors=\"pt\").input_ids                       # formatted as in training",
-        "k = 4",
-        "x = torch.cat([ids, torch.full((1, k - 1), model.config.mask_token_id)], dim=1)",
-        "confidence, next_k = model(x).logits[0, -k:].softmax(-1).max(-1)       # k proposals and their confidences",
-        "```", "",
-        f"Prompt format used in training: `{args.format}`"
-        + (" (Llama-3 chat template)" if args.format == "llama3-chat" else
-           " (ChatML, as the model's chat template)" if args.format == "chatml" else
-           " (prompt + \"\\n\\n\" + response, `<|endoftext|>` first)" if args.format == "qwen" else
-           " (BOS + prompt + \"\\n\\n\" + response)") + ".", "",
-        "## Training", "",
-        f"seq len {args.seq_len}, k uniform in [2, {args.k_max}], {args.regions} regions per sequence, "
-        f"global batch {args.batch_size}, AdamW lr {args.lr:g} (warm-up {args.warmup} steps, then constant), "
-        f"betas ({args.beta1}, {args.beta2}), weight decay {args.weight_decay}, clip {args.clip}, {args.steps} steps.",
-        ""]
-    return "\n".join(lines + [extra])
-
-
-def export_checkpoint(args):
-    """`export`: turn a training checkpoint (e.g. of an interrupted run) into a Hugging Face folder."""
-    ckpt = Path(args.checkpoint)
-    if (ckpt / "checkpoints").is_dir():
-        ckpt = latest_checkpoint(ckpt) or ckpt
-    if not (ckpt / "trainer.pt").is_file():
-        raise FileNotFoundError(f"no training checkpoint (trainer.pt) in {args.checkpoint}")
-    output_folder(args.out, "--out")
-    saved = argparse.Namespace(**read_checkpoint(ckpt / "trainer.pt", "training checkpoint", weights_only=True)["args"])
-    saved.device = "cpu"
-    input_path(saved.model, "the base model this checkpoint was tuned from", folder=True)
-    d = Dist()
-    student, _, tok, _ = load_student_and_teacher(saved, d, with_teacher=False)
-    optimizer, scheduler = make_optimizer(student, saved)
-    load_checkpoint(ckpt, student, optimizer, scheduler, saved)
-    return export(student, tok, Path(args.out), saved, d)
-
-
-# ==============================================================================================
-# GSM8K, scored as lm-evaluation-harness's `gsm8k_cot` task scores it
-# ==============================================================================================
+# === eval: GSM8K, scored as lm-evaluation-harness's `gsm8k_cot` task scores it ===============
 #
 # Prompt: the 8 chain-of-thought exemplars of Wei et al. (2022) as "Q: ...\nA: ... The answer
 # is N." joined by blank lines, then "Q: {question}\nA:". Greedy decoding stops at "Q:", "</s>",
 # "<|im_end|>" or a stop token; the completion is cut before the first stop string.
-# Two answer extractors:
-#   strict-match      the FIRST match of `The answer is (\-?[0-9\.\,]+).` -- the trailing "." is
-#                     an unescaped regex dot, i.e. ANY one character, so the group gives back its
-#                     last character whenever nothing follows the number: "The answer is 42"
-#                     at the very end of the completion extracts "4" and is scored wrong;
+#   strict-match      the FIRST match of `The answer is (\-?[0-9\.\,]+).` -- the last "." is an
+#                     unescaped regex dot (ANY one character), so with nothing after the number
+#                     the group gives back its last digit: a final "The answer is 42" gives "4";
 #   flexible-extract  the LAST match of `(-?[$0-9.,]{2,})|(-?[0-9]+)`, the last number-like run.
 # Before comparing, both the extraction and the gold answer (the text after "####") lose every
-# ",", every "$", everything up to "#### " and one trailing ".", and are lower-cased.
-# Accuracy comes with its standard error, sqrt(sample variance / n), as the harness reports it.
+# ",", every "$", everything up to "#### " and one trailing ".", and are lower-cased. Accuracy
+# comes with its standard error, sqrt(sample variance / n), as the harness reports it.
 
 GSM8K_EXEMPLARS = [
     ("There are 15 trees in the grove. Grove workers will plant trees in the grove today. After they are done, "
@@ -738,38 +219,23 @@ IGNORED_BEFORE_COMPARING = (",", r"\$", r"(?s).*#### ", r"\.$")
 
 
 def fewshot_prompt(question: str, n_shot: int = 8) -> str:
-    shots = [f"Q: {q}\nA: {a}" for q, a in GSM8K_EXEMPLARS[:n_shot]]
-    return "\n\n".join(shots + [f"Q: {question}\nA:"])
-
-
-def extract(regex: re.Pattern, text: str, select: int) -> str:
-    """Match number `select` of the regex (0 first, -1 last); with several groups, the non-empty one."""
-    found = regex.findall(text)
-    if not found:
-        return "[invalid]"
-    match = found[select]
-    if isinstance(match, tuple):
-        match = next(m for m in match if m)
-    return match.strip()
-
-
-def strict_match(completion: str) -> str:
-    return extract(STRICT_MATCH, completion, 0)
-
-
-def flexible_extract(completion: str) -> str:
-    return extract(FLEXIBLE_EXTRACT, completion, -1)
-
-
-def normalize(answer: str) -> str:
-    for pattern in IGNORED_BEFORE_COMPARING:
-        answer = re.sub(pattern, "", answer)
-    return answer.lower()
+    return "\n\n".join([f"Q: {q}\nA: {a}" for q, a in GSM8K_EXEMPLARS[:n_shot]] + [f"Q: {question}\nA:"])
 
 
 def score(completion: str, gold: str) -> dict:
     """Both extractions of one completion and whether each equals the gold answer."""
-    strict, flexible = strict_match(completion), flexible_extract(completion)
+    def extract(regex: re.Pattern, select: int) -> str:       # match `select` (0: first, -1: last)
+        found = regex.findall(completion)
+        if not found:
+            return "[invalid]"
+        match = found[select]                         # with several groups: the non-empty one
+        return (next(m for m in match if m) if isinstance(match, tuple) else match).strip()
+
+    def normalize(answer: str) -> str:
+        for pattern in IGNORED_BEFORE_COMPARING:
+            answer = re.sub(pattern, "", answer)
+        return answer.lower()
+    strict, flexible = extract(STRICT_MATCH, 0), extract(FLEXIBLE_EXTRACT, -1)
     return {"strict": strict, "flexible": flexible,
             "strict_ok": normalize(strict) == normalize(gold), "flexible_ok": normalize(flexible) == normalize(gold)}
 
@@ -782,18 +248,13 @@ def cut_at_stop_strings(text: str, stops=GSM8K_STOP_STRINGS) -> str:
 
 def mean_and_stderr(values) -> tuple[float, float]:
     values = [float(v) for v in values]
-    mean = sum(values) / len(values)
-    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
-    return mean, se
+    return sum(values) / len(values), statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
 
 
 def completion_of(tok: Tokenizer, gen, stop_ids, stops=GSM8K_STOP_STRINGS) -> tuple[str, int, int]:
-    """(completion text, tokens, forward passes), as if decoding had stopped at the first stop string.
-
-    confadapt.generate stops at stop TOKENS only; a stop STRING ("Q:") ends the completion at the
-    end of the pass whose tokens completed it, which is when a string-stopping decoder would have
-    stopped. Tokens and passes after that are not counted.
-    """
+    """(completion text, tokens, forward passes) as if decoding had stopped at the first stop string:
+    generate stops at stop TOKENS only, so a stop STRING ("Q:") ends the completion with the pass
+    whose tokens completed it, as a string-stopping decoder would; what follows is not counted."""
     tokens = gen.tokens[:-1] if gen.tokens and gen.tokens[-1] in stop_ids else gen.tokens
     text = tok.decode(tokens)
     cut = cut_at_stop_strings(text, stops)
@@ -805,155 +266,58 @@ def completion_of(tok: Tokenizer, gen, stop_ids, stops=GSM8K_STOP_STRINGS) -> tu
     return cut, len(gen.tokens), gen.forward_passes
 
 
-@dataclass
-class EvalSetup:
-    model: Transformer
-    tok: Tokenizer
-    mask_id: int | None
-    stop_ids: set
-    prompts: list[list[int]]
-    golds: list[str]
-
-
-def decoding_modes(args) -> list[DecodeConfig]:
+def evaluate(args) -> list[dict]:
+    """`eval`: every question decoded with every setting of the sweep (confadapt.decode_modes) and
+    scored; writes results.json, results.md, pareto.png and samples.jsonl to --out."""
     modes = decode_modes(args.static_k, args.taus, args.k_max, args.lossless_k)
     if not modes:
         raise ValueError("nothing to evaluate: give --static-k and/or --taus")
-    return modes
-
-
-def run_mode(setup: EvalSetup, mode: DecodeConfig, max_new_tokens: int, batch_size: int) -> tuple[dict, list]:
-    """Decode every prompt with one mode (longest first, batch_size at a time, a finished row's
-    place going to the next prompt); score; summarise."""
-    order = sorted(range(len(setup.prompts)), key=lambda i: -len(setup.prompts[i]))
-    gens, stats = generate(setup.model, [setup.prompts[i] for i in order], max_new_tokens, mode,
-                           setup.mask_id, setup.stop_ids, batch_size=batch_size)
-    seconds = stats.seconds - stats.prefill_seconds
-    samples = [None] * len(order)
-    for i, gen in zip(order, gens):
-        text, n_tokens, passes = completion_of(setup.tok, gen, setup.stop_ids)
-        samples[i] = {"index": i, "completion": text, "gold": setup.golds[i], "tokens": n_tokens,
-                      "passes": passes, "effective_k": n_tokens / max(1, passes),
-                      **score(text, setup.golds[i])}
-    flex, flex_se = mean_and_stderr(s["flexible_ok"] for s in samples)
-    strict, strict_se = mean_and_stderr(s["strict_ok"] for s in samples)
-    eff = [s["effective_k"] for s in samples]
-    tokens = sum(s["tokens"] for s in samples)
-    row = {"decoding": "k=1 (greedy)" if mode.kind == "greedy" else mode.describe(), "kind": mode.kind,
-           "k": mode.block if mode.kind != "confadapt" else None, "tau": mode.tau if mode.kind == "confadapt" else None,
-           "k_max": mode.k_max if mode.kind == "confadapt" else None, "n": len(samples),
-           "flexible_acc": flex, "flexible_se": flex_se, "strict_acc": strict, "strict_se": strict_se,
-           "effective_k_mean": statistics.mean(eff), "effective_k_std": statistics.pstdev(eff),
-           "effective_k_overall": tokens / max(1, sum(s["passes"] for s in samples)),
-           "tokens_per_second": tokens / max(seconds, 1e-9), "batch_size": batch_size}
-    return row, samples
-
-
-def results_markdown(rows: list[dict], title: str) -> str:
-    same = "same_as_reference" in rows[0]
-    lines = [f"### {title}", "",
-             "| decoding | flexible-extract acc. | strict-match acc. | effective k (mean ± std) | tokens/s |"
-             + (" same as reference |" if same else ""), "|---|---|---|---|---|" + ("---|" if same else "")]
-    for r in rows:
-        lines.append(f"| {r['decoding']} | {100 * r['flexible_acc']:.1f} ± {100 * r['flexible_se']:.1f} "
-                     f"| {100 * r['strict_acc']:.1f} ± {100 * r['strict_se']:.1f} "
-                     f"| {r['effective_k_mean']:.2f} ± {r['effective_k_std']:.2f} | {r['tokens_per_second']:,.1f} |"
-                     + (f" {100 * r['same_as_reference']:.0f}% |" if same else ""))
-    lines += ["", f"n = {rows[0]['n']} questions; accuracy in % ± standard error; effective k = tokens / forward "
-                  "passes per completion (not a wall-clock speed-up); tokens/s = decoding throughput at batch size "
-                  f"{rows[0]['batch_size']}, prefill excluded"
-                  + ("; same as reference = share of answers identical to the reference's k=1 answer." if same else ".")
-              , ""]
-    return "\n".join(lines)
-
-
-def pareto_front(rows: list[dict]) -> list[dict]:
-    """Settings no other setting beats on both accuracy and effective k."""
-    def dominated(r):
-        return any(o["flexible_acc"] >= r["flexible_acc"] and o["effective_k_mean"] >= r["effective_k_mean"]
-                   and (o["flexible_acc"], o["effective_k_mean"]) != (r["flexible_acc"], r["effective_k_mean"])
-                   for o in rows)
-    return sorted((r for r in rows if not dominated(r)), key=lambda r: r["effective_k_mean"])
-
-
-def pareto_plot(rows: list[dict], path, title: str):
-    """Accuracy (flexible-extract) against effective k, one series per decoding rule."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(6.4, 4.4))
-    ax = fig.add_subplot()
-    series = {"static k": [r for r in rows if r["kind"] in ("greedy", "static")],
-              "ConfAdapt": [r for r in rows if r["kind"] == "confadapt"],
-              "lossless": [r for r in rows if r["kind"] == "lossless"]}
-    for (name, pts), marker in zip(series.items(), "osD"):
-        pts = sorted(pts, key=lambda r: r["effective_k_mean"])
-        if not pts:
-            continue
-        ax.errorbar([r["effective_k_mean"] for r in pts], [100 * r["flexible_acc"] for r in pts],
-                    yerr=[100 * r["flexible_se"] for r in pts], marker=marker, capsize=3, label=name)
-        for r in pts:
-            label = f"k={r['k']}" if r["kind"] in ("greedy", "static") else \
-                f"τ={r['tau']:g}" if r["kind"] == "confadapt" else f"k≤{r['k']}"
-            ax.annotate(label, (r["effective_k_mean"], 100 * r["flexible_acc"]), textcoords="offset points",
-                        xytext=(4, 4), fontsize=7)
-    front = pareto_front(rows)
-    ax.plot([r["effective_k_mean"] for r in front], [100 * r["flexible_acc"] for r in front], "k--", lw=0.8,
-            alpha=0.5, label="Pareto front")
-    ax.set_xlabel("effective k (tokens per forward pass)")
-    ax.set_ylabel("accuracy, flexible-extract (%)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-
-
-def load_for_inference(args) -> tuple[Transformer, Tokenizer, int | None, str]:
-    """Model (eval mode, on the chosen device), tokenizer, mask id, prompt format."""
-    device = parse_device(args.device)
-    model, tok, mask_id, _ = load_model(args.model, device, compute_dtype(device.type, args.dtype))
-    fmt = args.format if args.format != "auto" else default_format(tok, model.config)
-    return model, tok, mask_id, fmt
-
-
-def stop_ids_for(model: Transformer, tok: Tokenizer, fmt: str) -> set:
-    eos = model.config.eos_token_id
-    eos = eos if isinstance(eos, list) else [eos]
-    return {i for i in eos if i is not None} | set(tok.stop_ids) | {end_token(tok, fmt)}
-
-
-def reference_completions(folder, n: int) -> list[str]:
-    """The k=1 completions of an earlier eval's samples.jsonl (e.g. the untuned model's)."""
-    path = Path(folder) / "samples.jsonl"
-    rows = [r for r in read_records(path) if r.get("decoding") == "k=1 (greedy)"]
-    if len(rows) < n:
-        raise ValueError(f"{path}: {len(rows)} greedy (k=1) completions, {n} needed; run that eval with --static-k 1")
-    return [r["completion"] for r in sorted(rows, key=lambda r: r["index"])][:n]
-
-
-def evaluate(args) -> list[dict]:
-    """`eval`: the sweep; writes results.json, results.md, pareto.png and samples.jsonl to --out."""
-    modes = decoding_modes(args)
-    model, tok, mask_id, fmt = load_for_inference(args)
-    rows = read_gsm8k(args.data)[: args.limit or None]
+    model, tok, mask_id, fmt, stop_ids = load_for_inference(args)
+    questions = read_gsm8k(args.data)[: args.limit or None]
+    golds = [gold for _, gold in questions]
     if args.prompt_style == "fewshot":
-        prompts = [start_tokens(tok, fmt) + tok.encode(fewshot_prompt(q, args.n_shot)) for q, _ in rows]
+        prompts = [start_tokens(tok, fmt) + tok.encode(fewshot_prompt(q, args.n_shot)) for q, _ in questions]
     else:
-        prompts = [prompt_tokens(tok, fmt, q) for q, _ in rows]
-    setup = EvalSetup(model, tok, mask_id, stop_ids_for(model, tok, fmt), prompts, [g for _, g in rows])
-    reference = reference_completions(args.reference, len(rows)) if args.reference else None
+        prompts = [prompt_tokens(tok, fmt, q) for q, _ in questions]
+    reference = None
+    if args.reference:                                # an earlier eval's k=1 completions (the untuned model's)
+        path = Path(args.reference) / "samples.jsonl"
+        greedy = [r for r in read_rows(path) if r.get("decoding") == "k=1 (greedy)"]
+        if len(greedy) < len(golds):
+            raise ValueError(f"{path}: {len(greedy)} greedy (k=1) completions, {len(golds)} needed; run "
+                             "that eval with --static-k 1")
+        reference = [r["completion"] for r in sorted(greedy, key=lambda r: r["index"])][:len(golds)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))    # longest first
     results = []
     with open(out / "samples.jsonl", "w", encoding="utf-8") as f:
-        for mode in modes:
-            row, samples = run_mode(setup, mode, args.max_new_tokens, args.batch_size)
+        for mode in modes:                            # a finished row's place in the batch goes to the next prompt
+            gens, stats = generate(model, [prompts[i] for i in order], args.max_new_tokens, mode, mask_id, stop_ids,
+                                   batch_size=args.batch_size)
+            samples = [None] * len(order)
+            for i, gen in zip(order, gens):
+                text, n_tokens, passes = completion_of(tok, gen, stop_ids)
+                samples[i] = {"index": i, "completion": text, "gold": golds[i], "tokens": n_tokens, "passes": passes,
+                              "effective_k": n_tokens / max(1, passes), **score(text, golds[i])}
+            flex, flex_se = mean_and_stderr(s["flexible_ok"] for s in samples)
+            strict, strict_se = mean_and_stderr(s["strict_ok"] for s in samples)
+            eff, tokens = [s["effective_k"] for s in samples], sum(s["tokens"] for s in samples)
+            confadapt = mode.kind == "confadapt"
+            row = {"decoding": "k=1 (greedy)" if mode.kind == "greedy" else mode.describe(), "kind": mode.kind,
+                   "k": None if confadapt else mode.block, "tau": mode.tau if confadapt else None,
+                   "k_max": mode.k_max if confadapt else None, "n": len(samples),
+                   "flexible_acc": flex, "flexible_se": flex_se, "strict_acc": strict, "strict_se": strict_se,
+                   "effective_k_mean": statistics.mean(eff), "effective_k_std": statistics.pstdev(eff),
+                   "effective_k_overall": tokens / max(1, sum(s["passes"] for s in samples)),
+                   "tokens_per_second": tokens / max(stats.seconds - stats.prefill_seconds, 1e-9),
+                   "batch_size": args.batch_size}
             if reference is not None:                 # how often the answer is the reference's, word for word
-                row["same_as_reference"] = mean_and_stderr(s["completion"] == ref for s, ref in zip(samples, reference))[0]
+                row["same_as_reference"] = mean_and_stderr(s["completion"] == r for s, r in zip(samples, reference))[0]
             results.append(row)
-            print(f"{row['decoding']:<28} flexible {100 * row['flexible_acc']:5.1f} ± {100 * row['flexible_se']:.1f}"
-                  f"  strict {100 * row['strict_acc']:5.1f}  effective k {row['effective_k_mean']:.2f} "
-                  f"± {row['effective_k_std']:.2f}  {row['tokens_per_second']:,.1f} tok/s", flush=True)
+            print(f"{row['decoding']:<28} flexible {100 * flex:5.1f} ± {100 * flex_se:.1f}  strict {100 * strict:5.1f}"
+                  f"  effective k {row['effective_k_mean']:.2f} ± {row['effective_k_std']:.2f}  "
+                  f"{row['tokens_per_second']:,.1f} tok/s", flush=True)
             for s in samples:
                 f.write(json.dumps({"decoding": row["decoding"], **s}) + "\n")
     name = "/".join(Path(args.model).resolve().parts[-2:])
@@ -963,34 +327,90 @@ def evaluate(args) -> list[dict]:
             "n_shot": args.n_shot if args.prompt_style == "fewshot" else 0, "max_new_tokens": args.max_new_tokens,
             "device": str(next(model.parameters()).device)}
     write_json(out / "results.json", {"meta": meta, "results": results})
-    (out / "results.md").write_text(results_markdown(results, title), encoding="utf-8")
+    same = reference is not None
+    md = [f"### {title}", "", "| decoding | flexible-extract acc. | strict-match acc. | effective k (mean ± std) "
+          "| tokens/s |" + (" same as reference |" if same else ""), "|---|---|---|---|---|" + "---|" * same]
+    md += [f"| {r['decoding']} | {100 * r['flexible_acc']:.1f} ± {100 * r['flexible_se']:.1f} | "
+           f"{100 * r['strict_acc']:.1f} ± {100 * r['strict_se']:.1f} | {r['effective_k_mean']:.2f} ± "
+           f"{r['effective_k_std']:.2f} | {r['tokens_per_second']:,.1f} |"
+           + (f" {100 * r['same_as_reference']:.0f}% |" if same else "") for r in results]
+    md += ["", f"n = {len(golds)} questions; accuracy in % ± standard error; effective k = tokens / forward passes "
+           "per completion (not a wall-clock speed-up); tokens/s = decoding throughput at batch size "
+           f"{args.batch_size}, prefill excluded"
+           + ("; same as reference = share of answers identical to the reference's k=1 answer." if same else "."), ""]
+    (out / "results.md").write_text("\n".join(md), encoding="utf-8")
     pareto_plot(results, out / "pareto.png", title)
     print(f"wrote {out / 'results.md'}, results.json, pareto.png, samples.jsonl")
     return results
 
 
-# ==============================================================================================
-# Analyze: is this domain predictable enough to be worth tuning?
-# ==============================================================================================
+def pareto_plot(rows: list[dict], path, title: str):
+    """Accuracy (flexible-extract) against effective k, one series per decoding rule, and the front
+    of the settings no other beats on both."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, 4.4))
+    ax = fig.add_subplot()
+    for name, kinds, marker in [("static k", ("greedy", "static"), "o"), ("ConfAdapt", ("confadapt",), "s"),
+                                ("lossless", ("lossless",), "D")]:
+        pts = sorted((r for r in rows if r["kind"] in kinds), key=lambda r: r["effective_k_mean"])
+        if pts:
+            ax.errorbar([r["effective_k_mean"] for r in pts], [100 * r["flexible_acc"] for r in pts],
+                        yerr=[100 * r["flexible_se"] for r in pts], marker=marker, capsize=3, label=name)
+        for r in pts:
+            label = f"τ={r['tau']:g}" if r["kind"] == "confadapt" else f"k≤{r['k']}" if r["kind"] == "lossless" \
+                else f"k={r['k']}"
+            ax.annotate(label, (r["effective_k_mean"], 100 * r["flexible_acc"]), textcoords="offset points",
+                        xytext=(4, 4), fontsize=7)
+
+    def beaten(r):                                    # by one at least as accurate and as fast
+        return any(o["flexible_acc"] >= r["flexible_acc"] and o["effective_k_mean"] >= r["effective_k_mean"]
+                   and (o["flexible_acc"], o["effective_k_mean"]) != (r["flexible_acc"], r["effective_k_mean"])
+                   for o in rows)
+    front = sorted((r for r in rows if not beaten(r)), key=lambda r: r["effective_k_mean"])
+    ax.plot([r["effective_k_mean"] for r in front], [100 * r["flexible_acc"] for r in front], "k--", lw=0.8,
+            alpha=0.5, label="Pareto front")
+    ax.set(xlabel="effective k (tokens per forward pass)", ylabel="accuracy, flexible-extract (%)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+
+
+def load_for_inference(args) -> tuple[Transformer, Tokenizer, int | None, str, set]:
+    """Model (eval mode, on --device), tokenizer, mask id, prompt format and stop ids (the model's
+    and the tokenizer's, plus the token that ends a response in this format)."""
+    device = parse_device(args.device)
+    model, tok, mask_id, stop_ids = load_model(args.model, device, compute_dtype(device.type, args.dtype))
+    fmt = args.format if args.format != "auto" else default_format(tok, model.config)
+    return model, tok, mask_id, fmt, stop_ids | {end_token(tok, fmt)}
+
+
+def stop_ids_for(model: Transformer, tok: Tokenizer, fmt: str) -> set:
+    """The stop ids load_for_inference gives, for a model loaded some other way."""
+    eos = model.config.eos_token_id
+    return {i for i in (eos if isinstance(eos, list) else [eos]) if i is not None} | set(tok.stop_ids) \
+        | {end_token(tok, fmt)}
+
+
+# === analyze: is this domain predictable enough to be worth tuning? ==========================
 #
-# Before any training, let the model answer the domain's prompts greedily and record, for each
-# answer token, its top-1 probability given the true prefix (one teacher-forced forward pass
-# over prompt + answer). ConfAdapt will later accept a mask prediction when the TUNED model is
-# at least tau sure of it, without seeing the tokens just before it. We bound that from the
-# base model's confidences c_t along the answer:
-#   per-token (optimistic)  position j of a pass is accepted while every c of the tokens it
-#                           covers is >= tau (the student is as sure as the teacher was with
-#                           the true prefix in view);
+# Before any training, let the model answer the domain's prompts greedily and record for each
+# answer token its top-1 probability c_t given the true prefix. ConfAdapt will accept a mask
+# prediction when the TUNED model is at least tau sure of it, without seeing the tokens just
+# before it. Two bounds on that from the base model's c_t, each run through ConfAdapt's rule:
+#   per-token (optimistic)  position j of a pass is accepted while every c it covers is >= tau
+#                           (the student as sure as the teacher was with the true prefix);
 #   joint (conservative)    accepted while c_t * c_{t+1} * ... * c_{t+j} >= tau: the probability
-#                           of the whole greedy run, a lower bound on the marginal probability of
-#                           its last token, which is what the mask position has to predict.
-# Simulating ConfAdapt's accept rule on these gives two estimates of the effective k. Both assume
-# a student that has learned everything the teacher knows, so read them as ceilings (on the
-# word-problem miniature: 10.9-11.2 by both estimates at tau = 0.9, 6.7 reached after 1,000 steps).
+#                           of the whole greedy run, a lower bound on the marginal probability
+#                           of its last token, which is what the mask position has to predict.
+# Both assume a student that learns all the teacher knows: read them as ceilings (on the
+# word-problem miniature: 10.9-11.2 at tau = 0.9, 6.7 reached after 1,000 steps).
 
 def simulated_passes(conf: list[float], tau: float, k_max: int, joint: bool) -> int:
-    """Forward passes ConfAdapt(tau, k_max) would need for this answer under one estimate: the
-    real accept rule (accept_confadapt) applied to each pass's confidences, per token or joint."""
+    """Forward passes ConfAdapt(tau, k_max) needs for an answer with these confidences: its accept
+    rule (accept_confadapt) applied to each pass's window, per token or joint."""
     t, passes = 0, 0
     while t < len(conf):
         window = conf[t:t + k_max]
@@ -1000,67 +420,57 @@ def simulated_passes(conf: list[float], tau: float, k_max: int, joint: bool) -> 
     return passes
 
 
-@torch.inference_mode()
-def answer_confidences(model: Transformer, prompt: list[int], answer: list[int]) -> list[float]:
-    """Top-1 probability of the model at every answer token, given the true prefix."""
-    device = next(model.parameters()).device
-    ids = torch.tensor([prompt + answer], device=device)                             # (1, P + A)
-    index = torch.arange(len(prompt) - 1, len(prompt) + len(answer) - 1, device=device)[None]   # (1, A)
-    probs = model(ids, output_index=index).float().softmax(-1)                        # (1, A, V)
-    return probs.max(-1).values[0].tolist()
-
-
-def greedy_answers(model, tok, fmt, questions: list[str], args):
-    """The model's greedy answers to the questions in the prompt format -> (prompts, gens, stats)."""
+def greedy_answers(model, tok, fmt, stop_ids, questions: list[str], args):
+    """The model's greedy answers to the questions in the prompt format: (prompts, gens, stats)."""
     prompts = [prompt_tokens(tok, fmt, q) for q in questions]
-    gens, stats = generate(model, prompts, args.max_new_tokens, DecodeConfig("greedy"),
-                           stop_ids=stop_ids_for(model, tok, fmt), batch_size=args.batch_size)
+    gens, stats = generate(model, prompts, args.max_new_tokens, DecodeConfig("greedy"), stop_ids=stop_ids,
+                           batch_size=args.batch_size)
     return prompts, gens, stats
-
-
-def predictability(model, tok, fmt, questions: list[str], args) -> dict:
-    """Greedy answers to the questions, their confidence profile and ConfAdapt's estimates."""
-    prompts, gens, _ = greedy_answers(model, tok, fmt, questions, args)
-    confs = [answer_confidences(model, p, g.tokens) for p, g in zip(prompts, gens) if g.tokens]
-    flat = [c for cs in confs for c in cs]
-    if not flat:
-        raise ValueError("the model produced no answer tokens")
-    rows = []
-    for tau in args.taus:
-        est = {}
-        for joint in (False, True):
-            passes = sum(simulated_passes(cs, tau, args.k_max, joint) for cs in confs)
-            est["joint" if joint else "per_token"] = len(flat) / passes
-        rows.append({"tau": tau, "share_confident": sum(c >= tau for c in flat) / len(flat),
-                     "effective_k_per_token": est["per_token"], "effective_k_joint": est["joint"]})
-    ref = min(rows, key=lambda r: abs(r["tau"] - 0.9))
-    worth = ref["effective_k_per_token"] >= 2.0
-    verdict = (f"at tau={ref['tau']:g}, ConfAdapt could reach an effective k of about {ref['effective_k_joint']:.1f} "
-               f"(joint estimate) to {ref['effective_k_per_token']:.1f} (per-token estimate): "
-               + ("predictable enough to be worth tuning." if worth else
-                  "little to gain; these answers are not predictable enough."))
-    return {"answers": len(confs), "tokens": len(flat), "mean_confidence": sum(flat) / len(flat),
-            "estimates": rows, "worth_tuning": worth, "verdict": verdict}
 
 
 def analyze(args) -> dict:
     """`analyze`: confidence profile and ConfAdapt estimates per domain; prints a verdict, writes JSON + MD."""
-    model, tok, _, fmt = load_for_inference(args)
+    model, tok, _, fmt, stop_ids = load_for_inference(args)
     if args.domains:                                  # held-out prompts generated in code
         groups = {d: domain_prompts(d, args.limit, "test") for d in args.domains}
     else:
-        groups = {Path(args.data).name: read_questions(args.data)[: args.limit or None]}
-    reports = {name: predictability(model, tok, fmt, questions, args) for name, questions in groups.items()}
+        questions = read_rows(args.data, [("question",), ("query",), ("prompt",)])   # GSM8K, MetaMathQA, generic
+        groups = {Path(args.data).name: [q for (q,) in questions][: args.limit or None]}
+    reports = {}
+    for name, questions in groups.items():
+        prompts, gens, _ = greedy_answers(model, tok, fmt, stop_ids, questions, args)
+        confs = []                                    # per answer: top-1 probability at each token
+        for prompt, gen in ((p, g) for p, g in zip(prompts, gens) if g.tokens):
+            with torch.inference_mode():              # one teacher-forced pass over prompt + answer
+                ids = torch.tensor([prompt + gen.tokens], device=next(model.parameters()).device)   # (1, P + A)
+                index = torch.arange(len(prompt) - 1, ids.shape[1] - 1, device=ids.device)[None]   # (1, A)
+                probs = model(ids, output_index=index).float().softmax(-1)                         # (1, A, V)
+                confs.append(probs.max(-1).values[0].tolist())
+        flat = [c for cs in confs for c in cs]
+        if not flat:
+            raise ValueError("the model produced no answer tokens")
+        rows = []
+        for tau in args.taus:
+            est = {key: len(flat) / sum(simulated_passes(cs, tau, args.k_max, joint) for cs in confs)
+                   for key, joint in (("per_token", False), ("joint", True))}
+            rows.append({"tau": tau, "share_confident": sum(c >= tau for c in flat) / len(flat),
+                         "effective_k_per_token": est["per_token"], "effective_k_joint": est["joint"]})
+        ref = min(rows, key=lambda r: abs(r["tau"] - 0.9))
+        worth = ref["effective_k_per_token"] >= 2.0
+        verdict = (f"at tau={ref['tau']:g}, ConfAdapt could reach an effective k of about "
+                   f"{ref['effective_k_joint']:.1f} (joint estimate) to {ref['effective_k_per_token']:.1f} "
+                   "(per-token estimate): " + ("predictable enough to be worth tuning." if worth else
+                                               "little to gain; these answers are not predictable enough."))
+        reports[name] = {"answers": len(confs), "tokens": len(flat), "mean_confidence": sum(flat) / len(flat),
+                         "estimates": rows, "worth_tuning": worth, "verdict": verdict}
     md = [f"### Predictability for {'/'.join(Path(args.model).resolve().parts[-2:])}", "",
           f"Greedy answers (at most {args.max_new_tokens} tokens) to held-out prompts, {fmt} format; "
           f"ConfAdapt k_max = {args.k_max}; estimated effective k, joint to per-token.", "",
-          "| prompts | answers | tokens | mean confidence | "
-          + " | ".join(f"tau {t:g}" for t in args.taus) + " |",
+          "| prompts | answers | tokens | mean confidence | " + " | ".join(f"tau {t:g}" for t in args.taus) + " |",
           "|---|---|---|---|" + "---|" * len(args.taus)]
-    for name, r in reports.items():
-        md.append(f"| {name} | {r['answers']} | {r['tokens']} | {r['mean_confidence']:.3f} | "
-                  + " | ".join(f"{e['effective_k_joint']:.2f}-{e['effective_k_per_token']:.2f}" for e in r["estimates"])
-                  + " |")
+    md += [f"| {name} | {r['answers']} | {r['tokens']} | {r['mean_confidence']:.3f} | " + " | ".join(
+        f"{e['effective_k_joint']:.2f}-{e['effective_k_per_token']:.2f}" for e in r["estimates"]) + " |"
+        for name, r in reports.items()]
     md += [""] + [f"- {name}: {r['verdict']}" for name, r in reports.items()] + [""]
     print("\n".join(md))
     report = {"model": args.model, "format": fmt, "k_max": args.k_max, "max_new_tokens": args.max_new_tokens,
@@ -1072,9 +482,7 @@ def analyze(args) -> dict:
     return report
 
 
-# ==============================================================================================
-# Data from the model itself: its own answers to domain prompts
-# ==============================================================================================
+# === data: training rows from the model itself ===============================================
 #
 # The hard teacher only uses the data as prefixes: its targets are its own predictions along
 # them. With no data set at hand, the model's own greedy answers to prompts of the target
@@ -1082,49 +490,429 @@ def analyze(args) -> dict:
 
 def make_data(args):
     """`data`: write the model's greedy answers to each domain's training prompts as JSONL rows."""
-    model, tok, _, fmt = load_for_inference(args)
-    stop_ids = stop_ids_for(model, tok, fmt)
-    out = Path(args.out)
+    model, tok, _, fmt, stop_ids = load_for_inference(args)
     rows = []
     for domain in args.domains:
         questions = domain_prompts(domain, args.per_domain, args.split)
-        _, gens, stats = greedy_answers(model, tok, fmt, questions, args)
+        _, gens, stats = greedy_answers(model, tok, fmt, stop_ids, questions, args)
         for q, g in zip(questions, gens):
             finished = bool(g.tokens) and g.tokens[-1] in stop_ids
             rows.append({"domain": domain, "prompt": q, "response": tok.decode(g.tokens[:-1] if finished else g.tokens),
                          "finished": finished})
         print(f"{domain}: {len(questions)} answers, {sum(len(g.tokens) for g in gens):,} tokens, "
               f"{stats.seconds:.0f} s", flush=True)
+    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_save(lambda p: Path(p).write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8"), out)
     print(f"wrote {len(rows)} rows to {out}")
 
 
-# ==============================================================================================
-# Command line
-# ==============================================================================================
+# === export: a Hugging Face folder any transformers-based stack loads ========================
 
-def add_device(p):
-    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                   help="compute dtype (auto: bfloat16 on GPUs and on CPUs with bfloat16 arithmetic, else float32)")
-    p.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: torch's, one per core)")
+def export(student, tok: Tokenizer, path: Path, args, d: Dist) -> Path:
+    """config.json (with mask_token_id) + safetensors + tokenizer (with <mask>) + README.md.
+
+    Under FSDP2 the shards are gathered into one full state dict on rank 0 (in CPU memory). The
+    weights are written in the base checkpoint's dtype (its config.json's; float32 when unstated),
+    whichever device trained them, so a tuned model ships like its base."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(student, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if d.main:
+        with torch.device("meta"):
+            model = Transformer(student.config)
+        model.load_state_dict(state, assign=True, strict=True)
+        if model.config.tie_embeddings:
+            model.lm_head.weight = model.tok_emb.weight
+        base = read_json(os.path.join(args.model, "config.json"), "model config")
+        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(base.get("dtype") or base.get("torch_dtype"))
+        model.save_pretrained(path, dtype=dtype or torch.float32)
+        tok.save_pretrained(path)
+        (Path(path) / "README.md").write_text(model_card(model.config, args), encoding="utf-8")
+    d.barrier()
+    return Path(path)
 
 
-def add_format(p):
-    p.add_argument("--format", default="auto", choices=("auto",) + FORMATS,
-                   help="prompt format (auto: llama3-chat or chatml if the tokenizer has their tokens, qwen for Qwen, "
-                        "else plain)")
+def model_card(cfg: ModelConfig, args) -> str:
+    """A short README.md: what the model is and how to decode it."""
+    how = {"hard": "student-forced self-distillation from a frozen copy of itself (hard teacher targets)",
+           "soft": "student-forced self-distillation from a frozen copy of itself (soft teacher targets)",
+           "gt": "the naive ground-truth multi-token loss (an ablation)"}[args.mode]
+    fmt = {"llama3-chat": " (Llama-3 chat template)", "chatml": " (ChatML, as the model's chat template)",
+           "qwen": ' (prompt + "\\n\\n" + response, `<|endoftext|>` first)'}.get(
+        args.format, ' (BOS + prompt + "\\n\\n" + response)')
+    return f"""---
+library_name: transformers
+tags: [multi-token-prediction, self-distillation]
+---
+
+# Multi-token prediction by self-distillation
+
+Tuned from `{args.model}` on {', '.join(f'`{d}`' for d in args.data)} with {how}, following Kirchenbauer \
+et al., "Multi-Token Prediction via Self-Distillation" (arXiv 2602.06019).
+
+The architecture is unchanged; the vocabulary has one extra token, `<mask>` (id {cfg.mask_token_id}, \
+also `mask_token_id` in config.json). Decoded normally (one token per forward pass) it is an ordinary \
+causal LM and loads with `AutoModelForCausalLM`.
+
+## Decoding several tokens per forward pass
+
+Feed the text so far followed by k-1 `<mask>` tokens; the logits at the last real token and at the \
+k-1 masks are the next k tokens. Keep only the longest leading run whose top-1 probability is at \
+least tau (ConfAdapt; always keep the first), drop the masks from the KV cache, repeat:
+
+```bash
+python confadapt.py --model THIS_FOLDER --prompt "..." --tau 0.9 --k-max 16   # ConfAdapt (paper: ~3x fewer passes)
+python confadapt.py --model THIS_FOLDER --prompt "..." --lossless --k-max 8    # exactly greedy, fewer passes
+python finetune_hf.py eval --model THIS_FOLDER --data gsm8k_test.jsonl          # accuracy vs effective k
+```
+
+One multi-token pass with plain transformers (positions default to 0..T-1, which is what the masks need):
+
+```python
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model, tok = AutoModelForCausalLM.from_pretrained(FOLDER), AutoTokenizer.from_pretrained(FOLDER)
+ids = tok(prompt, return_tensors="pt").input_ids                       # formatted as in training
+k = 4
+x = torch.cat([ids, torch.full((1, k - 1), model.config.mask_token_id)], dim=1)
+confidence, next_k = model(x).logits[0, -k:].softmax(-1).max(-1)       # k proposals and their confidences
+```
+
+Prompt format used in training: `{args.format}`{fmt}.
+
+## Training
+
+seq len {args.seq_len}, k uniform in [2, {args.k_max}], {args.regions} regions per sequence, global \
+batch {args.batch_size}, AdamW lr {args.lr:g} (warm-up {args.warmup} steps, then constant), betas \
+({args.beta1}, {args.beta2}), weight decay {args.weight_decay}, clip {args.clip}, {args.steps} steps.
+"""
 
 
-def add_training_args(p):
-    g = p.add_argument_group("data")
-    g.add_argument("--data", required=True, nargs="+",
-                   help="MetaMathQA JSON array / JSONL (query, response) or JSONL (prompt, response); several are joined")
-    add_format(g)
+def export_checkpoint(args):
+    """`export`: a training checkpoint (a run's --out, or a step_N folder) -> Hugging Face folder."""
+    ckpt = Path(args.checkpoint)
+    if (ckpt / "checkpoints").is_dir():
+        ckpt = latest_checkpoint(ckpt) or ckpt
+    if not (ckpt / "trainer.pt").is_file():
+        raise FileNotFoundError(f"no training checkpoint (trainer.pt) in {args.checkpoint}")
+    output_folder(args.out, "--out")
+    saved = argparse.Namespace(**read_checkpoint(ckpt / "trainer.pt", "training checkpoint", weights_only=True)["args"])
+    saved.device = "cpu"
+    input_path(saved.model, "the base model this checkpoint was tuned from", folder=True)
+    d = Dist()
+    student, _, tok, _ = load_student_and_teacher(saved, d, with_teacher=False)
+    optimizer, scheduler = make_optimizer(student, saved)
+    load_checkpoint(ckpt, student, optimizer, scheduler, saved)
+    return export(student, tok, Path(args.out), saved, d)
+
+
+# --- plumbing: processes, dtypes, loading and sharding, checkpoints, input checks, files, CLI ----
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    device: torch.device = torch.device("cpu")
+    dtype: torch.dtype = torch.float32               # what the matrix multiplications compute in
+    sharded: bool = False                            # under torchrun: FSDP2, at any world size
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def log(self, message: str):
+        if self.main:
+            print(message, flush=True)
+
+    def all_sum(self, x: float) -> float:
+        if not self.sharded:
+            return x
+        t = torch.tensor([float(x)], dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(t)
+        return float(t)
+
+    def barrier(self):
+        if self.sharded:
+            torch.distributed.barrier()
+
+
+def setup_processes(device: str, dtype: str = "auto") -> Dist:
+    """Join the torchrun process group if there is one (nccl on GPU, gloo on CPU)."""
+    device = parse_device(device)
+    compute = compute_dtype(device.type, dtype)
+    if "WORLD_SIZE" not in os.environ:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        return Dist(device=device, dtype=compute)
+    import datetime
+
+    if device.type == "cuda":                 # one GPU per process, whatever index --device named
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    elif dtype == "auto":                     # several CPU processes (gloo, tests): float32
+        compute = torch.float32
+    # Rank 0 alone reads the checkpoint and writes the export while the others wait in a
+    # collective; for an 8B model on a slow disk that can outlast NCCL's default 10 minutes.
+    torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                         timeout=datetime.timedelta(hours=1))
+    return Dist(torch.distributed.get_rank(), torch.distributed.get_world_size(), device, compute, sharded=True)
+
+
+def compute_dtype(device_type: str, dtype: str = "auto") -> torch.dtype:
+    """--dtype auto: bfloat16 on GPUs that have it (Ampere and later) and on CPUs with native
+    bfloat16 arithmetic (AVX-512 BF16 or AMX; elsewhere torch emulates it, slowly), else float32."""
+    if dtype != "auto":
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    if device_type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    try:
+        flags = Path("/proc/cpuinfo").read_text() if device_type == "cpu" else ""
+    except OSError:
+        flags = ""
+    return torch.bfloat16 if "avx512_bf16" in flags or "amx_bf16" in flags else torch.float32
+
+
+# Precision (--dtype). The student keeps float32 master weights (AdamW's lr 1e-5 updates vanish in
+# bfloat16's 8-bit mantissa) and computes in bfloat16 where the hardware has it (a training step
+# 1.5-1.8x faster on such CPUs): FSDP2's MixedPrecisionPolicy when sharded, torch.autocast
+# otherwise. The teacher never changes, so it is stored in the compute dtype. Elsewhere float32,
+# also on GPUs before Ampere: float16 would need loss scaling, and its range overflows.
+#
+# Sharding. Every rank builds student and teacher on the meta device (no memory), shards each
+# block (one all-gather unit) and then the root (embeddings, final norm, head) with fully_shard,
+# and only rank 0 reads the checkpoint: its weights are broadcast straight into the shards, so an
+# 8B model is never held in full by more than one process.
+
+def load_student_and_teacher(args, d: Dist, with_teacher: bool = True):
+    """(student, teacher or None, tokenizer, mask id) on d.device, sharded when d.sharded."""
+    tok = load_tokenizer(args.model)
+    full, meta = None, [None]
+    if d.main:
+        full = Transformer.from_pretrained(args.model, dtype=torch.float32)
+        meta = [(full.config, add_mask_token(full, tok))]
+    if d.sharded:                                     # rank 0's config and mask id, on every rank
+        torch.distributed.broadcast_object_list(meta, src=0)
+    cfg, mask_id = meta[0]
+    if mask_id is not None:
+        tok.add_special_token("<mask>", mask_id)
+    if not d.sharded:
+        teacher = None
+        if with_teacher:                                          # copied on the CPU, then moved
+            teacher = frozen_teacher(full).to(device=d.device, dtype=d.dtype)
+            teacher.inv_freq = rope_inv_freq(cfg).to(d.device)    # keep RoPE frequencies in float32
+        return full.to(d.device).train(), teacher, tok, mask_id
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    with torch.device("meta"):
+        student = Transformer(cfg)
+    teacher = frozen_teacher(student).to(d.dtype) if with_teacher else None
+    # The mesh is built for d.device: fully_shard's default follows the machine's accelerator,
+    # which would put a `--device cpu` run's shards on a GPU.
+    mesh = init_device_mesh(d.device.type, (d.world,))
+    mp = MixedPrecisionPolicy(param_dtype=d.dtype, reduce_dtype=torch.float32)
+    for model in [student] + ([teacher] if teacher is not None else []):
+        for block in model.layers:
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        model.to_empty(device=d.device)
+        model.inv_freq = rope_inv_freq(cfg).to(d.device)          # non-persistent buffer: recompute
+        set_model_state_dict(model, full.state_dict() if d.main else {},
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    del full
+    return student.train(), teacher, tok, mask_id
+
+
+def make_optimizer(model, args):
+    """AdamW (model.configure_optimizer: no decay on the norms), linear warm-up, then constant."""
+    optimizer = model.configure_optimizer(args.lr, args.weight_decay, (args.beta1, args.beta2))
+    warmup = max(1, args.warmup)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+
+
+# A checkpoint is a folder checkpoints/step_000123/ written by torch.distributed.checkpoint (each
+# process writes its shards of model and optimizer state) plus trainer.pt (step, scheduler, CPU
+# RNG state, arguments). It is written under a temporary name and renamed when complete, then
+# `latest` is atomically pointed at it: a crash at any moment leaves the previous one intact.
+
+RESUME_MUST_MATCH = ("model", "data", "format", "seq_len", "mode", "prefix_ntp_weight", "k_max", "regions",
+                     "batch_size", "lr", "warmup", "weight_decay", "beta1", "beta2", "seed")
+
+
+def save_checkpoint(student, optimizer, scheduler, step: int, args, d: Dist) -> Path:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    root = Path(args.out) / "checkpoints"
+    final, tmp = root / f"step_{step:06d}", root / f".step_{step:06d}.tmp"
+    if d.main:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    d.barrier()
+    model_state, optim_state = get_state_dict(student, optimizer)
+    with warnings.catch_warnings():                   # one process: DCP warns it has no group
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
+    d.barrier()
+    if d.main:                                        # no GPU RNG state: nothing draws on it
+        torch.save({"step": step, "scheduler": scheduler.state_dict(), "args": vars(args),
+                    "rng_cpu": torch.get_rng_state()}, tmp / "trainer.pt")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        atomic_save(lambda p: Path(p).write_text(final.name + "\n"), root / "latest")
+        old = sorted(p for p in root.glob("step_*") if p.name != final.name)
+        for stale in old[: max(0, len(old) - (args.keep - 1))]:
+            shutil.rmtree(stale, ignore_errors=True)
+    d.barrier()
+    return final
+
+
+def latest_checkpoint(out) -> Path | None:
+    pointer = Path(out) / "checkpoints" / "latest"
+    path = pointer.parent / pointer.read_text().strip() if pointer.is_file() else None
+    return path if path is not None and (path / "trainer.pt").is_file() else None
+
+
+def load_checkpoint(path: Path, student, optimizer, scheduler, args) -> int:
+    """Restore model, optimizer, scheduler and RNG from `path`; returns the step to continue from.
+    The settings that shape the run must be the saved run's (--model and --data compared as the
+    files they name, not as spelled)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    trainer = read_checkpoint(path / "trainer.pt", "training checkpoint", weights_only=True)
+    saved = trainer["args"]
+
+    def same(name, a, b):
+        if name in ("model", "data") and a is not None and b is not None:
+            a, b = ([os.path.realpath(p) for p in ([x] if isinstance(x, str) else x)] for x in (a, b))
+        return a == b
+    changed = [f"--{k.replace('_', '-')} {saved.get(k)} -> {getattr(args, k)}" for k in RESUME_MUST_MATCH
+               if not same(k, saved.get(k), getattr(args, k))]
+    if changed:
+        raise ValueError(f"cannot resume from {path}: settings differ from the interrupted run ({'; '.join(changed)})")
+    model_state, optim_state = get_state_dict(student, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        try:
+            dcp.load(state, checkpoint_id=str(path))
+        except Exception as e:                        # dcp wraps the reader's error in its own exception type
+            raise ValueError(f"cannot read the checkpoint {path}: truncated or corrupt ({type(e).__name__}); "
+                             f"resume from an earlier one by pointing {path.parent}/latest at it") from None
+    set_state_dict(student, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    scheduler.load_state_dict(trainer["scheduler"])
+    torch.set_rng_state(trainer["rng_cpu"])           # per-GPU states, where saved, are unused
+    return trainer["step"]
+
+
+def check_train_args(args):
+    """What `train` checks before loading anything (check_paths saw the files): sizes, the state of --out."""
+    cfg, out = read_model_config(args.model), Path(args.out)
+    used = [p for p in (out / "checkpoints", out / "log.jsonl", out / "final") if p.exists()]
+    if args.resume and args.overwrite:
+        raise CliError("--resume continues the run in --out, --overwrite replaces it: give one of them")
+    if used and not (args.resume or args.overwrite):
+        raise CliError(f"--out {args.out} already holds a training run ({used[0].name}): add --resume to "
+                       f"continue it, or --overwrite to replace it")
+    if args.seq_len + args.k_max - 2 >= cfg.max_seq_len:
+        raise CliError(f"--seq-len {args.seq_len} with --k-max {args.k_max} needs positions up to "
+                       f"{args.seq_len + args.k_max - 2}; the model supports {cfg.max_seq_len}")
+    if args.regions is not None and args.regions > args.seq_len:
+        raise CliError(f"--regions {args.regions}: at most --seq-len ({args.seq_len}) regions fit in a sequence")
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if args.batch_size % (world * args.micro_batch):
+        raise CliError(f"--batch-size {args.batch_size} must be a multiple of --micro-batch {args.micro_batch} "
+                       f"x {world} processes")
+    if args.warmup > args.steps // 2:
+        reached = min(1.0, args.steps / max(1, args.warmup))
+        print(f"warning: --warmup {args.warmup} is over half of --steps {args.steps}: the learning rate "
+              f"{f'only reaches {100 * reached:.2g}% of' if reached < 1 else 'reaches'} --lr "
+              f"{args.lr:g}{'' if reached < 1 else ' only at step ' + str(args.warmup)}", flush=True)
+
+
+def read_rows(path, choices=None) -> list:
+    """A JSON array or JSON-lines file -> its rows (dicts); with `choices` (tuples of field names),
+    each row's text fields of the first tuple that the first row has, as a tuple."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no data file at {path}")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+    if text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: malformed JSON array: {e}") from None
+    else:
+        rows = []
+        for i, line in enumerate(text.splitlines(), 1):
+            try:
+                rows += [json.loads(line)] if line.strip() else []
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} line {i}: malformed JSON: {e}") from None
+    if not rows:
+        raise ValueError(f"{path} holds no rows")
+    if not all(isinstance(r, dict) for r in rows):
+        raise ValueError(f"{path}: every row must be a JSON object")
+    if choices is None:
+        return rows
+    fields = next((fs for fs in choices if all(f in rows[0] for f in fs)), None)
+    if fields is None:
+        raise ValueError(f"{path}: expected rows with {' or '.join(' and '.join(map(repr, fs)) for fs in choices)}"
+                         f"; the first row has {sorted(rows[0])}")
+    bad = next((i for i, r in enumerate(rows) if not all(isinstance(r.get(f), str) for f in fields)), None)
+    if bad is not None:
+        raise ValueError(f"{path}: row {bad + 1} lacks a text field {' or '.join(repr(f) for f in fields)}")
+    return [tuple(r[f] for f in fields) for r in rows]
+
+
+def read_pairs(path) -> list[tuple[str, str]]:
+    """(prompt, response) pairs: MetaMathQA rows as distributed (query, response) or (prompt, response)."""
+    return read_rows(path, [("query", "response"), ("prompt", "response")])
+
+
+def read_gsm8k(path) -> list[tuple[str, str]]:
+    """GSM8K test rows -> (question, gold answer); gold is the text after the last '####'."""
+    return [(q, a.split("####")[-1].strip()) for q, a in read_rows(path, [("question", "answer")])]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="finetune_hf.py", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    taus, model = [0.99, 0.95, 0.9, 0.8, 0.7, 0.5], "Hugging Face layout folder"
+
+    def format_flag(c):
+        c.add_argument("--format", default="auto", choices=("auto",) + FORMATS, help="prompt format (auto: "
+                       "llama3-chat or chatml if the tokenizer has their tokens, qwen for Qwen, else plain)")
+
+    def device_flags(c, device=True):
+        if device:
+            c.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
+            c.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"), help="compute "
+                           "dtype (auto: bfloat16 on GPUs and on CPUs with bfloat16 arithmetic, else float32)")
+        c.add_argument("--threads", type=positive_int, help="CPU threads (default: torch's, one per core)")
+
+    def decoding_flags(c, max_new_tokens):            # what eval, analyze and data share
+        format_flag(c)
+        c.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens, help="most tokens per answer")
+        c.add_argument("--batch-size", type=positive_int, default=16,
+                       help="prompts decoded at once (a finished one hands its place to the next)")
+        device_flags(c)
+
+    t = sub.add_parser("train", help="MTP fine-tuning by self-distillation (torchrun for several GPUs)")
+    t.add_argument("--model", required=True, help=f"{model} (config.json, safetensors, tokenizer)")
+    g = t.add_argument_group("data")
+    g.add_argument("--data", required=True, nargs="+", help="MetaMathQA JSON array / JSONL (query, response) "
+                   "or JSONL (prompt, response); several are joined")
+    format_flag(g)
     g.add_argument("--seq-len", type=number(int, 2), default=160, help="tokens per training sequence")
     g.add_argument("--limit-rows", type=count, default=0, help="use only the first N rows (0: all)")
-    o = p.add_argument_group("optimization (defaults: the paper's full-scale recipe)")
+    o = t.add_argument_group("optimization (defaults: the paper's full-scale recipe)")
     o.add_argument("--steps", type=positive_int, default=100_000, help="optimizer steps")
     o.add_argument("--batch-size", type=positive_int, default=128, help="global batch (sequences per step)")
     o.add_argument("--micro-batch", type=positive_int, default=8,
@@ -1137,7 +925,7 @@ def add_training_args(p):
     o.add_argument("--beta2", type=number(float, 0, 0.9999), default=0.95, help="AdamW beta2")
     o.add_argument("--clip", type=positive_float, default=1.0, help="gradient norm clipping")
     o.add_argument("--seed", type=count, default=0, help="data order and every step's k and offset")
-    m = p.add_argument_group("multi-token prediction")
+    m = t.add_argument_group("multi-token prediction")
     m.add_argument("--mode", default="hard", choices=MODES,
                    help="hard / soft: self-distillation; gt: the naive ground-truth ablation")
     m.add_argument("--k-max", type=number(int, 2), default=16, help="k is drawn uniformly from [2, k_max] every step")
@@ -1145,7 +933,7 @@ def add_training_args(p):
                    help="MTP problems per sequence (default seq_len / (2 k_max))")
     m.add_argument("--prefix-ntp-weight", type=number(float, 0), default=0.0,
                    help="add this much plain next-token loss on the ground-truth tokens (an ablation; 0: off)")
-    c = p.add_argument_group("checkpoints and system")
+    c = t.add_argument_group("checkpoints and system")
     c.add_argument("--out", required=True, help="output folder: checkpoints/, log.jsonl, final/ (the exported model)")
     c.add_argument("--save-every", type=positive_int, default=1000, help="checkpoint every N steps")
     c.add_argument("--keep", type=positive_int, default=2, help="checkpoints to keep")
@@ -1154,80 +942,57 @@ def add_training_args(p):
     c.add_argument("--activation-checkpointing", action="store_true", help="recompute block activations in backward")
     c.add_argument("--log-every", type=positive_int, default=1,
                    help="a log.jsonl row every N steps (the terminal gets a progress line every few seconds)")
-    add_device(c)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="finetune_hf.py", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
-
-    t = sub.add_parser("train", help="MTP fine-tuning by self-distillation (torchrun for several GPUs)")
-    t.add_argument("--model", required=True, help="Hugging Face layout folder (config.json, safetensors, tokenizer)")
-    add_training_args(t)
+    device_flags(c)
 
     e = sub.add_parser("eval", help="GSM8K sweep over static k and ConfAdapt thresholds")
-    e.add_argument("--model", required=True, help="Hugging Face layout folder (a tuned model, or any for k = 1)")
+    e.add_argument("--model", required=True, help=f"{model} (a tuned model, or any for k = 1)")
     e.add_argument("--data", required=True, help="GSM8K test JSONL (question, answer)")
     e.add_argument("--out", default="gsm8k_eval", help="folder for results.json/.md, pareto.png, samples.jsonl")
     e.add_argument("--prompt-style", default="fewshot", choices=("fewshot", "zeroshot"),
                    help="fewshot: lm-eval gsm8k_cot; zeroshot: the question in the training format (small models)")
     e.add_argument("--n-shot", type=number(int, 0, 8), default=8, help="fewshot: exemplars before the question")
-    add_format(e)
-    e.add_argument("--static-k", type=positive_int, nargs="*", default=[1, 2, 3, 4], help="static k values (1 = greedy)")
-    e.add_argument("--taus", type=probability, nargs="*", default=[0.99, 0.95, 0.9, 0.8, 0.7, 0.5],
-                   help="ConfAdapt thresholds, each in (0, 1]")
+    e.add_argument("--static-k", type=positive_int, nargs="*", default=[1, 2, 3, 4],
+                   help="static k values (1 = greedy)")
+    e.add_argument("--taus", type=probability, nargs="*", default=taus, help="ConfAdapt thresholds, each in (0, 1]")
     e.add_argument("--k-max", type=positive_int, default=16, help="ConfAdapt: most tokens per pass")
     e.add_argument("--lossless-k", type=count, default=0, help="also run the lossless mode with this k (0: no)")
-    e.add_argument("--max-new-tokens", type=positive_int, default=256, help="most tokens per answer")
-    e.add_argument("--batch-size", type=positive_int, default=16,
-                   help="prompts decoded at once (a finished one hands its place to the next)")
     e.add_argument("--limit", type=count, default=0, help="first N questions only (0: all)")
     e.add_argument("--reference", default=None,
                    help="an earlier eval's --out folder: report how often each answer equals its k=1 answer")
-    add_device(e)
+    decoding_flags(e, 256)
 
     a = sub.add_parser("analyze", help="before tuning: how predictable are the model's answers on this domain?")
-    a.add_argument("--model", required=True, help="Hugging Face layout folder: the base model, before tuning")
+    a.add_argument("--model", required=True, help=f"{model}: the base model, before tuning")
     src = a.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", help="the domain's prompts: rows with question, query or prompt")
     src.add_argument("--domains", nargs="+", choices=DOMAINS, help="held-out prompts generated in code, per domain")
-    add_format(a)
     a.add_argument("--limit", type=count, default=64, help="first N prompts only (0: all)")
-    a.add_argument("--taus", type=probability, nargs="+", default=[0.99, 0.95, 0.9, 0.8, 0.7, 0.5],
+    a.add_argument("--taus", type=probability, nargs="+", default=taus,
                    help="ConfAdapt thresholds to estimate, each in (0, 1]")
     a.add_argument("--k-max", type=number(int, 2), default=16, help="ConfAdapt: most tokens per pass")
-    a.add_argument("--max-new-tokens", type=positive_int, default=256, help="most tokens per answer")
-    a.add_argument("--batch-size", type=positive_int, default=16, help="prompts decoded at once")
     a.add_argument("--out", default=None, help="also write analysis.json and analysis.md here")
-    add_device(a)
+    decoding_flags(a, 256)
 
-    g = sub.add_parser("data", help="training rows from the model itself: its greedy answers to domain prompts")
-    g.add_argument("--model", required=True, help="Hugging Face layout folder")
-    g.add_argument("--out", required=True, help="JSONL file of {domain, prompt, response} rows (train --data takes it)")
-    g.add_argument("--domains", nargs="+", choices=DOMAINS, default=list(DOMAINS), help="prompt domains")
-    g.add_argument("--per-domain", type=positive_int, default=100,
-                   help="prompts per domain (fewer if the domain has fewer)")
-    g.add_argument("--split", default="train", choices=("train", "test"), help="which prompts of each domain")
-    add_format(g)
-    g.add_argument("--max-new-tokens", type=positive_int, default=128, help="most tokens per answer")
-    g.add_argument("--batch-size", type=positive_int, default=16, help="prompts decoded at once")
-    add_device(g)
+    r = sub.add_parser("data", help="training rows from the model itself: its greedy answers to domain prompts")
+    r.add_argument("--model", required=True, help=model)
+    r.add_argument("--out", required=True, help="JSONL file of {domain, prompt, response} rows (train --data takes it)")
+    r.add_argument("--domains", nargs="+", choices=DOMAINS, default=list(DOMAINS), help="prompt domains")
+    r.add_argument("--per-domain", type=positive_int, default=100, help="prompts per domain (fewer if it has fewer)")
+    r.add_argument("--split", default="train", choices=("train", "test"), help="which prompts of each domain")
+    decoding_flags(r, 128)
 
     x = sub.add_parser("export", help="a training checkpoint -> Hugging Face folder with model card")
     x.add_argument("--checkpoint", required=True, help="a run's --out folder or one checkpoints/step_N folder")
     x.add_argument("--out", required=True, help="the Hugging Face folder to write")
-    x.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: torch's, one per core)")
+    device_flags(x, device=False)
     return p
 
 
-COMMANDS = {"train": train, "eval": evaluate, "analyze": analyze, "data": make_data, "export": export_checkpoint}
-
-
 def check_paths(args):
-    """Before any work: the files and folders a command reads exist, the one it writes can be made."""
+    """Before any work: what a command reads exists, and what it writes can be made."""
     if getattr(args, "model", None) is not None:
         input_path(args.model, "--model", folder=True)
-        read_model_config(args.model)                 # the config first: it says most about a wrong folder
+        read_model_config(args.model)                 # the config says most about a wrong folder
     for path in [args.data] if isinstance(getattr(args, "data", None), str) else getattr(args, "data", None) or []:
         input_path(path, "--data")
     for flag in ("checkpoint", "reference"):
@@ -1241,6 +1006,9 @@ def check_paths(args):
         output_folder(args.out, "--out")
     if getattr(args, "device", None) is not None:
         parse_device(args.device)
+
+
+COMMANDS = {"train": train, "eval": evaluate, "analyze": analyze, "data": make_data, "export": export_checkpoint}
 
 
 def command(argv):

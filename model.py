@@ -1,29 +1,20 @@
 """A Llama-style transformer that can predict several tokens per forward pass.
 
-Multi-token prediction (MTP) by self-distillation needs no new heads: one extra `<mask>`
-token is added to the vocabulary, and feeding `prefix <mask> <mask> ...` asks the unchanged
-network to fill in the next few tokens at once. So this file is an ordinary decoder-only
-transformer with three things MTP leans on:
+Multi-token prediction (MTP) by self-distillation adds no heads: one new `<mask>` token, and
+feeding `prefix <mask> <mask> ...` asks the unchanged network for the next few tokens at once.
+The block is Llama's, x += Attention(RMSNorm(x)); x += SwiGLU(RMSNorm(x)), with RoPE, grouped-query
+attention (GQA), optional per-head q/k RMSNorm (Qwen3) and optionally tied embeddings. For MTP:
+  * `forward` takes explicit positions and any boolean attention mask: the packed training layout
+    (data.py) interleaves mask blocks with tokens that keep their positions;
+  * the KV cache is written at explicit slots: decoding (confadapt.py) appends `accepted tokens +
+    masks`, rolls the mask slots back, and the next pass simply overwrites them; each row accepts
+    its own number of tokens, so it feeds its own number next time (`n_tokens`);
+  * `add_mask_token` gives the embedding matrix its `<mask>` row.
+Below the plumbing line: Hugging Face checkpoints (Llama-3.x, Qwen3, Qwen2) read and written, so a
+tuned model runs in transformers, vLLM or SGLang; devices; files.
 
-  * `forward` takes explicit position ids and an arbitrary boolean attention mask, because the
-    packed training layout (data.py) interleaves mask blocks with ground-truth tokens that keep
-    their original positions;
-  * a KV cache written at explicit slots that can be rolled back, because decoding
-    (confadapt.py) appends `accepted tokens + masks`, then drops the mask entries; and ragged
-    cached passes (`n_tokens`), because each row of a batch accepts its own number of tokens
-    and so feeds its own number next time;
-  * `add_mask_token`, which grows (or reuses a spare row of) the embedding matrix.
-
-The same module loads real Llama-3.x and Qwen3 (and Qwen2) checkpoints in the Hugging Face
-layout and writes them back, so a model tuned here can be served by transformers, vLLM or
-SGLang. The block is the Llama one:
-
-    x = x + Attention(RMSNorm(x))      grouped-query attention, RoPE, optional per-head q/k norm
-    x = x + SwiGLU(RMSNorm(x))
-
-References: Llama 3 (arXiv 2407.21783), Qwen3 (arXiv 2505.09388), RoFormer (arXiv 2104.09864),
-GQA (arXiv 2305.13245), GLU variants (arXiv 2002.05202), Multi-Token Prediction via
-Self-Distillation (arXiv 2602.06019).
+References: Llama 3 (arXiv 2407.21783), Qwen3 (2505.09388), RoFormer (2104.09864), GQA
+(2305.13245), GLU variants (2002.05202), Multi-Token Prediction via Self-Distillation (2602.06019).
 """
 
 from __future__ import annotations
@@ -67,12 +58,8 @@ class ModelConfig:
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         if self.model_type not in HF_ARCHITECTURES:
-            raise ValueError(f"unsupported model type {self.model_type!r}; supported: {', '.join(HF_ARCHITECTURES)}")
-
-
-# ----------------------------------------------------------------------------------------------
-# Building blocks
-# ----------------------------------------------------------------------------------------------
+            raise ValueError(f"unsupported model type {self.model_type!r}; "
+                             f"supported: {', '.join(HF_ARCHITECTURES)}")
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in float32 and cast back before the weight (as Llama does)."""
@@ -83,58 +70,36 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        dtype = x.dtype
-        x = x.float()
+        dtype, x = x.dtype, x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
-
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Rotation frequency of each pair of channels, (head_dim // 2,), with optional llama3 scaling.
-
-    Llama 3.1 stretches long wavelengths to extend the context: wavelengths longer than
-    original_max / low_freq_factor are slowed down by `factor`, those shorter than
-    original_max / high_freq_factor are kept, and the band between is interpolated smoothly.
-    """
-    hd = cfg.head_dim
+    """Rotation frequency of each pair of channels, (head_dim // 2,). Llama 3.1's scaling extends
+    the context: wavelengths longer than original_max / low_freq_factor are slowed down by
+    `factor`, those shorter than original_max / high_freq_factor kept, the band between blended."""
+    hd, scaling = cfg.head_dim, cfg.rope_scaling
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
-    scaling = cfg.rope_scaling
     if not scaling:
         return inv_freq.float()
-    factor = scaling["factor"]
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     original_max = scaling["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv_freq
     s = ((original_max / wavelen) - low) / (high - low)                     # 0 at long, 1 at short end
     smoothed = (1 - s) * inv_freq / factor + s * inv_freq
     scaled = torch.where(wavelen > original_max / low, inv_freq / factor, smoothed)
-    scaled = torch.where(wavelen < original_max / high, inv_freq, scaled)
-    return scaled.float()
-
-
-def rope_cos_sin(inv_freq, positions, dtype):
-    """cos and sin for the given position ids: (B, T) -> two (B, 1, T, head_dim) tensors."""
-    angles = positions[..., None].float() * inv_freq              # (B, T, head_dim/2)
-    angles = torch.cat([angles, angles], dim=-1)                   # (B, T, head_dim), half-split layout
-    return angles.cos()[:, None].to(dtype), angles.sin()[:, None].to(dtype)
-
+    return torch.where(wavelen < original_max / high, inv_freq, scaled).float()
 
 def apply_rope(x, cos, sin):
     """Rotate channel i with channel i + head_dim/2 (the 'rotate_half' layout of HF checkpoints)."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
-
 class KVCache(nn.Module):
-    """Keys and values of past tokens, written at explicit slots, one length per batch row.
-
-    Slot s of row b holds the token at position s of that row (during decoding the sequence has
-    no gaps, so slot == position). A forward pass writes its T new tokens at slots
-    lengths[b] .. lengths[b]+T-1 and advances `lengths` by T. MTP decoding then calls
-    `rollback` to forget the mask slots (and any right-padding): nothing is erased, the stale
-    entries are simply overwritten by the next pass and never attended before that, because
-    attention is causal by slot.
-    """
+    """Keys and values (n_layers, B, n_kv_heads, max_len, head_dim). A pass writes row b's tokens at
+    slots lengths[b], lengths[b] + 1, ... (slot == position while decoding) and advances `lengths`.
+    `rollback` forgets the mask slots by lowering `lengths`: nothing is erased, as attention is
+    causal by slot and the next pass overwrites them."""
 
     def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, device=None, dtype=None):
         super().__init__()
@@ -151,9 +116,6 @@ class KVCache(nn.Module):
             raise ValueError("rollback can only shorten the cache")
         self.lengths.copy_(lengths)
 
-    def reset(self):
-        self.lengths.zero_()
-
     def keep_rows(self, rows):
         """Keep only these batch rows, in this order (finished sequences leave a batch)."""
         idx = torch.as_tensor(rows, dtype=torch.long, device=self.lengths.device)
@@ -161,78 +123,59 @@ class KVCache(nn.Module):
         self.lengths = self.lengths.index_select(0, idx)
 
     def write(self, layer: int, rows, slots, k, v):
-        """Store k, v of shape (N, n_kv_heads, head_dim) at (rows[i], slots[i]); return the layer's cache."""
+        """Store k, v (N, n_kv_heads, head_dim) at (rows[i], slots[i]); return the layer's k, v."""
         self.k[layer][rows, :, slots] = k.to(self.k.dtype)           # cache layer is (B, n_kv, S, hd)
         self.v[layer][rows, :, slots] = v.to(self.v.dtype)
         return self.k[layer], self.v[layer]
 
-
 @dataclass
 class CachedPass:
-    """Where the tokens of one cached pass go, built once per pass from host-side lengths: no
-    layer has to ask the device for a length or turn a boolean mask into indices (on a GPU each
-    of those waits for all queued work).
-
-    rows, slots  (N,) cache row and slot of each fed token, row after row
-    mask         (B', T, S) bool: slot s is visible to token t of grid row b (causal by slot)
-    positions    (B', T) RoPE position of each grid cell (its slot)
-    S            key slots read: the longest row after this pass
-    live         ragged: (B',) the cache rows that feed tokens; None when every row does
-    grid         ragged: (N,) where each fed token sits in the (B', T) grid of those rows;
-                 None for a pass that is not ragged (its tokens are the whole (B, T) grid)
-    index        ragged: (N,) the same in the caller's (B, T) grid
-    """
-    rows: torch.Tensor
-    slots: torch.Tensor
-    mask: torch.Tensor
-    positions: torch.Tensor
-    S: int
-    live: torch.Tensor | None = None
-    grid: torch.Tensor | None = None
-    index: torch.Tensor | None = None
-
+    """The index tensors of a cached pass of N tokens, built once from host-side lengths so that no
+    layer asks the device for a length (on a GPU each such read waits for all queued work). B' rows
+    feed tokens; a pass is ragged when rows feed different numbers (n_tokens)."""
+    rows: torch.Tensor                  # (N,) cache row of each fed token, row after row
+    slots: torch.Tensor                 # (N,) its cache slot
+    mask: torch.Tensor                  # (B', T, S) bool: token t sees slot s (causal by slot)
+    positions: torch.Tensor             # (B', T) RoPE position of each grid cell (its slot)
+    S: int                              # key slots read: the longest row after this pass
+    live: torch.Tensor | None = None    # ragged: (B',) the rows that feed tokens; None when all do
+    grid: torch.Tensor | None = None    # ragged: (N,) each token's cell in the (B', T) grid
+    index: torch.Tensor | None = None   # ragged: (N,) the same in the caller's (B, T) grid
 
 def plan_cached_pass(cache: KVCache, T: int, n_tokens=None) -> CachedPass:
     """The index tensors of a pass of T tokens per row (or n_tokens[b] for row b) on `cache`."""
     device = cache.lengths.device
     lengths = cache.lengths.tolist()                                 # the pass's one read of the device
-    fed = [T] * len(lengths) if n_tokens is None else n_tokens.tolist() if torch.is_tensor(n_tokens) else list(n_tokens)
+    fed = [T] * len(lengths) if n_tokens is None else (
+        n_tokens.tolist() if torch.is_tensor(n_tokens) else list(n_tokens))
     S = max(n + f for n, f in zip(lengths, fed))
     if S > cache.max_len:
         raise ValueError(f"KV cache overflow: {S} slots needed, cache holds {cache.max_len}")
     live = [b for b, f in enumerate(fed) if f] if n_tokens is not None else list(range(len(fed)))
     cells = [(i, b, t) for i, b in enumerate(live) for t in range(fed[b])]   # (grid row, cache row, step)
-
-    def tensor(xs):
-        return torch.tensor(xs, dtype=torch.long, device=device)
-
+    tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)
     positions = tensor([lengths[b] for b in live])[:, None] + torch.arange(T, device=device)   # (B', T)
     mask = torch.arange(S, device=device)[None, None, :] <= positions[:, :, None]             # (B', T, S)
-    p = CachedPass(tensor([b for _, b, _ in cells]), tensor([lengths[b] + t for _, b, t in cells]), mask,
-                   positions, S)
+    p = CachedPass(tensor([b for _, b, _ in cells]), tensor([lengths[b] + t for _, b, t in cells]),
+                   mask, positions, S)
     if n_tokens is not None:
         p.index = tensor([b * T + t for _, b, t in cells])
         p.grid = tensor([i * T + t for i, _, t in cells])
         p.live = tensor(live) if len(live) < len(fed) else None
     return p
 
-
 def to_grid(x, p: CachedPass, n_rows: int):
-    """Packed (N, ...) -> (n_rows, T, ...) with zeros at the padding (T = mask.shape[1])."""
+    """Packed (N, ...) -> (n_rows, T, ...) with zeros at the padding; n_rows is B' or B."""
     T = p.mask.shape[1]
     out = x.new_zeros(n_rows * T, *x.shape[1:]).index_copy_(0, p.grid if n_rows == len(p.mask) else p.index, x)
     return out.view(n_rows, T, *x.shape[1:])
 
-
 def attend(q, k, v, mask):
-    """softmax(q k^T / sqrt(hd) + mask) v with grouped-query attention, shaped for a fused kernel.
-
+    """softmax(q k^T / sqrt(hd) + mask) v with grouped-query attention, shaped for a fused kernel:
     q (B, H, T, hd); k, v (B, n_kv, S, hd); mask None = causal (T == S), else bool (..., T, S).
-    Causal passes go to the flash kernels, which take GQA and causality natively. Kernels that
-    take a mask do not all take GQA (several torch releases then fall back to the math kernel,
-    which materialises float32 (B, H, T, S) scores), so with a mask GQA is folded into the
-    queries: the g query heads that share a K/V head become g * T query rows of that head, each
-    with its token's mask row. K and V are never copied.
+    Causal passes go to the flash kernels, which take GQA natively. Not all kernels that take a mask
+    take GQA (torch may fall back to float32 (B, H, T, S) scores), so with a mask the g query heads
+    that share a K/V head become g * T query rows of that head, each with its token's mask row.
     """
     B, H, T, hd = q.shape
     n_kv, S = k.shape[1], k.shape[2]
@@ -242,7 +185,6 @@ def attend(q, k, v, mask):
     q = q.reshape(B, n_kv, g * T, hd)                            # query head h = kv * g + j -> row j * T + t
     mask = mask.unsqueeze(-3).expand(*mask.shape[:-2], g, T, S).flatten(-3, -2)          # (..., g * T, S)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).view(B, H, T, hd)
-
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -265,9 +207,8 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, heads, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
-            def packed(t):                                           # (B, n_kv, T, hd) -> (N, n_kv, hd)
-                return t.transpose(1, 2).reshape(-1, self.n_kv_heads, self.head_dim)
-            k, v = cache.write(layer, plan.rows, plan.slots, packed(k), packed(v))
+            new = (t.transpose(1, 2).reshape(-1, self.n_kv_heads, self.head_dim) for t in (k, v))
+            k, v = cache.write(layer, plan.rows, plan.slots, *new)       # (N, n_kv, hd) each, in
             k, v = k[:, :, : plan.S], v[:, :, : plan.S]                             # (B, n_kv, S, hd)
             if plan.live is not None:                                # only the rows that feed tokens attend
                 k, v = k.index_select(0, plan.live), v.index_select(0, plan.live)  # (B', n_kv, S, hd)
@@ -279,7 +220,6 @@ class Attention(nn.Module):
             y = y.reshape(-1, self.n_heads, self.head_dim).index_select(0, plan.grid)[None]   # (1, N, n_heads, hd)
         return self.wo(y.reshape(B, T, self.n_heads * self.head_dim))
 
-
 class SwiGLU(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -290,23 +230,15 @@ class SwiGLU(nn.Module):
     def forward(self, x):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
-
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attn = Attention(cfg)
-        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.attn_norm, self.attn = RMSNorm(cfg.dim, cfg.norm_eps), Attention(cfg)
+        self.mlp_norm, self.mlp = RMSNorm(cfg.dim, cfg.norm_eps), SwiGLU(cfg)
 
     def forward(self, x, cos, sin, mask, cache=None, layer=0, plan=None):
         x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache, layer, plan)
         return x + self.mlp(self.mlp_norm(x))
-
-
-# ----------------------------------------------------------------------------------------------
-# The model
-# ----------------------------------------------------------------------------------------------
 
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -319,14 +251,11 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-        self.apply(self._init_weights)
-
-    @staticmethod
-    def _init_weights(module):
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+        for module in self.modules():                                # GPT-2's initialisation
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
 
     def new_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         p = self.tok_emb.weight
@@ -337,14 +266,11 @@ class Transformer(nn.Module):
 
         positions    (B, T) RoPE position ids. Default: 0..T-1, or continuing the cache.
         attn_mask    bool, True = may attend; (T, T) or (B, T, T). Default: causal. Not with a cache.
-        cache        KVCache: the T tokens are written at slots cache.lengths[b] + t and attend
-                     causally by slot; cache.lengths advances by T, or by n_tokens (roll back
-                     masks yourself).
+        cache        KVCache: token t of row b goes to slot lengths[b] + t and attends causally by
+                     slot; lengths advance by T, or by n_tokens (roll the masks back yourself).
         output_index (B, N) positions whose logits are wanted -> (B, N, V); default all (B, T, V).
-        n_tokens     (B,) ints (a list, best: it stays on the host) with a cache: row b is only
-                     its first n_tokens[b] tokens, the rest is right-padding (rows of a batch feed
-                     different numbers of tokens). The padding is then never computed: see
-                     "Ragged passes" below.
+        n_tokens     (B,) with a cache, best a list (it stays on the host): row b is only its first
+                     n_tokens[b] tokens, the rest is right-padding, which is never computed.
         """
         B, T = tokens.shape
         device = tokens.device
@@ -362,16 +288,16 @@ class Transformer(nn.Module):
                 positions = torch.arange(T, device=device)[None].expand(B, T)
         ragged = plan is not None and plan.grid is not None
         if ragged:
-            # Ragged passes. Every layer but attention treats tokens independently, so the real
-            # tokens of all rows are packed into one row of N = sum(n_tokens) and the padding
-            # costs nothing there. Attention spreads the queries back out to the grid of the
-            # rows that feed tokens, to meet each row's own cache, and writes only real tokens' K/V.
+            # Every layer but attention treats tokens independently, so the real tokens of all rows
+            # are packed into one row of N = sum(n_tokens) and the padding costs nothing there.
             tokens = tokens.reshape(-1)[plan.index][None]                                 # (1, N)
             positions = plan.slots[None] if positions is None else positions.reshape(-1)[plan.index][None]
         elif positions is None:
             positions = plan.positions                                                    # (B, T)
         x = self.tok_emb(tokens)                                             # (B, T, dim) or (1, N, dim)
-        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)           # (B, 1, T, hd)
+        angles = positions[..., None].float() * self.inv_freq                # (B, T, hd/2)
+        angles = torch.cat([angles, angles], dim=-1)[:, None]                # (B, 1, T, hd): rotate_half
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, cache, i, plan)
         if cache is not None:
@@ -400,284 +326,178 @@ class Transformer(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    # ------------------------------------------------------------------------------------------
-    # Hugging Face checkpoints
-    # ------------------------------------------------------------------------------------------
-
     @classmethod
     def from_pretrained(cls, path, device="cpu", dtype=torch.float32) -> "Transformer":
-        """Load a Hugging Face layout folder (config.json + safetensors) into a Transformer.
-
-        Tensor names and shapes are checked against what this config expects before anything is
-        copied, so a mismatched checkpoint fails loudly instead of producing a wrong model.
-        """
-        cfg = read_model_config(path)
-        tensors = read_safetensors(path)
-        expected = {hf: tuple(shape) for hf, shape in hf_shapes(cfg).items()}
-        check_tensor_names(expected, {name: tuple(t.shape) for name, t in tensors.items()}, path)
-        with torch.device("meta"):
-            model = cls(cfg)
-        ours = {}
-        for name in list(tensors):                     # convert one tensor at a time: low peak memory
-            ours[hf_to_ours(name)] = tensors.pop(name).to(device=device, dtype=dtype)
-        if cfg.tie_embeddings:
-            ours.pop("lm_head.weight", None)           # some exports write the tied copy anyway
-            ours["lm_head.weight"] = ours["tok_emb.weight"]
-        model.load_state_dict(ours, assign=True, strict=True)
-        if cfg.tie_embeddings:
-            model.lm_head.weight = model.tok_emb.weight
-        model.inv_freq = rope_inv_freq(cfg).to(device)
-        return model.eval()
+        """Load a Hugging Face layout folder (config.json + safetensors): load_hf below."""
+        return load_hf(cls, path, device, dtype)
 
     def save_pretrained(self, path, max_shard_bytes: int = 5 * 2**30, dtype=None):
         """Write config.json and safetensors (sharded past max_shard_bytes) in the HF layout."""
-        from safetensors.torch import save_file
-
-        os.makedirs(path, exist_ok=True)
-        state = {}
-        for name, t in self.state_dict().items():
-            if name == "lm_head.weight" and self.config.tie_embeddings:
-                continue
-            state[ours_to_hf(name)] = t.detach().to(dtype or t.dtype).contiguous().cpu()
-        shards, current, size = [], {}, 0
-        for name, t in state.items():
-            nbytes = t.numel() * t.element_size()
-            if current and size + nbytes > max_shard_bytes:
-                shards.append(current)
-                current, size = {}, 0
-            current[name] = t
-            size += nbytes
-        shards.append(current)
-        for stale in os.listdir(path):                 # leftovers of an earlier, differently sharded save
-            if stale.startswith("model") and (stale.endswith(".safetensors") or stale.endswith(".index.json")):
-                os.remove(os.path.join(path, stale))
-        if len(shards) == 1:
-            atomic_save(lambda p: save_file(shards[0], p, metadata={"format": "pt"}), os.path.join(path, "model.safetensors"))
-        else:
-            weight_map = {}
-            for i, shard in enumerate(shards):
-                fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                atomic_save(lambda p, s=shard: save_file(s, p, metadata={"format": "pt"}), os.path.join(path, fname))
-                weight_map.update({name: fname for name in shard})
-            total = sum(t.numel() * t.element_size() for t in state.values())
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            write_json(os.path.join(path, "model.safetensors.index.json"), index)
-        saved_dtype = next(iter(state.values())).dtype
-        write_json(os.path.join(path, "config.json"), config_to_hf(self.config, saved_dtype))
-
-
-# ----------------------------------------------------------------------------------------------
-# Adding <mask>
-# ----------------------------------------------------------------------------------------------
+        save_hf(self, path, max_shard_bytes, dtype)
 
 @torch.no_grad()
 def add_mask_token(model: Transformer, tokenizer, text: str = "<mask>", seed: int = 0) -> int:
-    """Give model and tokenizer one new `<mask>` token; return its id.
-
-    The new embedding (and output row, when untied) is drawn from a normal distribution with the
-    per-dimension mean and standard deviation of the existing rows, so it starts as a typical,
-    uninformative token. Checkpoints whose matrices have spare rows beyond the tokenizer
-    (Qwen3-4B: 151936 rows for 151669 tokens) use the first spare row instead of growing.
-    Calling it again returns the existing id.
-    """
+    """Give model and tokenizer one new `<mask>` token; return its id (the existing one, if any).
+    Its embedding (and output row, if untied) is drawn with the per-dimension mean and std of the
+    used rows: a typical, uninformative token. Checkpoints with spare rows beyond the tokenizer
+    (Qwen3-4B: 151936 for 151669 tokens) use the first spare row; otherwise the matrices grow."""
+    cfg = model.config
     if text in tokenizer.special_tokens:
         mask_id = tokenizer.special_tokens[text]
-        if mask_id >= model.config.vocab_size:
-            raise ValueError(f"tokenizer has {text} = {mask_id} but the model has only {model.config.vocab_size} rows")
-        model.config.mask_token_id = mask_id
+        if mask_id >= cfg.vocab_size:
+            raise ValueError(f"tokenizer has {text} = {mask_id} but the model has only {cfg.vocab_size} rows")
+        cfg.mask_token_id = mask_id
         return mask_id
-    n_used = tokenizer.n_vocab
-    mask_id = n_used
-    if mask_id >= model.config.vocab_size:                 # no spare row: grow both matrices by one
-        grow_vocab(model, mask_id + 1)
+    n_used = mask_id = tokenizer.n_vocab
+    if mask_id >= cfg.vocab_size:                     # no spare row: append zero rows up to mask_id
+        def grown(w):
+            extra = w.new_zeros(mask_id + 1 - w.shape[0], w.shape[1])
+            return nn.Parameter(torch.cat([w.detach(), extra]), requires_grad=w.requires_grad)
+        model.tok_emb.weight = grown(model.tok_emb.weight)
+        head = model.lm_head
+        head.weight = model.tok_emb.weight if cfg.tie_embeddings else grown(head.weight)
+        model.tok_emb.num_embeddings = head.out_features = cfg.vocab_size = mask_id + 1
     g = torch.Generator().manual_seed(seed)
-    matrices = [model.tok_emb.weight] + ([] if model.config.tie_embeddings else [model.lm_head.weight])
-    for w in matrices:
+    for w in [model.tok_emb.weight] + ([] if cfg.tie_embeddings else [model.lm_head.weight]):
         rows = w[:n_used].float()
-        mean, std = rows.mean(0), rows.std(0)
         noise = torch.randn(w.shape[1], generator=g).to(w.device)
-        w[mask_id] = (mean + std * noise).to(w.dtype)
+        w[mask_id] = (rows.mean(0) + rows.std(0) * noise).to(w.dtype)
     tokenizer.add_special_token(text, mask_id)
-    model.config.mask_token_id = mask_id
+    cfg.mask_token_id = mask_id
     return mask_id
 
 
-def grow_vocab(model: Transformer, vocab_size: int):
-    """Append zero rows to the embedding (and untied output) matrix up to vocab_size rows."""
-    def grown(w):
-        extra = torch.zeros(vocab_size - w.shape[0], w.shape[1], dtype=w.dtype, device=w.device)
-        return nn.Parameter(torch.cat([w.detach(), extra]), requires_grad=w.requires_grad)
-
-    model.tok_emb.weight = grown(model.tok_emb.weight)
-    model.tok_emb.num_embeddings = vocab_size
-    if model.config.tie_embeddings:
-        model.lm_head.weight = model.tok_emb.weight
-    else:
-        model.lm_head.weight = grown(model.lm_head.weight)
-    model.lm_head.out_features = vocab_size
-    model.config.vocab_size = vocab_size
-
-
-# ----------------------------------------------------------------------------------------------
-# Hugging Face layout: config fields and tensor names
-# ----------------------------------------------------------------------------------------------
+# ---- plumbing: Hugging Face checkpoints, devices, files --------------------------------------
 
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# Our module names -> Hugging Face ones; a tensor keeps its suffix and layer index:
+# layers.3.attn.wq.weight is model.layers.3.self_attn.q_proj.weight.
+HF_NAMES = {"tok_emb": "model.embed_tokens", "norm": "model.norm", "lm_head": "lm_head",
+            "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
+            "attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj", "attn.wv": "self_attn.v_proj",
+            "attn.wo": "self_attn.o_proj", "attn.q_norm": "self_attn.q_norm",    # q/k norms: Qwen3
+            "attn.k_norm": "self_attn.k_norm", "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj",
+            "mlp.down": "mlp.down_proj"}
 
-# Our parameter name -> Hugging Face tensor name. `{i}` is the layer index.
-HF_NAMES = {
-    "tok_emb.weight": "model.embed_tokens.weight",
-    "layers.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "layers.{i}.attn.wq.weight": "model.layers.{i}.self_attn.q_proj.weight",
-    "layers.{i}.attn.wk.weight": "model.layers.{i}.self_attn.k_proj.weight",
-    "layers.{i}.attn.wv.weight": "model.layers.{i}.self_attn.v_proj.weight",
-    "layers.{i}.attn.wq.bias": "model.layers.{i}.self_attn.q_proj.bias",      # qwen2 only
-    "layers.{i}.attn.wk.bias": "model.layers.{i}.self_attn.k_proj.bias",
-    "layers.{i}.attn.wv.bias": "model.layers.{i}.self_attn.v_proj.bias",
-    "layers.{i}.attn.wo.weight": "model.layers.{i}.self_attn.o_proj.weight",
-    "layers.{i}.attn.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",  # qwen3 only
-    "layers.{i}.attn.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
-    "layers.{i}.mlp_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-    "layers.{i}.mlp.gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
-    "layers.{i}.mlp.up.weight": "model.layers.{i}.mlp.up_proj.weight",
-    "layers.{i}.mlp.down.weight": "model.layers.{i}.mlp.down_proj.weight",
-    "norm.weight": "model.norm.weight",
-    "lm_head.weight": "lm_head.weight",
-}
-TO_HF = {re.compile("^" + re.escape(o).replace(r"\{i\}", r"(\d+)") + "$"): h for o, h in HF_NAMES.items()}
-TO_OURS = {re.compile("^" + re.escape(h).replace(r"\{i\}", r"(\d+)") + "$"): o for o, h in HF_NAMES.items()}
+def hf_names(model: Transformer) -> dict:
+    """{Hugging Face name: our name} of every tensor a checkpoint of `model` holds (a tied lm_head
+    is the embedding matrix and is not stored)."""
+    names = {}
+    for name in model.state_dict():
+        layer, module, suffix = re.fullmatch(r"(layers\.\d+\.)?(.+)\.(weight|bias)", name).groups()
+        if not (name == "lm_head.weight" and model.config.tie_embeddings):
+            names[f"{'model.' + layer if layer else ''}{HF_NAMES[module]}.{suffix}"] = name
+    return names
 
-
-def _rename(name, table):
-    for pattern, template in table.items():
-        m = pattern.match(name)
-        if m:
-            return template.replace("{i}", m.group(1)) if m.groups() else template
-    raise KeyError(f"no Hugging Face name known for tensor {name!r}")
-
-
-def ours_to_hf(name: str) -> str:
-    return _rename(name, TO_HF)
-
-
-def hf_to_ours(name: str) -> str:
-    return _rename(name, TO_OURS)
-
-
-def hf_shapes(cfg: ModelConfig) -> dict:
-    """The tensor names and shapes a checkpoint of this config must contain."""
+def load_hf(cls, path, device, dtype) -> Transformer:
+    """Transformer.from_pretrained. Names and shapes are checked against the config before anything
+    is copied, so a mismatched checkpoint fails loudly instead of giving a wrong model."""
+    cfg = read_model_config(path)
+    tensors = read_safetensors(path)
     with torch.device("meta"):
-        model = Transformer(cfg)
-    return {ours_to_hf(n): tuple(t.shape) for n, t in model.state_dict().items()
-            if not (n == "lm_head.weight" and cfg.tie_embeddings)}
-
-
-def check_tensor_names(expected: dict, found: dict, path):
-    """Fail with one line naming what is missing, unexpected or mis-shaped."""
-    found = dict(found)
-    if "lm_head.weight" in found and "lm_head.weight" not in expected:
-        found.pop("lm_head.weight")                         # tied models may still carry the copy
-    missing = sorted(set(expected) - set(found))
-    extra = sorted(set(found) - set(expected))
-    wrong = sorted(n for n in set(expected) & set(found) if expected[n] != found[n])
+        model = cls(cfg)
+    names, shapes = hf_names(model), {n: list(t.shape) for n, t in model.state_dict().items()}
+    if cfg.tie_embeddings:
+        tensors.pop("lm_head.weight", None)                    # some exports write the tied copy anyway
+    wrong = [f"{h} {list(tensors[h].shape)} (expected {shapes[names[h]]})"
+             for h in sorted(set(names) & set(tensors)) if list(tensors[h].shape) != shapes[names[h]]]
     problems = []
-    if missing:
-        problems.append(f"missing {_few(missing)}")
-    if extra:
-        problems.append(f"unexpected {_few(extra)}")
-    if wrong:
-        problems.append("wrong shape " + ", ".join(f"{n} {list(found[n])} (expected {list(expected[n])})" for n in wrong[:3]))
+    for what, bad in [("missing", sorted(set(names) - set(tensors))),
+                      ("unexpected", sorted(set(tensors) - set(names))), ("wrong shape", wrong)]:
+        if bad:                                          # name at most three of each
+            more = f" and {len(bad) - 3} more" if len(bad) > 3 and what != "wrong shape" else ""
+            problems.append(f"{what} {', '.join(bad[:3])}{more}")
     if problems:
         raise ValueError(f"checkpoint {path} does not match its config: " + "; ".join(problems))
+    ours = {names[h]: tensors.pop(h).to(device=device, dtype=dtype) for h in list(tensors)}  # one at a time
+    if cfg.tie_embeddings:
+        ours["lm_head.weight"] = ours["tok_emb.weight"]
+    model.load_state_dict(ours, assign=True, strict=True)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.tok_emb.weight
+    model.inv_freq = rope_inv_freq(cfg).to(device)
+    return model.eval()
 
-
-def _few(names, n=3):
-    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
-
+def save_hf(model: Transformer, path, max_shard_bytes: int, dtype=None):
+    """Transformer.save_pretrained: safetensors shards of at most max_shard_bytes (a bigger tensor
+    gets its own), an index when there are several, and config.json."""
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    sd = model.state_dict()
+    state = {h: sd[n].detach().to(dtype or sd[n].dtype).contiguous().cpu()
+             for h, n in hf_names(model).items()}
+    shards, size = [{}], 0
+    for name, t in state.items():
+        if shards[-1] and size + t.numel() * t.element_size() > max_shard_bytes:
+            shards, size = shards + [{}], 0
+        shards[-1][name] = t
+        size += t.numel() * t.element_size()
+    for stale in os.listdir(path):                 # leftovers of an earlier, differently sharded save
+        if stale.startswith("model") and stale.endswith((".safetensors", ".index.json")):
+            os.remove(os.path.join(path, stale))
+    n = len(shards)
+    files = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)] if n > 1 else ["model.safetensors"]
+    for file, shard in zip(files, shards):
+        atomic_save(lambda p, s=shard: save_file(s, p, metadata={"format": "pt"}), os.path.join(path, file))
+    if n > 1:
+        weight_map = {name: file for file, shard in zip(files, shards) for name in shard}
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        write_json(os.path.join(path, "model.safetensors.index.json"),
+                   {"metadata": {"total_size": total}, "weight_map": weight_map})
+    saved = next(iter(state.values())).dtype
+    write_json(os.path.join(path, "config.json"), config_to_hf(model.config, saved))
 
 def config_from_hf(hf: dict) -> ModelConfig:
     """Read a transformers config.json (older or newer style) into a ModelConfig."""
     model_type = hf.get("model_type")
     if model_type not in HF_ARCHITECTURES:
-        raise ValueError(f"unsupported model_type {model_type!r} in config.json; supported: {', '.join(HF_ARCHITECTURES)}")
+        raise ValueError(f"unsupported model_type {model_type!r} in config.json; "
+                         f"supported: {', '.join(HF_ARCHITECTURES)}")
     if hf.get("mlp_bias"):
         raise ValueError("unsupported config: mlp_bias=true")
     # Newer transformers write rope_parameters {rope_theta, rope_type, ...}; older ones
     # top-level rope_theta and rope_scaling {rope_type or type, ...}.
     rope = dict(hf.get("rope_parameters") or {})
     theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
-    if not rope and hf.get("rope_scaling"):
-        rope = dict(hf["rope_scaling"])
+    rope = rope or dict(hf.get("rope_scaling") or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
         raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, llama3")
-    scaling = None
-    if rope_type == "llama3":
-        scaling = {"rope_type": "llama3", **{k: rope[k] for k in
-                   ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}}
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    scaling = {"rope_type": "llama3", **{k: rope[k] for k in keys}} if rope_type == "llama3" else None
     n_heads = hf["num_attention_heads"]
     return ModelConfig(
-        vocab_size=hf["vocab_size"],
-        dim=hf["hidden_size"],
-        n_layers=hf["num_hidden_layers"],
-        n_heads=n_heads,
+        vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=n_heads,
         n_kv_heads=hf.get("num_key_value_heads") or n_heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
-        ffn_dim=hf["intermediate_size"],
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
-        rope_theta=float(theta),
-        rope_scaling=scaling,
-        qk_norm=model_type == "qwen3",
+        ffn_dim=hf["intermediate_size"], norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+        rope_scaling=scaling, qk_norm=model_type == "qwen3",
         attn_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        max_seq_len=hf.get("max_position_embeddings", 2048),
-        model_type=model_type,
-        bos_token_id=hf.get("bos_token_id"),
-        eos_token_id=hf.get("eos_token_id"),
-        mask_token_id=hf.get("mask_token_id"),
-    )
-
+        max_seq_len=hf.get("max_position_embeddings", 2048), model_type=model_type,
+        bos_token_id=hf.get("bos_token_id"), eos_token_id=hf.get("eos_token_id"),
+        mask_token_id=hf.get("mask_token_id"))
 
 def config_to_hf(cfg: ModelConfig, dtype=torch.float32) -> dict:
-    """The config.json transformers expects, in the older top-level style that both older and
-    newer transformers releases (and vLLM / SGLang through them) read."""
-    hf = {
-        "architectures": [HF_ARCHITECTURES[cfg.model_type]],
-        "model_type": cfg.model_type,
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.dim,
-        "intermediate_size": cfg.ffn_dim,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": dict(cfg.rope_scaling) if cfg.rope_scaling else None,
-        "attention_bias": cfg.attn_bias,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "max_position_embeddings": cfg.max_seq_len,
-        "bos_token_id": cfg.bos_token_id,
-        "eos_token_id": cfg.eos_token_id,
-        "mask_token_id": cfg.mask_token_id,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-    }
+    """The config.json of `cfg`, in the older top-level style that older and newer transformers
+    (and vLLM / SGLang through them) read."""
+    hf = {"architectures": [HF_ARCHITECTURES[cfg.model_type]], "model_type": cfg.model_type,
+          "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim,
+          "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+          "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+          "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+          "rope_scaling": dict(cfg.rope_scaling) if cfg.rope_scaling else None,
+          "attention_bias": cfg.attn_bias, "tie_word_embeddings": cfg.tie_embeddings,
+          "max_position_embeddings": cfg.max_seq_len, "bos_token_id": cfg.bos_token_id,
+          "eos_token_id": cfg.eos_token_id, "mask_token_id": cfg.mask_token_id,
+          "torch_dtype": str(dtype).removeprefix("torch.")}
     if cfg.model_type == "qwen2":
         hf.pop("attention_bias")                         # Qwen2 always has q/k/v biases
     return hf
 
-
-# ----------------------------------------------------------------------------------------------
-# Devices
-# ----------------------------------------------------------------------------------------------
-
 def parse_device(name: str) -> torch.device:
     """A --device string (cpu, cuda, cuda:N, or auto: cuda when there is one) -> torch.device.
-
-    Every command parses it here, so `cuda:0` means the GPU everywhere, and asking for a GPU
-    this machine lacks is one clear error instead of a silent run on the CPU.
-    """
+    A GPU this machine lacks is one clear error, never a silent run on the CPU."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -693,11 +513,6 @@ def parse_device(name: str) -> torch.device:
         raise ValueError(f"device {name!r} requested, but this machine has {torch.cuda.device_count()} CUDA GPU(s)")
     return device
 
-
-# ----------------------------------------------------------------------------------------------
-# Files
-# ----------------------------------------------------------------------------------------------
-
 def read_json(path, what="file") -> dict:
     """A JSON object from `path`; every failure is a one-line error that names the file."""
     if not os.path.isfile(path):
@@ -711,7 +526,6 @@ def read_json(path, what="file") -> dict:
         raise ValueError(f"{path}: expected a JSON object, found a {type(obj).__name__}")
     return obj
 
-
 def read_model_config(path) -> ModelConfig:
     """The ModelConfig of a Hugging Face folder; a missing or mistyped field names config.json."""
     file = os.path.join(path, "config.json")
@@ -722,7 +536,6 @@ def read_model_config(path) -> ModelConfig:
         problem = f"missing field {e}" if isinstance(e, KeyError) else str(e).replace(" in config.json", "")
         raise ValueError(f"{file}: {problem}") from None
 
-
 def read_checkpoint(path, what="checkpoint", weights_only=False):
     """torch.load, with a truncated or corrupt file reported in one line that names it."""
     try:
@@ -730,10 +543,8 @@ def read_checkpoint(path, what="checkpoint", weights_only=False):
     except (EOFError, RuntimeError, OSError, ValueError, pickle.UnpicklingError) as e:
         raise ValueError(f"cannot read the {what} {path}: truncated or corrupt ({type(e).__name__})") from None
 
-
 def write_json(path, obj):
     atomic_save(lambda p: open(p, "w").write(json.dumps(obj, indent=2) + "\n"), path)
-
 
 def atomic_save(write, path):
     """Call write(tmp_path), then rename over `path`: a crash never leaves a half-written file."""
@@ -741,12 +552,10 @@ def atomic_save(write, path):
     write(tmp)
     os.replace(tmp, path)
 
-
 def read_safetensors(path) -> dict:
     """All tensors of a single-file or sharded safetensors checkpoint (never unpickles)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
-
     single = os.path.join(path, "model.safetensors")
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(single):

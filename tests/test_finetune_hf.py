@@ -84,6 +84,15 @@ def test_gsm8k_scoring(completion, gold, strict, flexible, strict_ok, flexible_o
     assert (s["strict_ok"], s["flexible_ok"]) == (strict_ok, flexible_ok)
 
 
+def test_help_names_only_files_the_repository_has(capsys):
+    for command in ([], ["train"], ["eval"], ["analyze"], ["data"], ["export"]):
+        with pytest.raises(SystemExit):
+            F.build_parser().parse_args([*command, "--help"])
+        text = capsys.readouterr().out
+        assert "usage: finetune_hf.py" in text and "METHOD" not in text
+        assert all((REPO / f).is_file() for f in re.findall(r"[\w/]+\.py\b", text))
+
+
 def test_gsm8k_prompt_and_stop_strings(tiny):
     prompt = F.fewshot_prompt("How many?")
     assert prompt.startswith("Q: There are 15 trees in the grove.")
@@ -184,7 +193,9 @@ def test_train_resume_is_exact_and_export_loads_in_transformers(tiny, tmp_path, 
     ours = F.Transformer.from_pretrained(final)
     x = torch.tensor([hf_tok("Tom has 3 apples.<mask><mask>")["input_ids"]])
     torch.testing.assert_close(hf(x).logits, ours(x), atol=1e-5, rtol=1e-4)
-    assert "confadapt.py --model" in (final / "README.md").read_text()
+    card = (final / "README.md").read_text()
+    assert "confadapt.py --model" in card and "METHOD" not in card
+    assert all((REPO / f).is_file() for f in re.findall(r"[\w/]+\.py\b", card))   # the scripts it names exist
     # The `export` command rebuilds the same folder from the last checkpoint.
     assert F.main(["export", "--checkpoint", str(full), "--out", str(tmp_path / "exp")]) == 0
     c = weights(tmp_path / "exp")
@@ -193,7 +204,7 @@ def test_train_resume_is_exact_and_export_loads_in_transformers(tiny, tmp_path, 
 
 def test_resume_ignores_gpu_rng_states_of_another_machine(tiny, tmp_path, capsys):
     """Checkpoints hold no per-GPU RNG state (nothing draws on it), so a resume never depends on
-    how many GPUs it sees; one written with 8 GPUs' states (as older versions did) resumes too."""
+    how many GPUs it sees; a checkpoint that holds 8 GPUs' states resumes too."""
     out = tmp_path / "run"
     assert F.main(train_args(tiny, out, "--steps", "2", "--device", "cpu")) == 0
     path = out / "checkpoints" / "step_000002" / "trainer.pt"

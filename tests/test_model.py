@@ -277,7 +277,13 @@ def test_export_with_mask_token_loads_in_transformers(tmp_path, fields):
     emb = ours.tok_emb.weight[:mask_id]
     assert torch.isfinite(row).all() and 0.3 < row.std() / emb.std() < 3
     assert add_mask_token(ours, vocab) == mask_id                  # idempotent
-    ours.save_pretrained(tmp_path / "mtp")
+    (tmp_path / "mtp").mkdir()
+    (tmp_path / "mtp" / "model-00001-of-00009.safetensors").write_text("an earlier save's shard")
+    shard = fields is LLAMA3                                       # Llama: sharded, Qwen: one file
+    ours.save_pretrained(tmp_path / "mtp", **({"max_shard_bytes": 40_000} if shard else {}))
+    files = sorted(f for f in os.listdir(tmp_path / "mtp") if f.startswith("model"))
+    assert ("model.safetensors.index.json" in files) == shard and "model-00001-of-00009.safetensors" not in files
+    assert len(files) > 5 if shard else files == ["model.safetensors"]
     assert json.load(open(tmp_path / "mtp" / "config.json"))["mask_token_id"] == mask_id
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "mtp").eval()
     tokens = torch.tensor([[1, 2, 3, mask_id, mask_id, 7, 8, mask_id]])
@@ -295,51 +301,49 @@ def llama_dir(tmp_path):
     return tmp_path
 
 
-def test_missing_config(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no model config at"):
-        Transformer.from_pretrained(tmp_path)
+def _edit_config(edit):
+    def apply(path):
+        cfg = json.load(open(path / "config.json"))
+        edit(cfg)
+        json.dump(cfg, open(path / "config.json", "w"))
+    return apply
 
 
-def test_unknown_model_type(llama_dir):
-    cfg = json.load(open(llama_dir / "config.json"))
-    cfg["model_type"] = "gpt2"
-    json.dump(cfg, open(llama_dir / "config.json", "w"))
-    with pytest.raises(ValueError, match="unsupported model_type 'gpt2'"):
-        Transformer.from_pretrained(llama_dir)
+def _edit_tensors(edit):
+    def apply(path):
+        from safetensors.torch import load_file, save_file
+        tensors = load_file(path / "model.safetensors")
+        edit(tensors)
+        save_file(tensors, path / "model.safetensors")
+    return apply
 
 
-def _rewrite_tensors(path, edit):
-    from safetensors.torch import load_file, save_file
-    tensors = load_file(path / "model.safetensors")
-    edit(tensors)
-    save_file(tensors, path / "model.safetensors")
+def _truncate(path):
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[: len(data) // 2])
 
 
-def test_missing_tensor(llama_dir):
-    _rewrite_tensors(llama_dir, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
-    with pytest.raises(ValueError, match=r"missing model\.layers\.1\.mlp\.up_proj\.weight"):
-        Transformer.from_pretrained(llama_dir)
+BAD_FOLDERS = {            # what is wrong -> (how to break a good folder, error, message)
+    "no config": (lambda path: (path / "config.json").unlink(), FileNotFoundError, "no model config at"),
+    "unknown model type": (_edit_config(lambda c: c.update(model_type="gpt2")), ValueError,
+                           "unsupported model_type 'gpt2'"),
+    "malformed config": (lambda path: (path / "config.json").write_text("{not json"), ValueError, "malformed JSON"),
+    "missing tensor": (_edit_tensors(lambda t: t.pop("model.layers.1.mlp.up_proj.weight")), ValueError,
+                       r"missing model\.layers\.1\.mlp\.up_proj\.weight$"),
+    "unexpected tensors": (_edit_tensors(lambda t: t.update({n: torch.ones(1) for n in "dcba"})), ValueError,
+                           r"unexpected a, b, c and 1 more$"),
+    "misshaped tensor": (_edit_tensors(lambda t: t.update({"model.norm.weight": torch.ones(63)})), ValueError,
+                         r"wrong shape model\.norm\.weight \[63\] \(expected \[64\]\)$"),
+    "truncated weights": (_truncate, ValueError, "truncated or corrupt"),
+}
 
 
-def test_misshaped_tensor(llama_dir):
-    def edit(t):
-        t["model.norm.weight"] = torch.ones(63)
-    _rewrite_tensors(llama_dir, edit)
-    with pytest.raises(ValueError, match=r"wrong shape model\.norm\.weight \[63\] \(expected \[64\]\)"):
-        Transformer.from_pretrained(llama_dir)
-
-
-def test_truncated_safetensors(llama_dir):
-    path = llama_dir / "model.safetensors"
-    data = path.read_bytes()
-    path.write_bytes(data[: len(data) // 2])
-    with pytest.raises(ValueError, match="truncated or corrupt"):
-        Transformer.from_pretrained(llama_dir)
-
-
-def test_error_messages_are_one_line(llama_dir):
-    (llama_dir / "config.json").write_text("{not json")
-    with pytest.raises(ValueError) as err:
+@pytest.mark.parametrize("case", BAD_FOLDERS)
+def test_a_bad_checkpoint_is_one_clear_error(llama_dir, case):
+    """Never a wrong model and never a traceback: one line that names the problem."""
+    breaks, error, message = BAD_FOLDERS[case]
+    breaks(llama_dir)
+    with pytest.raises(error, match=message) as err:
         Transformer.from_pretrained(llama_dir)
     assert "\n" not in str(err.value)
 

@@ -179,6 +179,23 @@ def test_checkpoints_resume_without_training(tmp_path):
         train_toy.run_phase("teacher", str(tmp_path), cfg, True, "cpu", must_not_train, data_id="other data")
 
 
+def test_both_students_train_on_the_same_batches_and_layouts(monkeypatch):
+    """naive vs distill is a fair comparison: step by step the same sequences, k and offsets."""
+    cfg = train_toy.RunConfig(**{**train_toy.QUICK, "mtp_steps": 3})
+    tok = data.toy_tokenizer()
+    teacher = train_toy.build_teacher(cfg, tok, "cpu")
+    real, layouts = data.random_mtp_layout, []
+    monkeypatch.setattr(data, "random_mtp_layout", lambda *a, **kw: layouts.append(real(*a, **kw)) or layouts[-1])
+    for name, mode in train_toy.STUDENT_MODE.items():
+        student, s_tok = train_toy.student_from(teacher, "cpu")
+        train_toy.train_phase(name, student, cfg, train_toy.toy_batches(cfg, tok), "cpu", mode=mode, tokenizer=s_tok)
+    assert len(layouts) == 2 * cfg.mtp_steps
+    for a, b in zip(layouts[:cfg.mtp_steps], layouts[cfg.mtp_steps:]):
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.positions, b.positions)
+        assert torch.equal(a.valid, b.valid)
+    assert len({layout.input_ids.shape for layout in layouts}) > 1                 # k really is drawn per step
+
+
 def test_data_fingerprint_sees_a_changed_task(monkeypatch):
     tok = data.toy_tokenizer()
     batches = train_toy.toy_batches(train_toy.RunConfig(), tok)
