@@ -280,17 +280,6 @@ def is_heldout(task: str, key: tuple) -> bool:
     return zlib.crc32(" ".join(key).encode()) % 8 == 0
 
 
-def sample_key(task: str, rng: random.Random) -> tuple:
-    """Random prompt parameters: (start, shown) for count, (start,) for count_free, else words."""
-    if task == "count":
-        return rng.choice(COUNT_STARTS), rng.choice(COUNT_SHOWN)
-    if task == "count_free":
-        return (rng.choice(COUNT_STARTS),)
-    if task in ("repeat", "alternate"):
-        return tuple(rng.sample(TOY_CONTENT_WORDS, REPEAT_GROUP if task == "repeat" else ALTERNATE_WORDS))
-    raise ValueError(f"unknown toy task {task!r}; tasks: {', '.join(TOY_TASKS)}")
-
-
 def toy_prompt(task: str, key: tuple) -> str:
     if task == "count":
         return "count " + " ".join(str(key[0] + i) for i in range(key[1]))
@@ -330,9 +319,17 @@ class ToyExample:
 def toy_example(task: str, rng: random.Random, split: str = "train") -> ToyExample:
     """A random example whose key lies in `split` ("train" or "heldout")."""
     want_heldout = {"train": False, "heldout": True}[split]
-    key = sample_key(task, rng)
-    while is_heldout(task, key) != want_heldout:
-        key = sample_key(task, rng)
+    while True:   # draw prompt parameters until they fall in the split
+        if task == "count":
+            key = rng.choice(COUNT_STARTS), rng.choice(COUNT_SHOWN)              # (start, numbers shown)
+        elif task == "count_free":
+            key = (rng.choice(COUNT_STARTS),)
+        elif task in ("repeat", "alternate"):
+            key = tuple(rng.sample(TOY_CONTENT_WORDS, REPEAT_GROUP if task == "repeat" else ALTERNATE_WORDS))
+        else:
+            raise ValueError(f"unknown toy task {task!r}; tasks: {', '.join(TOY_TASKS)}")
+        if is_heldout(task, key) == want_heldout:
+            break
     answer = "".join(" " + item for item in toy_answer(task, key, rng))
     return ToyExample(task, key, toy_prompt(task, key), answer)
 
@@ -777,10 +774,8 @@ def word_problem_tokenizer() -> Tokenizer:
 
 
 # ====================================== Domain prompts =======================================
-#
-# Chat prompts of three kinds from templates, and the word problems' questions, for
-# `finetune_hf.py data` (a model's own answers as training rows, when no data set is at hand)
-# and `analyze` (how predictable is each kind of answer?); each has a fixed train / test split.
+# Chat prompts from templates (and the word problems' questions), for `finetune_hf.py data` (a
+# model's own answers as training rows) and `analyze` (how predictable is each kind of answer?).
 
 DOMAIN_TEMPLATES = {
     "lists": (["List {n} {x}.", "Name {n} {x}, one per line.", "Give me a numbered list of {n} {x}.",
@@ -833,9 +828,7 @@ def gpt2_byte_to_char() -> dict[int, str]:
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(shifted)}}
 
 
-@lru_cache(maxsize=1)
-def gpt2_char_to_byte() -> dict[str, int]:
-    return {c: b for b, c in gpt2_byte_to_char().items()}
+GPT2_CHAR_TO_BYTE = {c: b for b, c in gpt2_byte_to_char().items()}
 
 
 def bytes_to_piece(token: bytes) -> str:
@@ -843,7 +836,7 @@ def bytes_to_piece(token: bytes) -> str:
 
 
 def piece_to_bytes(piece: str) -> bytes:
-    return bytes(gpt2_char_to_byte()[c] for c in piece)   # KeyError: not a byte-level string
+    return bytes(GPT2_CHAR_TO_BYTE[c] for c in piece)   # KeyError: not a byte-level string
 
 
 def read_hf_tokenizer_json(spec: dict, file: Path) -> tuple[dict, dict, str, bool]:
