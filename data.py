@@ -1,20 +1,11 @@
-"""Data for multi-token prediction: tokenizers, toy tasks, the packed MTP layout, prompt formats,
-word problems.
+"""Data for multi-token prediction (MTP): the packed training layout, and what fills it.
 
-Five sections, each one part of the lesson:
-
-  Tokenizers           byte-level BPE over tiktoken, read from (and written back to) a Hugging
-                       Face tokenizer.json or a Llama tokenizer.model, plus the toy vocabulary.
-  Toy tasks            counting and repetition (one right answer) and two tasks with a branch
-                       point (several valid answers, each fixing what follows), with checkers
-                       for accuracy, coherence and degeneration, and held-out prompts.
-  MTP training layout  one ground-truth sequence -> one packed sequence holding many MTP
-                       problems: mask slots, re-placed copies, positions, the block-causal
-                       attention mask and the prediction targets.
-  Prompt formats       how finetune_hf.py turns (prompt, response) pairs into token ids
-                       (Llama-3 chat, Qwen, plain).
-  Word problems        synthetic grade-school arithmetic in MetaMathQA and GSM8K formats, for
-                       the miniature reproduction in finetune_hf.py.
+MTP layout: one ground-truth row -> one packed row holding many MTP problems (mask slots, copies,
+positions, block-causal attention mask, targets). Toy tasks: counting and repetition (one right
+answer) and two branching tasks (several valid answers), with checkers and held-out prompts.
+Tokenizers: byte-level BPE over tiktoken, read from and written to Hugging Face files, and the
+vocabularies built in code. Prompt formats: (prompt, response) -> token ids. Word problems:
+synthetic arithmetic in MetaMathQA / GSM8K formats. Domain prompts: chat prompts from templates.
 """
 import base64
 import json
@@ -29,27 +20,405 @@ import regex  # tiktoken's dependency: the same regular expressions as its split
 import tiktoken
 import torch
 
-# =============================================================================================
-# Tokenizers
-# =============================================================================================
+# ==================================== MTP training layout ====================================
 #
-# Byte-level BPE in four facts.
-#  1. Text is UTF-8 bytes, so 256 single-byte tokens can spell ANY text: nothing is "unknown".
-#  2. A regex first cuts the text into pieces (words with their leading space, digit runs,
-#     punctuation runs, whitespace runs). Tokens never cross piece boundaries.
-#  3. Every multi-byte token has a RANK, and in tiktoken the rank is also the token id. Inside
-#     a piece, start from single bytes and repeatedly merge the adjacent pair whose
-#     concatenation is the lowest-ranked token; stop when no adjacent pair is a token. (A
-#     piece that is itself a token is looked up directly.)
-#  4. Hugging Face's tokenizer.json stores the same thing differently: `model.vocab` maps
-#     token STRINGS to ids plus an explicit `merges` list. JSON wants printable strings, so
-#     GPT-2 introduced a reversible byte -> character map: printable bytes stand for
-#     themselves, the 68 others (control bytes, space, ...) are shifted to chr(256 + i); the
-#     space byte becomes "Ġ". Inverting that map turns each vocab string back into raw bytes.
+# A row of N ground-truth tokens becomes ONE packed row holding M independent MTP problems
+# ("regions"). Region r's prefix ends at original index e_r = o + r R (R = N // M; one offset o in
+# [0, R) for all; the paper's M = N / (2 k_max) keeps each window clear of the next prefix end).
+# After token e_r come k-1 <mask> slots. Region r's prediction j, read at e_r for j = 0 (plain
+# next-token prediction) and at slot j after, is about original token e_r + 1 + j. The tokens the
+# slots stand in for follow the block as COPIES at their original positions, so every
+# ground-truth token sees exactly its ordinary causal context.
+# The first EOS, at index E >= 1 (Qwen rows start with one), ends a row: region r is supervised
+# iff e_r < E, targets after E are EOS, and the rest is padding (pad id, no loss, seen by nobody,
+# seeing only itself so that every softmax row is defined). A target past N - 1 is unsupervised
+# unless the row has an EOS. Rows have length L = N + M (k - 1); positions reach N + k - 2.
+
+GT, MASK, COPY, PAD = 0, 1, 2, 3   # token kinds in the packed layout
+
+
+@dataclass
+class MTPBatch:
+    """What one MTP training step needs: B rows packed to length L, M regions of k predictions."""
+    input_ids: torch.Tensor     # (B, L) long: ground truth, k-1 mask slots after each e_r, pad
+    positions: torch.Tensor     # (B, L) long: original index of ground truth; slot j: e_r + j
+    attn_mask: torch.Tensor     # (B, L, L) bool, True = query (row) may attend to key (column)
+    kind: torch.Tensor          # (B, L) long: GT / MASK / COPY / PAD
+    pred_index: torch.Tensor    # (B, M, k) long: packed index of prediction j of region r
+    targets: torch.Tensor       # (B, M, k) long: ground-truth token prediction j should produce
+    valid: torch.Tensor         # (B, M, k) bool: prediction is supervised
+    ntp_index: torch.Tensor     # (B, N-1) long: packed index of ground-truth tokens 0..N-2
+    ntp_targets: torch.Tensor   # (B, N-1) long: the next ground-truth token (tokens 1..N-1)
+    ntp_valid: torch.Tensor     # (B, N-1) bool: next token is real (not after the EOS)
+    prefix_end: torch.Tensor    # (M,) long: original index e_r of each region's last prefix token
+    k: int
+    offset: int
+    region_len: int
+
+    def to(self, device) -> "MTPBatch":
+        moved = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        return MTPBatch(**{f: v.to(device) if torch.is_tensor(v) else v for f, v in moved.items()})
+
+
+def mtp_layout(seqs: torch.Tensor, k: int, offset: int, n_regions: int, mask_id: int,
+               eos_id=None, pad_id: int = 0, trained: torch.Tensor | None = None) -> MTPBatch:
+    """Pack ground-truth rows (B, N) into M = n_regions MTP problems each.
+
+    `eos_id`: an int, a list of ints (any of them ends a row) or None. `trained` (B, N) bool: which
+    tokens may be targets (answers, say, not prompts; a target after the EOS counts as the EOS).
+    Example: N = 12, k = 3, M = 2 (R = 6), offset 2, so e = (2, 8); kinds G/M/C = ground truth /
+    mask slot / copy; `r.j` = prediction j of region r, above the token it must produce:
+
+        idx       0   1   2   3   4   5   6   7   8   9  10  11  12  13  14  15
+        token     a   b   c   M   M   d   e   f   g   h   i   M   M   j   k   l
+        pos       0   1   2   3   4   3   4   5   6   7   8   9  10   9  10  11
+        kind      G   G   G   M   M   C   C   G   G   G   G   M   M   C   C   G
+        pred            0.0 0.1 0.2                     1.0 1.1 1.2
+        target            d   e   f                       j   k   l
+
+    Slot 3 (position 3) sees a b c and itself; slot 4 sees a b c, slot 3 and itself; token d
+    at index 5 sees a b c d only (it skips the block, as every ground-truth token does).
+    """
+    B, N = seqs.shape
+    device = seqs.device
+    S, M, R = k - 1, n_regions, N // n_regions                    # slots per region, regions, region length
+    if not (M >= 1 and R >= 1 and 0 <= offset < R):
+        raise ValueError(f"need 1 <= n_regions <= seq_len and 0 <= offset < {R}, "
+                         f"got n_regions={M}, offset={offset}, seq_len={N}")
+    ends = offset + R * torch.arange(M, device=device)                            # (M,) prefix ends e_r
+    L = N + M * S
+    steps = torch.arange(N, device=device)
+    # Where everything lands (the same in every row): token i moves right by S per block before it.
+    gt_pos = steps + S * (steps[:, None] > ends[None, :]).sum(1)                  # (N,)
+    pred_index = gt_pos[ends][:, None] + torch.arange(k, device=device)           # (M, k): e_r, then its slots
+    slot_pos = pred_index[:, 1:]                                                  # (M, S)
+    copied = ends[:, None] + torch.arange(1, k, device=device)                    # (M, S) slot j stands for e_r + j
+    input_ids = torch.full((B, L), mask_id, dtype=torch.long, device=device)
+    input_ids[:, gt_pos] = seqs
+    positions = torch.zeros(L, dtype=torch.long, device=device)
+    positions[gt_pos] = steps                                                     # copies keep their positions
+    positions[slot_pos] = copied
+    kind = torch.full((L,), GT, dtype=torch.long, device=device)
+    kind[slot_pos] = MASK
+    kind[gt_pos[copied[copied < N]]] = COPY
+
+    # Attention before padding: a ground-truth query sees the ground truth up to its own original
+    # index; a slot of region r sees the ground truth up to e_r and its own block up to itself.
+    region = torch.full((L,), -1, dtype=torch.long, device=device)                # (L,) a slot's region, else -1
+    region[slot_pos] = torch.arange(M, device=device)[:, None].expand(M, S)
+    is_slot = region >= 0
+    sees_up_to = torch.where(is_slot, ends[region.clamp(min=0)], positions)      # (L,) per query
+    sees_gt = ~is_slot[None, :] & (positions[None, :] <= sees_up_to[:, None])    # (L query, L key)
+    causal = torch.ones(L, L, dtype=torch.bool, device=device).tril()
+    own_block = is_slot[:, None] & (region[:, None] == region[None, :]) & causal
+
+    # Targets: prediction j of region r is about original token e_r + 1 + j; E = first EOS or N.
+    is_eos = torch.zeros(B, N, dtype=torch.bool, device=device) if eos_id is None else \
+        (seqs[..., None] == torch.as_tensor(eos_id, device=device).reshape(-1)).any(-1)   # (B, N)
+    is_eos[:, 0] = False                                                          # index 0 is never a target
+    E = torch.where(is_eos, steps, N).min(1).values                               # (B,)
+    has_eos = E < N
+    target_idx = ends[:, None] + 1 + torch.arange(k, device=device)               # (M, k)
+    targets = seqs.gather(1, target_idx.clamp(max=N - 1).view(1, -1).expand(B, -1)).view(B, M, k)
+    eos_tok = seqs.gather(1, E.clamp(max=N - 1)[:, None])                         # (B, 1)
+    after_eos = (target_idx[None] > E[:, None, None]) & has_eos[:, None, None]     # (B, M, k)
+    targets = torch.where(after_eos, eos_tok[:, :, None], targets)
+    supervised_region = ends[None, :] < E[:, None]                                # (B, M)
+    valid = supervised_region[:, :, None] & ((target_idx[None] < N) | has_eos[:, None, None])
+    ntp_valid = steps[None, 1:] <= E[:, None]
+    if trained is not None:
+        at = torch.minimum(target_idx[None], E.clamp(max=N - 1)[:, None, None]).reshape(B, M * k)
+        valid = valid & trained.gather(1, at).view(B, M, k)
+        ntp_valid = ntp_valid & trained[:, 1:]
+
+    # Padding: ground truth after the EOS and the blocks of unsupervised regions.
+    is_pad = torch.zeros(B, L, dtype=torch.bool, device=device)
+    is_pad[:, gt_pos] = steps[None, :] > E[:, None]
+    is_pad[:, slot_pos.reshape(-1)] = (~supervised_region).repeat_interleave(S, dim=1)
+    attn_mask = (sees_gt | own_block)[None] & ~is_pad[:, None, :] & ~is_pad[:, :, None]   # (B, L, L)
+    attn_mask |= torch.eye(L, dtype=torch.bool, device=device)[None] & is_pad[:, :, None]
+
+    def rows(x):   # the same for every row -> (B, ...)
+        return x[None].expand(B, *x.shape).contiguous()
+    return MTPBatch(input_ids=torch.where(is_pad, pad_id, input_ids), positions=rows(positions),
+                    attn_mask=attn_mask, kind=torch.where(is_pad, PAD, kind[None]),
+                    pred_index=rows(pred_index), targets=targets, valid=valid,
+                    ntp_index=rows(gt_pos[:-1]), ntp_targets=seqs[:, 1:], ntp_valid=ntp_valid,
+                    prefix_end=ends, k=k, offset=offset, region_len=R)
+
+
+def default_n_regions(seq_len: int, k_max: int) -> int:
+    """The paper's choice M = N / (2 k_max): regions twice as long as the longest window."""
+    return max(1, seq_len // (2 * k_max))
+
+
+def sample_k_and_offset(k_max: int, region_len: int, generator: torch.Generator | None = None,
+                        k_min: int = 2) -> tuple[int, int]:
+    """k uniform in [k_min, k_max] and, INDEPENDENTLY, the offset uniform in [0, region_len)."""
+    k = int(torch.randint(k_min, k_max + 1, (1,), generator=generator))
+    return k, int(torch.randint(0, region_len, (1,), generator=generator))
+
+
+def random_mtp_layout(seqs: torch.Tensor, k_max: int, mask_id: int, eos_id=None, pad_id: int = 0,
+                      n_regions: int | None = None, generator: torch.Generator | None = None,
+                      trained: torch.Tensor | None = None) -> MTPBatch:
+    """One training step's layout: the paper's M regions, k and offset drawn independently."""
+    n_regions = n_regions or default_n_regions(seqs.shape[1], k_max)
+    k, offset = sample_k_and_offset(k_max, seqs.shape[1] // n_regions, generator)
+    return mtp_layout(seqs, k, offset, n_regions, mask_id, eos_id, pad_id, trained)
+
+
+def token_labels(batch: MTPBatch, row: int, token_str) -> list[str]:
+    """A label per packed token of one row: the token, or "M" for a mask slot, "P" for padding."""
+    return ["M" if c == MASK else "P" if c == PAD else token_str(t)
+            for t, c in zip(batch.input_ids[row].tolist(), batch.kind[row].tolist())]
+
+
+def layout_table(batch: MTPBatch, row: int = 0, token_str=str) -> str:
+    """One packed row as a text table: token, position, kind, the prediction read there, its target."""
+    L = batch.input_ids.shape[1]
+    pred, target = [""] * L, [""] * L
+    regions = zip(batch.pred_index[row].tolist(), batch.targets[row].tolist(), batch.valid[row].tolist())
+    for r, (idx_r, tgt_r, ok_r) in enumerate(regions):
+        for j, (i, t, ok) in enumerate(zip(idx_r, tgt_r, ok_r)):
+            pred[i], target[i] = f"{r}.{j}", token_str(t) if ok else "-"
+    cells = {"idx": [str(i) for i in range(L)], "token": token_labels(batch, row, token_str),
+             "pos": [str(p) for p in batch.positions[row].tolist()],
+             "kind": ["GMCP"[c] for c in batch.kind[row].tolist()], "pred": pred, "target": target}
+    width = max(len(c) for col in cells.values() for c in col) + 1
+    return "\n".join(f"{name:<7}" + "".join(c.rjust(width) for c in col) for name, col in cells.items())
+
+
+def plot_attention_mask(batch: MTPBatch, path, row: int = 0, token_str=str):
+    """Save the (L, L) attention mask of one row as a PNG, cells coloured by the key's kind."""
+    from matplotlib.colors import ListedColormap
+    from matplotlib.figure import Figure          # no pyplot: no global backend state
+    from matplotlib.patches import Patch
+
+    # colours indexed by kind: GT, MASK, COPY, PAD
+    legend = {"ground truth": "#3b75af", "mask slot": "#ef8636", "copy": "#519e3e", "padding": "#b0b0b0"}
+    colours = list(legend.values())
+    mask, kind = batch.attn_mask[row].cpu(), batch.kind[row].cpu()
+    L = mask.shape[0]
+    image = torch.where(mask, kind[None, :].expand(L, L).float(), float("nan"))   # not attended: blank
+    fig = Figure(figsize=(2 + 0.28 * L, 1.5 + 0.28 * L))
+    ax = fig.add_subplot()
+    ax.imshow(image.numpy(), cmap=ListedColormap(colours), vmin=-0.5, vmax=3.5, interpolation="nearest")
+    labels = [f"{label} @{p}" for label, p in zip(token_labels(batch, row, token_str),
+                                                  batch.positions[row].tolist())]
+    ax.set_xticks(range(L), labels, rotation=90, fontsize=7)
+    ax.set_yticks(range(L), labels, fontsize=7)
+    for tick, c in zip(ax.get_xticklabels() + ax.get_yticklabels(), kind.tolist() * 2):
+        tick.set_color(colours[c])
+    ax.set(xlabel="key (token @ position)", ylabel="query", title=f"MTP attention mask: k={batch.k}, "
+           f"offset={batch.offset}, {len(batch.prefix_end)} regions")
+    ax.legend(handles=[Patch(color=c, label=n) for n, c in legend.items()],
+              loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+
+
+# ========================================= Toy tasks =========================================
 #
-# We run tiktoken (fast, in Rust) and only translate formats here. `added_tokens` (and
-# Llama's <|begin_of_text|> etc.) become tiktoken "special tokens": matched by exact id, never
-# produced by encode(), so a user typing "<|im_start|>" gets ordinary text tokens.
+# Four tasks, generated in code, small enough for a CPU transformer to learn in minutes. A
+# sequence is <|bos|> prompt answer <|eos|>; each answer item (a number, or a word with its
+# leading space) is one token.
+#
+#   task        prompt                              answer (one valid continuation)
+#   count       count 17 18 19                      20 21 22 ... 32
+#   repeat      repeat cat red pie cat red pie      cat red pie cat red pie ...
+#   count_free  count from 17                       18 19 20 ...  or  16 15 14 ...          BRANCHING
+#   alternate   alternate the with cat red pie fox  the cat the cat ...  or  red the red ...  BRANCHING
+#
+# count and repeat answers carry on from the prompt: one rule (+1; the word 3 back) from the
+# first answer token on. A count prompt shows 3 to 5 numbers, so "start plus answer position" is
+# no shortcut. The branching tasks hold the two failures of naive MTP, on purpose:
+#   count_free  up or down, equally likely, then kept. Trained on ground truth, prediction j is a
+#               50/50 mixture of a+j and a-j, and each position's argmax picks its own branch:
+#               "18 15 20 13", an incoherent mixture.
+#   alternate   "the" alternates with ONE prompt word: 40% of answers start with "the", then the
+#               first word ("the cat the cat"); 60% with any of the four words (15% each), then
+#               "the". "the" is the most frequent item at EVERY position, so the ground-truth
+#               marginals' argmax is "the the the the": far-future collapse onto the most
+#               frequent token. Greedy decoding of the conditionals gives "the cat the cat".
+# A teacher decoding one token at a time never mixes branches. No alternate prompt repeats, so a
+# model must learn the rule, and it holds on held-out prompts, whose parameters ("key": start
+# numbers, or a hash of the word tuple) follow a fixed rule and are never trained on.
+
+TOY_TASKS = ("count", "repeat", "count_free", "alternate")
+BRANCHING_TASKS = ("count_free", "alternate")
+NUM_ITEMS = 12                               # items in every answer but count's
+COUNT_STARTS = range(12, 150)                # start numbers: every count stays within 0..164
+COUNT_SHOWN = (3, 4, 5)                      # count: how many numbers the prompt shows
+COUNT_LENGTH = 16                            # count: numbers in prompt + answer
+DIRECTIONS = {"up": 1, "down": -1}           # count_free: either way, equally likely
+REPEAT_GROUP = 3                             # repeat: words in the repeated group
+ALTERNATE_GLUE = "the"                       # alternate: the word every answer alternates with
+ALTERNATE_WORDS = 4                          # alternate: prompt words, to pick the other one from
+ALTERNATE_GLUE_FIRST = 0.4                   # alternate: how often the glue comes first
+DEGENERATE_RUN = 3                           # "the the the": this many equal items in a row
+TOY_PROMPT_WORDS = ["count", "from", "by", "repeat", "then", "and", "step", "times", "alternate", "with"]
+TOY_WORDS = TOY_PROMPT_WORDS + [
+    "the", "a", "is", "to", "of", "in", "up", "down", "sum", "list", "add", "next",   # glue
+    "cat", "dog", "cow", "pig", "hen", "fox", "owl", "bee", "ant", "bat", "rat", "yak",  # animals
+    "eel", "ape", "duck", "frog", "bird", "fish", "goat", "lion",
+    "red", "blue", "green", "pink", "gray", "gold", "black", "white", "tan",            # colours
+    "pie", "jam", "egg", "tea", "rice", "corn", "bean", "fig", "nut", "pea", "ham",     # foods
+    "bun", "cake", "soup", "milk",
+    "box", "cup", "pen", "hat", "key", "bag", "map", "car", "bus", "bed", "pot", "jar",  # objects
+    "mug", "cap", "bell", "book", "ring", "lamp", "drum", "kite",
+]
+TOY_CONTENT_WORDS = TOY_WORDS[TOY_WORDS.index("cat"):]   # animals, colours, foods, objects
+
+
+def is_heldout(task: str, key: tuple) -> bool:
+    """Whether a prompt's parameters belong to the evaluation split: one start number in five
+    (13, 18, ... for count, 15, 20, ... for count_free: every step a held-out prompt needs is
+    trained elsewhere), or one word tuple in eight (a fixed hash of its text)."""
+    if task in ("count", "count_free"):
+        return key[0] % 5 == {"count": 3, "count_free": 0}[task]
+    return zlib.crc32(" ".join(key).encode()) % 8 == 0
+
+
+def toy_prompt(task: str, key: tuple) -> str:
+    if task == "count":
+        return "count " + " ".join(str(key[0] + i) for i in range(key[1]))
+    if task == "count_free":
+        return f"count from {key[0]}"
+    if task == "repeat":
+        return "repeat " + " ".join(key + key)
+    if task == "alternate":
+        return f"alternate {ALTERNATE_GLUE} with " + " ".join(key)
+    raise ValueError(f"unknown toy task {task!r}")
+
+
+def toy_answer(task: str, key: tuple, rng: random.Random) -> list[str]:
+    """One valid answer, as items; for a branching task the branch is drawn with rng."""
+    if task == "count":                       # on from the prompt's last number to COUNT_LENGTH numbers
+        return [str(key[0] + key[1] - 1 + i) for i in range(1, COUNT_LENGTH - key[1] + 1)]
+    if task == "count_free":
+        step = rng.choice(list(DIRECTIONS.values()))
+        return [str(key[0] + i * step) for i in range(1, NUM_ITEMS + 1)]
+    if task == "repeat":
+        return [key[i % len(key)] for i in range(NUM_ITEMS)]
+    if task == "alternate":
+        glue_first = rng.random() < ALTERNATE_GLUE_FIRST
+        pair = (ALTERNATE_GLUE, key[0]) if glue_first else (rng.choice(key), ALTERNATE_GLUE)
+        return [pair[i % 2] for i in range(NUM_ITEMS)]
+    raise ValueError(f"unknown toy task {task!r}")
+
+
+@dataclass(frozen=True)
+class ToyExample:
+    task: str
+    key: tuple          # the prompt's parameters (what the held-out split is about)
+    prompt: str         # e.g. "count 17 18 19"
+    answer: str         # e.g. " 20 21 22 ..." (items with leading spaces)
+
+
+def toy_example(task: str, rng: random.Random, split: str = "train") -> ToyExample:
+    """A random example whose key lies in `split` ("train" or "heldout")."""
+    want_heldout = {"train": False, "heldout": True}[split]
+    while True:   # draw prompt parameters until they fall in the split
+        if task == "count":
+            key = rng.choice(COUNT_STARTS), rng.choice(COUNT_SHOWN)              # (start, numbers shown)
+        elif task == "count_free":
+            key = (rng.choice(COUNT_STARTS),)
+        elif task in ("repeat", "alternate"):
+            key = tuple(rng.sample(TOY_CONTENT_WORDS, REPEAT_GROUP if task == "repeat" else ALTERNATE_WORDS))
+        else:
+            raise ValueError(f"unknown toy task {task!r}; tasks: {', '.join(TOY_TASKS)}")
+        if is_heldout(task, key) == want_heldout:
+            break
+    answer = "".join(" " + item for item in toy_answer(task, key, rng))
+    return ToyExample(task, key, toy_prompt(task, key), answer)
+
+
+def encode_example(tokenizer, ex: ToyExample) -> tuple[list[int], list[int]]:
+    """(prompt ids with <|bos|> in front, answer ids with <|eos|> at the end)."""
+    return [tokenizer.bos_id] + tokenizer.encode(ex.prompt), tokenizer.encode(ex.answer) + [tokenizer.eos_id]
+
+
+def toy_batch(tokenizer, rng: random.Random, batch_size: int, tasks=TOY_TASKS,
+              seq_len: int | None = None, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole sequences, tasks mixed uniformly, right-padded with <|pad|> to N = seq_len (or the
+    longest). Returns (seqs (B, N) long, answer (B, N) bool: True on answer tokens and <|eos|>)."""
+    pairs = [encode_example(tokenizer, toy_example(rng.choice(tasks), rng, split)) for _ in range(batch_size)]
+    longest = max(len(p) + len(a) for p, a in pairs)
+    N = seq_len or longest
+    if longest > N:
+        raise ValueError(f"a toy sequence of {longest} tokens does not fit seq_len={N}")
+    pad = [[tokenizer.pad_id] * (N - len(p) - len(a)) for p, a in pairs]
+    seqs = torch.tensor([p + a + z for (p, a), z in zip(pairs, pad)])                       # (B, N)
+    answer = torch.tensor([[False] * len(p) + [True] * len(a) + [False] * len(z)
+                           for (p, a), z in zip(pairs, pad)])
+    return seqs, answer
+
+
+def heldout_examples(task: str, n: int, seed: int = 1234) -> list[ToyExample]:
+    """n distinct held-out prompts of one task, the same for every run (fixed seed)."""
+    rng, found = random.Random(seed), {}
+    for _ in range(100 * n):
+        ex = toy_example(task, rng, "heldout")
+        found.setdefault(ex.key, ex)
+        if len(found) == n:
+            break
+    return list(found.values())
+
+
+@dataclass
+class ToyScore:
+    accuracy: bool      # exactly right (branching: a valid answer of the right length)
+    coherence: bool     # obeys the task's rule (length aside)
+    degenerate: bool    # DEGENERATE_RUN equal items in a row, which no task allows
+
+
+def has_run(items: list[str], run: int = DEGENERATE_RUN) -> bool:
+    """True if some item repeats `run` times in a row ("the the the", "20 20 20")."""
+    return any(len(set(items[i:i + run])) == 1 for i in range(len(items) - run + 1))
+
+
+def follows_rule(task: str, key: tuple, items: list[str]) -> bool:
+    """The task's rule, checked on the generated items (at least two of them)."""
+    if len(items) < 2:
+        return False
+    if task in ("count", "count_free"):
+        if not all(x.isdigit() for x in items):
+            return False
+        nums = [int(x) for x in items]
+        last = key[0] + key[1] - 1 if task == "count" else key[0]      # the prompt's last number
+        step = 1 if task == "count" else nums[0] - last
+        return step in DIRECTIONS.values() and all(b - a == step for a, b in zip([last] + nums, nums))
+    if task == "repeat":
+        return all(item == key[i % len(key)] for i, item in enumerate(items))
+    if task == "alternate":                            # a pair the generator can draw
+        pair = (items[0], items[1])
+        if pair != (ALTERNATE_GLUE, key[0]) and not (pair[0] in key and pair[1] == ALTERNATE_GLUE):
+            return False
+        return all(item == pair[i % 2] for i, item in enumerate(items))
+    raise ValueError(f"unknown toy task {task!r}")
+
+
+def check_toy(task: str, key: tuple, output: str, stopped: bool = True) -> ToyScore:
+    """Score a generated answer (text without <|eos|>; `stopped`: the model did emit <|eos|>)."""
+    items = output.split()
+    coherent = follows_rule(task, key, items)
+    if task in BRANCHING_TASKS:
+        accurate = coherent and len(items) == NUM_ITEMS
+    else:
+        accurate = items == toy_answer(task, key, random.Random(0))
+    return ToyScore(accuracy=accurate and stopped, coherence=coherent, degenerate=has_run(items))
+
+
+# ======================================== Tokenizers =========================================
+#
+# Byte-level BPE: text is UTF-8 bytes, so 256 single-byte tokens spell any text. A regex cuts the
+# text into pieces (a word with its leading space, a digit run, ...) that tokens never cross;
+# inside a piece, BPE starts from single bytes and keeps merging the adjacent pair that forms the
+# lowest-ranked token (in tiktoken the rank is the id; a piece that is a token is looked up whole).
+# We run tiktoken (Rust) and only translate Hugging Face's tokenizer.json (token strings -> ids,
+# plus merges). Special tokens are matched by id only: encode() never produces them, so a user
+# typing "<|im_start|>" gets ordinary text tokens.
 
 # Split patterns. Llama-3 groups digits in runs of up to three; Qwen2/3 splits every digit.
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -64,63 +433,13 @@ DIGITS_THEN_GPT2_PATTERN = (r"""\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{
                             r"""|\s+(?![^\s\p{N}])|\s+""")
 
 
-@lru_cache(maxsize=1)
-def gpt2_byte_to_char() -> dict[int, str]:
-    """GPT-2's map from each byte value to a printable character (see fact 4 above)."""
-    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)}
-    shifted = (b for b in range(256) if b not in printable)
-    table = {b: chr(b) for b in printable}
-    table.update({b: chr(256 + i) for i, b in enumerate(shifted)})
-    return table
-
-
-@lru_cache(maxsize=1)
-def gpt2_char_to_byte() -> dict[str, int]:
-    return {c: b for b, c in gpt2_byte_to_char().items()}
-
-
-def bytes_to_piece(token: bytes) -> str:
-    return "".join(gpt2_byte_to_char()[b] for b in token)
-
-
-def piece_to_bytes(piece: str) -> bytes:
-    return bytes(gpt2_char_to_byte()[c] for c in piece)   # KeyError: not a byte-level string
-
-
-def llama3_special_tokens(first_id: int, count: int = 256) -> dict[str, int]:
-    """Llama 3.1's 256 special tokens: a few named ones, the rest <|reserved_special_token_i|>."""
-    named = {0: "begin_of_text", 1: "end_of_text", 4: "finetune_right_pad_id",
-             6: "start_header_id", 7: "end_header_id", 8: "eom_id", 9: "eot_id", 10: "python_tag"}
-    specials, n_reserved = {}, 0
-    for offset in range(count):
-        name = named.get(offset)
-        if name is None:
-            name, n_reserved = f"reserved_special_token_{n_reserved}", n_reserved + 1
-        specials[f"<|{name}|>"] = first_id + offset
-    return specials
-
-
-def bpe_parts(ranks: dict[bytes, int], token: bytes, max_rank: int) -> list[bytes]:
-    """tiktoken's merge loop on `token`'s bytes, allowed to use only ranks below `max_rank`."""
-    parts = [bytes([b]) for b in token]
-    while len(parts) > 1:
-        pair_ranks = [ranks.get(a + b, max_rank) for a, b in zip(parts, parts[1:])]
-        best = min(range(len(pair_ranks)), key=pair_ranks.__getitem__)   # leftmost on ties
-        if pair_ranks[best] >= max_rank:
-            break
-        parts[best:best + 2] = [parts[best] + parts[best + 1]]
-    return parts
-
-
 class Tokenizer:
     """Byte-level BPE backed by tiktoken; reads and writes Hugging Face tokenizer files."""
 
     def __init__(self, mergeable_ranks: dict[bytes, int], special_tokens: dict[str, int],
                  pattern: str, nfc: bool = False, bos_token: str | None = None,
                  eos_token: str | None = None, pad_token: str | None = None):
-        self.mergeable_ranks = dict(mergeable_ranks)
-        self.special_tokens = dict(special_tokens)
+        self.mergeable_ranks, self.special_tokens = dict(mergeable_ranks), dict(special_tokens)
         self.pattern, self.nfc = pattern, nfc
         self.bos_token, self.eos_token, self.pad_token = bos_token, eos_token, pad_token
         # Real vocabularies may lack single bytes (SmolLM2 lacks 21, e.g. 0x04 and 0xFF). With no
@@ -128,21 +447,19 @@ class Tokenizer:
         self.missing_bytes = bytes(b for b in range(256) if bytes([b]) not in self.mergeable_ranks)
         self._enc = self._build(self.special_tokens)
         self.stop_ids = [self.eos_id] if eos_token else []   # ids that end generation
-        self.hf_spec, self.chat_template = None, None          # set when read from Hugging Face files
+        self.hf_spec, self.chat_template = None, None   # set when read from Hugging Face files
 
     def _build(self, specials: dict[str, int]) -> tiktoken.Encoding:
         """Check what tiktoken would not (it panics or silently misbehaves), then build it."""
-        ranks = self.mergeable_ranks
-        ids = [*ranks.values(), *specials.values()]
+        ids = [*self.mergeable_ranks.values(), *specials.values()]
         if len(set(ids)) != len(ids):
             raise ValueError("two tokens share an id (ordinary and special ids must not overlap)")
         for role in (self.bos_token, self.eos_token, self.pad_token):
             if role is not None and role not in specials:
                 raise ValueError(f"{role!r} is not a special token")
-        return tiktoken.Encoding("bpe", pat_str=self.pattern, mergeable_ranks=ranks,
+        return tiktoken.Encoding("bpe", pat_str=self.pattern, mergeable_ranks=self.mergeable_ranks,
                                  special_tokens=specials)
 
-    # --- ids and text -----------------------------------------------------------------------
     @property
     def n_vocab(self) -> int:
         return self._enc.n_vocab   # max id + 1 (ids may have gaps)
@@ -152,12 +469,9 @@ class Tokenizer:
             raise KeyError(f"{text!r} is not a special token of this tokenizer")
         return self.special_tokens[text]
 
-    def _role_id(self, text: str | None) -> int | None:
-        return None if text is None else self.token_id(text)
-
-    bos_id = property(lambda self: self._role_id(self.bos_token))
-    eos_id = property(lambda self: self._role_id(self.eos_token))
-    pad_id = property(lambda self: self._role_id(self.pad_token))
+    bos_id = property(lambda self: self.special_tokens.get(self.bos_token))   # None: no such role
+    eos_id = property(lambda self: self.special_tokens.get(self.eos_token))
+    pad_id = property(lambda self: self.special_tokens.get(self.pad_token))
     mask_id = property(lambda self: self.special_tokens.get("<mask>"))
 
     def encode(self, text: str) -> list[int]:
@@ -166,7 +480,7 @@ class Tokenizer:
             text = unicodedata.normalize("NFC", text)
         if not self.missing_bytes or len(text.encode().translate(None, self.missing_bytes)) == len(text.encode()):
             return self._enc.encode_ordinary(text)
-        ids = []   # rare: split, drop the bytes the vocab lacks from each piece, then merge what is left
+        ids = []   # rare: split, drop the bytes the vocab lacks from each piece, merge what is left
         for piece in regex.findall(self.pattern, text):
             kept = piece.encode().translate(None, self.missing_bytes)
             ids += self._enc._encode_single_piece(kept) if kept else []
@@ -188,201 +502,50 @@ class Tokenizer:
         self.special_tokens = specials
         return specials[text]
 
-    # --- Hugging Face files ---------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, path) -> "Tokenizer":
         """Load from a folder holding tokenizer.json or (Llama) original/tokenizer.model."""
         folder = Path(path)
-        llama_model = folder / "original" / "tokenizer.model"
-        if (folder / "tokenizer.json").is_file():
-            ranks, specials, pattern, nfc = read_hf_tokenizer_json(folder / "tokenizer.json")
-            roles, stop_ids = read_token_roles(folder, specials)
-        elif llama_model.is_file():
-            ranks = read_tiktoken_ranks(llama_model)
-            specials = llama3_special_tokens(max(ranks.values()) + 1)
-            pattern, nfc = LLAMA3_PATTERN, False
-            roles, stop_ids = read_token_roles(folder, specials)
-            roles["bos_token"] = roles["bos_token"] or "<|begin_of_text|>"
-            roles["eos_token"] = roles["eos_token"] or "<|end_of_text|>"
+        json_file, llama_model = folder / "tokenizer.json", folder / "original" / "tokenizer.model"
+        spec = None
+        if json_file.is_file():
+            spec = json.loads(json_file.read_text(encoding="utf-8"))
+            ranks, specials, pattern, nfc = read_hf_tokenizer_json(spec, json_file)
+        elif llama_model.is_file():   # tiktoken's format: one `base64(token) rank` per line
+            lines = [line.split() for line in llama_model.read_text(encoding="ascii").splitlines() if line]
+            ranks = {base64.b64decode(token): int(rank) for token, rank in lines}
+            specials, pattern, nfc = llama3_special_tokens(max(ranks.values()) + 1), LLAMA3_PATTERN, False
         else:
             raise FileNotFoundError(f"no tokenizer.json or original/tokenizer.model in {folder}")
+        roles, stop_ids, tok_config = read_token_roles(folder, specials)
+        if spec is None:
+            roles["bos_token"] = roles["bos_token"] or "<|begin_of_text|>"
+            roles["eos_token"] = roles["eos_token"] or "<|end_of_text|>"
         tokenizer = cls(ranks, specials, pattern, nfc, **roles)
         tokenizer.stop_ids = list(dict.fromkeys(tokenizer.stop_ids + stop_ids))
-        if (folder / "tokenizer.json").is_file():
-            tokenizer.hf_spec = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
-        config = folder / "tokenizer_config.json"
-        if config.is_file():
-            tokenizer.chat_template = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
+        tokenizer.hf_spec, tokenizer.chat_template = spec, tok_config.get("chat_template")
         return tokenizer
-
-    def hf_tokenizer_json(self) -> dict:
-        """The tokenizer.json dict: the file we were read from with our added special tokens, or
-        (for tokenizers built in code) vocab + merges that make HF's BPE act exactly as ours."""
-        if self.hf_spec is not None:
-            known = {t["content"] for t in self.hf_spec["added_tokens"]}
-            added = [{"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
-                      "normalized": False, "special": True}
-                     for text, i in self.special_tokens.items() if text not in known]
-            return {**self.hf_spec, "added_tokens": self.hf_spec["added_tokens"] + added}
-        vocab = {bytes_to_piece(b): r for b, r in self.mergeable_ranks.items()}
-        merges = []
-        for token, rank in sorted(self.mergeable_ranks.items(), key=lambda item: item[1]):
-            parts = bpe_parts(self.mergeable_ranks, token, rank) if len(token) > 1 else []
-            if len(parts) == 2:   # the last merge tiktoken would make to build this token
-                merges.append([bytes_to_piece(parts[0]), bytes_to_piece(parts[1])])
-        # HF numbers added tokens it does not find in the vocab len(vocab), len(vocab)+1, ...
-        # If ours are not exactly those ids, put them in the vocab too so their ids are kept.
-        specials = sorted(self.special_tokens.items(), key=lambda item: item[1])
-        if [i for _, i in specials] != list(range(len(vocab), len(vocab) + len(specials))):
-            vocab.update(specials)
-        split = {"type": "Split", "pattern": {"Regex": self.pattern}, "behavior": "Isolated",
-                 "invert": False}
-        byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
-                      "use_regex": False}
-        return {
-            "version": "1.0", "truncation": None, "padding": None,
-            "added_tokens": [{"id": i, "content": text, "single_word": False, "lstrip": False,
-                              "rstrip": False, "normalized": False, "special": True}
-                             for text, i in specials],
-            "normalizer": {"type": "NFC"} if self.nfc else None,
-            "pre_tokenizer": {"type": "Sequence", "pretokenizers": [split, byte_level]},
-            "post_processor": None,
-            "decoder": {**byte_level, "add_prefix_space": True, "use_regex": True},
-            # ignore_merges: a piece that is itself a token is looked up whole, as tiktoken does
-            "model": {"type": "BPE", "dropout": None, "unk_token": None,
-                      "continuing_subword_prefix": None, "end_of_word_suffix": None,
-                      "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
-                      "vocab": vocab, "merges": merges},
-        }
 
     def save_pretrained(self, path):
         """Write tokenizer.json + tokenizer_config.json (loadable by `tokenizers`/AutoTokenizer)."""
         folder = Path(path)
         folder.mkdir(parents=True, exist_ok=True)
-        with open(folder / "tokenizer.json", "w", encoding="utf-8") as f:
-            json.dump(self.hf_tokenizer_json(), f, ensure_ascii=False)
-        roles = {"bos_token": self.bos_token, "eos_token": self.eos_token,
-                 "pad_token": self.pad_token, "mask_token": "<mask>" if self.mask_id is not None else None}
-        config = {"tokenizer_class": "PreTrainedTokenizerFast",
-                  "clean_up_tokenization_spaces": False,
-                  **{key: text for key, text in roles.items() if text is not None}}
-        if self.chat_template:
-            config["chat_template"] = self.chat_template
-        with open(folder / "tokenizer_config.json", "w", encoding="utf-8") as f:
-            json.dump(config, f, indent=2, ensure_ascii=False)
+        spec = json.dumps(hf_tokenizer_json(self), ensure_ascii=False)
+        (folder / "tokenizer.json").write_text(spec, encoding="utf-8")
+        roles = {"bos_token": self.bos_token, "eos_token": self.eos_token, "pad_token": self.pad_token,
+                 "mask_token": "<mask>" if self.mask_id is not None else None,
+                 "chat_template": self.chat_template or None}
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+                  **{key: value for key, value in roles.items() if value is not None}}
+        config = json.dumps(config, indent=2, ensure_ascii=False)
+        (folder / "tokenizer_config.json").write_text(config, encoding="utf-8")
 
 
-def read_hf_tokenizer_json(file: Path) -> tuple[dict[bytes, int], dict[str, int], str, bool]:
-    """tokenizer.json -> (mergeable_ranks, special_tokens, split pattern, nfc)."""
-    spec = json.loads(Path(file).read_text(encoding="utf-8"))
-    model = spec.get("model") or {}
-    if model.get("type") != "BPE" or model.get("byte_fallback"):
-        raise ValueError(f"unsupported tokenizer in {file}: only byte-level BPE is supported, "
-                         f"got model type {model.get('type')!r}")
-    specials = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
-    special_ids = set(specials.values())
-    try:   # a trained vocab may list the special tokens too: they stay special only
-        ranks = {piece_to_bytes(piece): i for piece, i in model["vocab"].items()
-                 if i not in special_ids}
-    except KeyError as err:
-        raise ValueError(f"unsupported tokenizer in {file}: vocab is not byte-level") from err
-    if model.get("unk_token") and sum(len(t) == 1 for t in ranks) < 256:
-        raise ValueError(f"unsupported tokenizer in {file}: single bytes are missing and map to an unknown token")
-    return ranks, specials, split_pattern(spec.get("pre_tokenizer"), file), \
-        uses_nfc(spec.get("normalizer"), file)
-
-
-def split_pattern(pre: dict | None, file) -> str:
-    """The split regex of a byte-level pre-tokenizer (Split + ByteLevel, or GPT-2 ByteLevel, with
-    or without a Digits step first)."""
-    pre = pre or {}
-    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
-    if len(steps) == 2 and steps[0] == {"type": "Digits", "individual_digits": True} \
-            and steps[1].get("type") == "ByteLevel" and steps[1].get("use_regex", True) \
-            and not steps[1].get("add_prefix_space", True):
-        return DIGITS_THEN_GPT2_PATTERN
-    byte_level = steps[-1] if steps and steps[-1].get("type") == "ByteLevel" else None
-    if byte_level and not byte_level.get("add_prefix_space", True):
-        split = steps[0] if len(steps) == 2 else {}
-        if split.get("type") == "Split" and "Regex" in split.get("pattern", {}) \
-                and split.get("behavior") == "Isolated" and not split.get("invert") \
-                and not byte_level.get("use_regex", True):
-            return split["pattern"]["Regex"]
-        if len(steps) == 1 and byte_level.get("use_regex", True):
-            return GPT2_PATTERN
-    raise ValueError(f"unsupported pre_tokenizer in {file}: {json.dumps(pre)[:200]}")
-
-
-def uses_nfc(normalizer: dict | None, file) -> bool:
-    if normalizer is None or normalizer.get("type") == "NFC":
-        return normalizer is not None
-    raise ValueError(f"unsupported normalizer in {file}: {normalizer.get('type')!r}")
-
-
-def read_tiktoken_ranks(file: Path) -> dict[bytes, int]:
-    """tiktoken's format (Llama's original/tokenizer.model): one `base64(token) rank` per line."""
-    lines = Path(file).read_text(encoding="ascii").splitlines()
-    return {base64.b64decode(token): int(rank) for token, rank in (l.split() for l in lines if l)}
-
-
-def read_token_roles(folder: Path, specials: dict[str, int]) -> tuple[dict, list[int]]:
-    """bos/eos/pad token texts and the stop ids, from the json files next to the tokenizer.
-
-    tokenizer_config.json decides when it names a role (null means "none": Qwen has no BOS
-    although its config.json has a bos_token_id); otherwise config.json, then
-    generation_config.json. Every eos id found (eos may be a list) is a stop id."""
-    def read(name):
-        file = folder / name
-        return json.loads(file.read_text(encoding="utf-8")) if file.is_file() else {}
-
-    def as_list(value):
-        return value if isinstance(value, list) else [] if value is None else [value]
-
-    tok_config, configs = read("tokenizer_config.json"), [read("config.json"),
-                                                           read("generation_config.json")]
-    text_of = {i: text for text, i in specials.items()}
-    roles = {}
-    for role in ("bos", "eos", "pad"):
-        if f"{role}_token" in tok_config:
-            value = tok_config[f"{role}_token"]
-            text = value.get("content") if isinstance(value, dict) else value
-        else:
-            ids = [i for c in configs for i in as_list(c.get(f"{role}_token_id"))]
-            text = text_of.get(ids[0]) if ids else None
-        roles[f"{role}_token"] = text if text in specials else None
-    stop_ids = [i for c in configs for i in as_list(c.get("eos_token_id")) if i in text_of]
-    return roles, stop_ids
-
-
-# --- the toy tokenizer -------------------------------------------------------------------------
-TOY_PROMPT_WORDS = ["count", "from", "by", "repeat", "then", "and", "step", "times", "alternate", "with"]
-TOY_WORDS = TOY_PROMPT_WORDS + [
-    "the", "a", "is", "to", "of", "in", "up", "down", "sum", "list", "add", "next",   # glue
-    "cat", "dog", "cow", "pig", "hen", "fox", "owl", "bee", "ant", "bat", "rat", "yak",  # animals
-    "eel", "ape", "duck", "frog", "bird", "fish", "goat", "lion",
-    "red", "blue", "green", "pink", "gray", "gold", "black", "white", "tan",            # colours
-    "pie", "jam", "egg", "tea", "rice", "corn", "bean", "fig", "nut", "pea", "ham",     # foods
-    "bun", "cake", "soup", "milk",
-    "box", "cup", "pen", "hat", "key", "bag", "map", "car", "bus", "bed", "pot", "jar",  # objects
-    "mug", "cap", "bell", "book", "ring", "lamp", "drum", "kite",
-]
-TOY_PUNCTUATION = [" :", " |", " ."]   # ":", "|", "." and "\n" are single bytes already
-
-
-def toy_whole_tokens() -> list[str]:
-    """Every string the toy vocabulary holds as ONE token (single bytes aside)."""
-    numbers = [f"{n}" for n in range(1000)] + [f" {n}" for n in range(1000)]
-    return numbers + [f" {w}" for w in TOY_WORDS] + TOY_PROMPT_WORDS + TOY_PUNCTUATION
-
-
-def toy_tokenizer() -> Tokenizer:
-    """A ~2.5k-token byte-level BPE for the toy tasks, built in code (no training).
-
-    Ranks: the 256 bytes first, then every prefix of every whole token, shorter first.
-    Whenever a piece's prefix is a token, BPE can always extend it by one byte, so each whole
-    token is reachable by merges, and a piece that IS a whole token encodes to one id."""
+def whole_token_tokenizer(pieces) -> Tokenizer:
+    """A byte-level BPE, built in code, in which every string of `pieces` is ONE token. Ranks: the
+    256 bytes, then every prefix of every piece, shorter first: merges grow a piece byte by byte."""
     ranks = {bytes([b]): b for b in range(256)}
-    prefixes = {t.encode()[:n] for t in toy_whole_tokens() for n in range(2, len(t.encode()) + 1)}
+    prefixes = {p.encode()[:n] for p in pieces for n in range(2, len(p.encode()) + 1)}
     for token in sorted(prefixes, key=lambda t: (len(t), t)):
         ranks[token] = len(ranks)
     specials = {text: len(ranks) + i for i, text in enumerate(["<|bos|>", "<|eos|>", "<|pad|>"])}
@@ -390,545 +553,34 @@ def toy_tokenizer() -> Tokenizer:
                      pad_token="<|pad|>")
 
 
-# =============================================================================================
-# Toy tasks
-# =============================================================================================
-#
-# Four tasks, generated in code, small enough for a CPU transformer to learn in minutes. An
-# answer is a list of items (one token each: a number or a word with its leading space; NUM_ITEMS
-# of them except for count), then <|eos|>; a sequence is <|bos|> prompt answer <|eos|>.
-#
-#   task        prompt                               answer (one valid continuation)
-#   count       count 17 18 19                       20 21 22 ... 32                          determined
-#   repeat      repeat cat red pie cat red pie       cat red pie cat red pie ...              determined
-#   count_free  count from 17                        18 19 20 ...  or  16 15 14 ...           BRANCHING
-#   alternate   alternate the with cat red pie fox   the cat the cat ...  or  red the red ...  BRANCHING
-#
-# count and repeat answers carry on from the prompt: "count 17 18 19 20 21 ..." is one count and
-# "repeat cat red pie cat red pie cat red pie ..." one pattern, so every answer token follows the
-# same rule in the same context as the tokens before it (+1; the word 3 back), from the first one
-# on. A count prompt shows 3 to 5 numbers, so "the start plus the answer position" is no
-# shortcut: only "+1" works, and it carries over to start numbers never seen in a prompt. Every
-# count is COUNT_LENGTH numbers long, the prompt's included (so its answer has 11 to 13); the
-# repeat prompt shows its group twice, then the answer repeats it NUM_ITEMS / 3 more times.
-#
-# The two branching tasks are the two failures of naive multi-token prediction, built in
-# on purpose:
-#   count_free  the direction is free (up or down, equally likely) but once chosen it must be
-#               kept. Trained on ground truth, the prediction j ahead is a 50/50 mixture of
-#               a+j and a-j, so the argmax at each position picks a branch on its own, e.g.
-#               "18 15 20 13": an incoherent mixture.
-#   alternate   alternate the glue word "the" with ONE of the prompt's four words. 40% of the
-#               answers start with "the", and then the first word always follows: "the cat
-#               the cat"; the other 60% start with a word, any of the four (15% each), and
-#               "the" follows: "red the red the". "the" is the most frequent item at EVERY
-#               position (40% against 15% at even positions, 60% against 40% at odd ones),
-#               so the ground-truth marginal's argmax is "the the the the": far-future
-#               collapse onto the most frequent token, the classic example. Greedy
-#               decoding of the conditionals has a clear favourite at the one real choice
-#               ("the" first: 40% against 15%) and gives "the cat the cat".
-# A teacher decoding one token at a time never mixes branches: after "17 16" it counts down.
-# alternate needs only copies and the identity of one fixed word, and its word tuples are so many
-# that no two prompts repeat: a model cannot memorize it prompt by prompt and must learn the rule,
-# which then holds on held-out tuples. (Two earlier designs taught us this, README: a number
-# version, "step up and down from 17", was learned start by start and broke on held-out starts;
-# a version whose glue was a prompt word, "alternate cat with red pie ...", needed a comparison
-# of the answer's first word with the prompt that the students' mask slots did not learn.)
-#
-# Checkers score an output three ways: `accuracy` (exactly right; for a branching task: a valid
-# answer of the right length), `coherence` (obeys the task's rule, length aside) and
-# `degenerate` (a run of DEGENERATE_RUN equal items, which no task allows: counts never stand
-# still and repeated words always differ from their neighbours).
-#
-# Held-out evaluation: the prompt parameters ("key") are split by a fixed rule (start numbers,
-# or a hash of the word tuple); training never samples a held-out key.
+def toy_whole_tokens() -> list[str]:
+    """Every string the toy vocabulary holds as ONE token, besides the 256 single bytes."""
+    numbers = [f"{n}" for n in range(1000)] + [f" {n}" for n in range(1000)]
+    return numbers + [f" {w}" for w in TOY_WORDS] + TOY_PROMPT_WORDS + [" :", " |", " ."]
 
-TOY_TASKS = ("count", "repeat", "count_free", "alternate")
-BRANCHING_TASKS = ("count_free", "alternate")
-NUM_ITEMS = 12                               # items in every answer but count's
-COUNT_STARTS = range(12, 150)                # start numbers: every count stays within 0..164
-COUNT_SHOWN = (3, 4, 5)                      # count: how many numbers the prompt shows
-COUNT_LENGTH = 16                            # count: numbers in prompt + answer
-DIRECTIONS = {"up": 1, "down": -1}           # count_free: either way, equally likely
-REPEAT_GROUP = 3                             # repeat: words in the repeated group
-ALTERNATE_GLUE = "the"                       # alternate: the word every answer alternates with
-ALTERNATE_WORDS = 4                          # alternate: words in the prompt to pick the other one from
-ALTERNATE_GLUE_FIRST = 0.4                   # alternate: how often the glue comes first (else a word)
-DEGENERATE_RUN = 3                           # "the the the": this many equal items in a row
-TOY_CONTENT_WORDS = TOY_WORDS[TOY_WORDS.index("cat"):]   # animals, colours, foods, objects
 
+def toy_tokenizer() -> Tokenizer:
+    """The toy tasks' vocabulary: numbers below 1000 and the toy words as whole tokens (~2.5k)."""
+    return whole_token_tokenizer(toy_whole_tokens())
 
-def start_heldout(task: str, start: int) -> bool:
-    """One start number in five is held out: 13, 18, 23, ... for count, 15, 20, 25, ... for
-    count_free. Every step a held-out prompt needs (13 -> 14 -> ...) is trained elsewhere."""
-    return start % 5 == {"count": 3, "count_free": 0}[task]
 
-
-def words_heldout(words: tuple) -> bool:
-    """One word tuple in eight (by a fixed hash of the text, stable across runs) is held out."""
-    return zlib.crc32(" ".join(words).encode()) % 8 == 0
-
-
-def is_heldout(task: str, key: tuple) -> bool:
-    """Whether a prompt's parameters belong to the evaluation split."""
-    if task in ("count", "count_free"):
-        return start_heldout(task, key[0])
-    return words_heldout(key)
-
-
-def sample_key(task: str, rng: random.Random) -> tuple:
-    """Random prompt parameters: count (start, shown), count_free (start,), repeat and alternate (the words)."""
-    if task == "count":
-        return rng.choice(COUNT_STARTS), rng.choice(COUNT_SHOWN)
-    if task == "count_free":
-        return (rng.choice(COUNT_STARTS),)
-    if task == "repeat":
-        return tuple(rng.sample(TOY_CONTENT_WORDS, REPEAT_GROUP))
-    if task == "alternate":
-        return tuple(rng.sample(TOY_CONTENT_WORDS, ALTERNATE_WORDS))
-    raise ValueError(f"unknown toy task {task!r}; tasks: {', '.join(TOY_TASKS)}")
-
-
-def toy_prompt(task: str, key: tuple) -> str:
-    if task == "count":
-        return "count " + " ".join(str(key[0] + i) for i in range(key[1]))
-    if task == "count_free":
-        return f"count from {key[0]}"
-    if task == "repeat":
-        return "repeat " + " ".join(key + key)
-    if task == "alternate":
-        return f"alternate {ALTERNATE_GLUE} with " + " ".join(key)
-    raise ValueError(f"unknown toy task {task!r}")
-
-
-def counting(start: int, step: int, n: int = NUM_ITEMS) -> list[str]:
-    """The n numbers after start, one step apart: start + step, start + 2 step, ..."""
-    return [str(start + i * step) for i in range(1, n + 1)]
-
-
-def toy_answer(task: str, key: tuple, rng: random.Random) -> list[str]:
-    """One valid answer, as items; for a branching task the branch is drawn with rng."""
-    if task == "count":
-        return counting(key[0] + key[1] - 1, 1, COUNT_LENGTH - key[1])
-    if task == "count_free":
-        return counting(key[0], rng.choice(list(DIRECTIONS.values())))
-    if task == "repeat":
-        return [key[i % len(key)] for i in range(NUM_ITEMS)]
-    if task == "alternate":
-        pair = (ALTERNATE_GLUE, key[0]) if rng.random() < ALTERNATE_GLUE_FIRST else (rng.choice(key), ALTERNATE_GLUE)
-        return [pair[i % 2] for i in range(NUM_ITEMS)]
-    raise ValueError(f"unknown toy task {task!r}")
-
-
-@dataclass(frozen=True)
-class ToyExample:
-    task: str
-    key: tuple          # the prompt's parameters (what the held-out split is about)
-    prompt: str         # e.g. "count 17 18 19"
-    answer: str         # e.g. " 20 21 22 ..." (items with leading spaces)
-
-
-def toy_example(task: str, rng: random.Random, split: str = "train") -> ToyExample:
-    """A random example whose key lies in `split` ("train" or "heldout")."""
-    want_heldout = {"train": False, "heldout": True}[split]
-    key = sample_key(task, rng)
-    while is_heldout(task, key) != want_heldout:
-        key = sample_key(task, rng)
-    answer = "".join(" " + item for item in toy_answer(task, key, rng))
-    return ToyExample(task, key, toy_prompt(task, key), answer)
-
-
-def encode_example(tokenizer, ex: ToyExample) -> tuple[list[int], list[int]]:
-    """(prompt ids with <|bos|> in front, answer ids with <|eos|> at the end)."""
-    return [tokenizer.bos_id] + tokenizer.encode(ex.prompt), tokenizer.encode(ex.answer) + [tokenizer.eos_id]
-
-
-def toy_batch(tokenizer, rng: random.Random, batch_size: int, tasks=TOY_TASKS, seq_len: int | None = None,
-              split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
-    """A batch of whole training sequences, tasks mixed uniformly, right-padded with <|pad|>.
-
-    Returns (seqs (B, N) long, answer (B, N) bool: True on answer tokens, <|eos|> included).
-    N = seq_len (sequences must fit) or the longest sequence in the batch."""
-    pairs = [encode_example(tokenizer, toy_example(rng.choice(tasks), rng, split)) for _ in range(batch_size)]
-    longest = max(len(p) + len(a) for p, a in pairs)
-    N = seq_len or longest
-    if longest > N:
-        raise ValueError(f"a toy sequence of {longest} tokens does not fit seq_len={N}")
-    pad = [[tokenizer.pad_id] * (N - len(p) - len(a)) for p, a in pairs]
-    seqs = torch.tensor([p + a + z for (p, a), z in zip(pairs, pad)])                       # (B, N)
-    answer = torch.tensor([[False] * len(p) + [True] * len(a) + [False] * len(z) for (p, a), z in zip(pairs, pad)])
-    return seqs, answer
-
-
-def heldout_examples(task: str, n: int, seed: int = 1234) -> list[ToyExample]:
-    """n distinct held-out prompts of one task, the same for every run (fixed seed)."""
-    rng, seen, out = random.Random(seed), set(), []
-    for _ in range(100 * n):
-        ex = toy_example(task, rng, "heldout")
-        if ex.key not in seen:
-            seen.add(ex.key)
-            out.append(ex)
-        if len(out) == n:
-            break
-    return out
-
-
-# --- checkers ----------------------------------------------------------------------------------
-
-@dataclass
-class ToyScore:
-    accuracy: bool      # exactly right (branching: a valid answer of the right length)
-    coherence: bool     # obeys the rule (length aside)
-    degenerate: bool    # DEGENERATE_RUN equal items in a row
-
-
-def has_run(items: list[str], run: int = DEGENERATE_RUN) -> bool:
-    """True if some item repeats `run` times in a row ("the the the", "20 20 20")."""
-    streak = 1
-    for prev, item in zip(items, items[1:]):
-        streak = streak + 1 if item == prev else 1
-        if streak >= run:
-            return True
-    return False
-
-
-def as_numbers(items: list[str]) -> list[int] | None:
-    return [int(x) for x in items] if items and all(x.isdigit() for x in items) else None
-
-
-def follows_rule(task: str, key: tuple, items: list[str]) -> bool:
-    """The task's rule, checked on the generated items (at least two of them)."""
-    if len(items) < 2:
-        return False
-    if task in ("count", "count_free"):
-        nums = as_numbers(items)
-        if nums is None:
-            return False
-        last = key[0] + key[1] - 1 if task == "count" else key[0]      # the prompt's last number
-        step = 1 if task == "count" else nums[0] - last
-        return step in DIRECTIONS.values() and all(b - a == step for a, b in zip([last] + nums, nums))
-    if task == "repeat":
-        return all(item == key[i % len(key)] for i, item in enumerate(items))
-    if task == "alternate":                                             # a pair the generator can draw
-        pair = (items[0], items[1])
-        if pair != (ALTERNATE_GLUE, key[0]) and not (pair[0] in key and pair[1] == ALTERNATE_GLUE):
-            return False
-        return all(item == pair[i % 2] for i, item in enumerate(items))
-    raise ValueError(f"unknown toy task {task!r}")
-
-
-def check_toy(task: str, key: tuple, output: str, stopped: bool = True) -> ToyScore:
-    """Score a generated answer (text without <|eos|>; `stopped`: the model did emit <|eos|>)."""
-    items = output.split()
-    coherent = follows_rule(task, key, items)
-    if task in BRANCHING_TASKS:
-        accurate = coherent and len(items) == NUM_ITEMS
-    else:
-        accurate = items == toy_answer(task, key, random.Random(0))
-    return ToyScore(accuracy=accurate and stopped, coherence=coherent, degenerate=has_run(items))
-
-
-# =============================================================================================
-# MTP training layout
-# =============================================================================================
-#
-# A training sequence of N ground-truth tokens becomes ONE packed sequence that holds M
-# independent MTP problems ("regions"). Region r has a prefix that ends at original index
-# e_r; right after that token we insert k-1 <mask> slots, then the ground truth continues.
-# The k predictions of region r are read at the last prefix token (ordinary next-token
-# prediction, j = 0) and at the k-1 slots (j = 1..k-1); prediction j stands for original
-# token e_r + 1 + j. The ground-truth tokens the slots stand in for are not removed: they
-# follow the block as "copies" at their ORIGINAL positions, so the next region's prefix is
-# complete and every ground-truth token sees exactly its ordinary causal context.
-#
-# Region boundaries. The sequence is cut into M regions of R = N // M tokens (the paper uses
-# M = N / (2 k_max), so R = 2 k_max). The offset o in [0, R) shifts all of them together:
-#     e_r = o + r * R            (r = 0..M-1; always <= N - 1)
-# Region r owns the ground truth (e_r, e_{r+1}], the stretch its predictions are about; the
-# tokens 0..e_0 before the first mask block belong to no region (they are only context).
-# With the paper's M, R >= 2 k_max >= 2 k, so a window e_r+1 .. e_r+k never reaches the next
-# prefix end (a smaller R still works: the blocks are independent, only denser).
-#
-# EOS. Let x_E be the first EOS at index E >= 1 (index 0 is never a target, and Qwen data
-# starts with its end-of-text token). Region r is supervised iff e_r < E, so the last
-# supervised region is the one whose stretch (e_r, e_{r+1}] contains the EOS, and no region
-# predicts from a prefix that already contains it. Targets after the EOS are EOS. Everything
-# after that (ground truth beyond E, mask blocks of later regions) is padding: pad id, no
-# loss, nobody attends to it, and it attends only to itself so every softmax row is defined.
-# A prediction whose target index runs past N - 1 is unsupervised unless the row had an EOS
-# (then its target is known: EOS). All rows share one packed length L = N + M (k - 1);
-# position ids go up to N + k - 2, which must stay below the model's max_seq_len.
-
-GT, MASK, COPY, PAD = 0, 1, 2, 3   # token kinds in the packed layout (COPY = ground truth after a block)
-KIND_LETTER = "GMCP"
-
-
-@dataclass
-class MTPBatch:
-    """Everything one MTP training step needs, for B rows packed to length L (M regions, k predictions)."""
-    input_ids: torch.Tensor     # (B, L) long: ground truth, k-1 mask slots after each prefix end, pad
-    positions: torch.Tensor     # (B, L) long: original index of every ground-truth token; slot j -> e_r + j
-    attn_mask: torch.Tensor     # (B, L, L) bool, True = query (row) may attend to key (column)
-    kind: torch.Tensor          # (B, L) long: GT / MASK / COPY / PAD
-    pred_index: torch.Tensor    # (B, M, k) long: packed index of prediction j of region r
-    targets: torch.Tensor       # (B, M, k) long: ground-truth token prediction j should produce
-    valid: torch.Tensor         # (B, M, k) bool: prediction is supervised
-    ntp_index: torch.Tensor     # (B, N-1) long: packed index of ground-truth tokens 0..N-2
-    ntp_targets: torch.Tensor   # (B, N-1) long: the next ground-truth token (tokens 1..N-1)
-    ntp_valid: torch.Tensor     # (B, N-1) bool: next token is real (not after the EOS)
-    prefix_end: torch.Tensor    # (M,) long: original index e_r of each region's last prefix token
-    k: int
-    offset: int
-    region_len: int
-
-    def to(self, device) -> "MTPBatch":
-        moved = {f: getattr(self, f) for f in self.__dataclass_fields__}
-        return MTPBatch(**{f: v.to(device) if torch.is_tensor(v) else v for f, v in moved.items()})
-
-
-def default_n_regions(seq_len: int, k_max: int) -> int:
-    """The paper's choice M = N / (2 k_max): regions twice as long as the longest window."""
-    return max(1, seq_len // (2 * k_max))
-
-
-def sample_k_and_offset(k_max: int, region_len: int, generator: torch.Generator | None = None,
-                        k_min: int = 2) -> tuple[int, int]:
-    """Draw k uniformly in [k_min, k_max] and, INDEPENDENTLY, the region offset in [0, region_len)."""
-    k = int(torch.randint(k_min, k_max + 1, (1,), generator=generator))
-    offset = int(torch.randint(0, region_len, (1,), generator=generator))
-    return k, offset
-
-
-def region_prefix_ends(seq_len: int, n_regions: int, offset: int) -> torch.Tensor:
-    """Original index e_r = offset + r * R of the last prefix token of each region -> (M,)."""
-    region_len = seq_len // n_regions
-    if not (n_regions >= 1 and region_len >= 1 and 0 <= offset < region_len):
-        raise ValueError(f"need 1 <= n_regions <= seq_len and 0 <= offset < {region_len}, "
-                         f"got n_regions={n_regions}, offset={offset}, seq_len={seq_len}")
-    return offset + region_len * torch.arange(n_regions)
-
-
-def first_eos(seqs: torch.Tensor, eos_id) -> torch.Tensor:
-    """Index E >= 1 of the first EOS in each row, or N when the row has none -> (B,)."""
-    B, N = seqs.shape
-    if eos_id is None:
-        return torch.full((B,), N, dtype=torch.long, device=seqs.device)
-    ids = torch.as_tensor(eos_id, device=seqs.device).reshape(-1)
-    is_eos = (seqs[..., None] == ids).any(-1)                     # (B, N)
-    is_eos[:, 0] = False                                          # index 0 is never a target
-    idx = torch.arange(N, device=seqs.device).expand(B, N)
-    return torch.where(is_eos, idx, N).min(1).values
-
-
-def block_causal_mask(gt_pos, slot_pos, prefix_end, L) -> torch.Tensor:
-    """The (L, L) attention pattern shared by all rows (padding is applied per row later).
-
-    A ground-truth query sees the ground-truth keys up to its own original index; a slot of
-    region r sees the ground-truth keys up to e_r plus the slots of its own block up to itself.
-    """
-    M, S = slot_pos.shape
-    N = gt_pos.numel()
-    device = gt_pos.device
-    orig = torch.full((L,), L, dtype=torch.long, device=device)   # original index of ground-truth keys
-    orig[gt_pos] = torch.arange(N, device=device)
-    context_end = orig.clone()                                    # last ground-truth index each query may see
-    context_end[slot_pos] = prefix_end[:, None].expand(M, S)
-    block = torch.full((L,), -1, dtype=torch.long, device=device) # region of each mask slot, -1 elsewhere
-    block[slot_pos] = torch.arange(M, device=device)[:, None].expand(M, S)
-    is_gt = block < 0
-    sees_gt = is_gt[None, :] & (orig[None, :] <= context_end[:, None])              # (L query, L key)
-    idx = torch.arange(L, device=device)
-    own_block = (block[:, None] == block[None, :]) & ~is_gt[:, None] & (idx[None, :] <= idx[:, None])
-    return sees_gt | own_block
-
-
-def mtp_layout(seqs: torch.Tensor, k: int, offset: int, n_regions: int, mask_id: int,
-               eos_id=None, pad_id: int = 0, trained: torch.Tensor | None = None) -> MTPBatch:
-    """Pack a batch of ground-truth sequences (B, N) into M MTP problems per row.
-
-    `eos_id` may be an int, a list of ints (any of them ends a row) or None. `trained` (B, N)
-    bool, optional: the tokens that may be targets (e.g. answers, not prompts); a prediction
-    past the EOS is about the EOS. Worked example,
-    N = 12, k = 3, two regions (region length R = 6), offset 2, so the prefix ends are e = (2, 8);
-    tokens a..l, M = mask slot, G/M/C = ground truth / mask / copy, `r.j` = prediction j of
-    region r and the token it must produce (print it yourself with `layout_table`):
-
-        idx       0   1   2   3   4   5   6   7   8   9  10  11  12  13  14  15
-        token     a   b   c   M   M   d   e   f   g   h   i   M   M   j   k   l
-        pos       0   1   2   3   4   3   4   5   6   7   8   9  10   9  10  11
-        kind      G   G   G   M   M   C   C   G   G   G   G   M   M   C   C   G
-        pred            0.0 0.1 0.2                     1.0 1.1 1.2
-        target            d   e   f                       j   k   l
-
-    Slot 3 (position 3) sees a b c and itself; slot 4 sees a b c, slot 3 and itself; token d
-    at index 5 sees a b c d only (it skips the block, as every ground-truth token does).
-    """
-    B, N = seqs.shape
-    device = seqs.device
-    S = k - 1                                                     # mask slots per region
-    M = n_regions
-    ends = region_prefix_ends(N, M, offset).to(device)            # (M,)
-    L = N + M * S
-    steps = torch.arange(N, device=device)
-    # Where everything lands in the packed sequence (the same for every row):
-    # ground-truth token i moves right by S for every block inserted before it.
-    gt_pos = steps + S * (steps[:, None] > ends[None, :]).sum(1)                  # (N,)
-    first_pred = ends + S * torch.arange(M, device=device)                        # (M,) = gt_pos[ends]
-    pred_index = first_pred[:, None] + torch.arange(k, device=device)             # (M, k)
-    slot_pos = pred_index[:, 1:]                                                  # (M, S)
-    slot_j = torch.arange(1, k, device=device)                                    # (S,)
-
-    input_ids = torch.full((B, L), mask_id, dtype=torch.long, device=device)
-    input_ids[:, gt_pos] = seqs
-    positions = torch.zeros(L, dtype=torch.long, device=device)
-    positions[gt_pos] = steps                                     # copies keep their original positions
-    positions[slot_pos] = ends[:, None] + slot_j                  # slot j stands in for token e_r + j
-    kind = torch.full((L,), GT, dtype=torch.long, device=device)
-    kind[slot_pos] = MASK
-    copied = ends[:, None] + slot_j                               # (M, S) originals of the slots
-    kind[gt_pos[copied[copied < N]]] = COPY
-
-    # Targets: prediction j of region r is about original token e_r + 1 + j.
-    E = first_eos(seqs, eos_id)                                   # (B,)
-    has_eos = E < N
-    target_idx = ends[:, None] + 1 + torch.arange(k, device=device)               # (M, k)
-    flat_idx = target_idx.clamp(max=N - 1).reshape(1, M * k).expand(B, -1)
-    targets = seqs.gather(1, flat_idx).view(B, M, k)
-    eos_tok = seqs.gather(1, E.clamp(max=N - 1)[:, None])                         # (B, 1)
-    after_eos = (target_idx[None] > E[:, None, None]) & has_eos[:, None, None]     # (B, M, k)
-    targets = torch.where(after_eos, eos_tok[:, :, None], targets)
-    supervised_region = ends[None, :] < E[:, None]                                # (B, M)
-    known = (target_idx[None] < N) | has_eos[:, None, None]
-    valid = supervised_region[:, :, None] & known
-    ntp_valid = steps[None, 1:] <= E[:, None]
-    if trained is not None:
-        at = torch.minimum(target_idx[None], E.clamp(max=N - 1)[:, None, None]).reshape(B, M * k)
-        valid = valid & trained.gather(1, at).view(B, M, k)
-        ntp_valid = ntp_valid & trained[:, 1:]
-
-    # Padding: ground truth after the EOS and the blocks of unsupervised regions.
-    is_pad = torch.zeros(B, L, dtype=torch.bool, device=device)
-    is_pad[:, gt_pos] = steps[None, :] > E[:, None]
-    is_pad[:, slot_pos.reshape(-1)] = (~supervised_region)[:, :, None].expand(B, M, S).reshape(B, M * S)
-    input_ids = torch.where(is_pad, pad_id, input_ids)
-
-    base = block_causal_mask(gt_pos, slot_pos, ends, L)                           # (L, L)
-    attn_mask = base[None] & ~is_pad[:, None, :] & ~is_pad[:, :, None]            # (B, L, L)
-    attn_mask |= torch.eye(L, dtype=torch.bool, device=device)[None] & is_pad[:, :, None]
-
-    return MTPBatch(
-        input_ids=input_ids,
-        positions=positions[None].expand(B, L).contiguous(),
-        attn_mask=attn_mask,
-        kind=torch.where(is_pad, PAD, kind[None]),
-        pred_index=pred_index[None].expand(B, M, k).contiguous(),
-        targets=targets,
-        valid=valid,
-        ntp_index=gt_pos[None, :-1].expand(B, N - 1).contiguous(),
-        ntp_targets=seqs[:, 1:],
-        ntp_valid=ntp_valid,
-        prefix_end=ends,
-        k=k, offset=offset, region_len=N // M,
-    )
-
-
-def random_mtp_layout(seqs: torch.Tensor, k_max: int, mask_id: int, eos_id=None, pad_id: int = 0,
-                      n_regions: int | None = None, generator: torch.Generator | None = None,
-                      trained: torch.Tensor | None = None) -> MTPBatch:
-    """One training step's layout: the paper's M regions, k and offset drawn independently."""
-    n_regions = n_regions or default_n_regions(seqs.shape[1], k_max)
-    k, offset = sample_k_and_offset(k_max, seqs.shape[1] // n_regions, generator)
-    return mtp_layout(seqs, k, offset, n_regions, mask_id, eos_id, pad_id, trained)
-
-
-def layout_table(batch: MTPBatch, row: int = 0, token_str=str) -> str:
-    """The packed row as a small text table: token, position, kind and which slots are predicted."""
-    ids, pos, kind = batch.input_ids[row].tolist(), batch.positions[row].tolist(), batch.kind[row].tolist()
-    L = len(ids)
-    pred, target = [""] * L, [""] * L
-    for r, (idx_r, tgt_r, ok_r) in enumerate(zip(batch.pred_index[row].tolist(),
-                                                 batch.targets[row].tolist(), batch.valid[row].tolist())):
-        for j, (i, t, ok) in enumerate(zip(idx_r, tgt_r, ok_r)):
-            pred[i], target[i] = f"{r}.{j}", token_str(t) if ok else "-"
-    cells = {
-        "idx": [str(i) for i in range(L)],
-        "token": ["M" if c == MASK else "P" if c == PAD else token_str(t) for t, c in zip(ids, kind)],
-        "pos": [str(p) for p in pos],
-        "kind": [KIND_LETTER[c] for c in kind],
-        "pred": pred,
-        "target": target,
-    }
-    width = max(len(c) for col in cells.values() for c in col) + 1
-    return "\n".join(f"{name:<7}" + "".join(c.rjust(width) for c in col) for name, col in cells.items())
-
-
-def plot_attention_mask(batch: MTPBatch, path, row: int = 0, token_str=str):
-    """Save the (L, L) attention mask of one row as a PNG, cells coloured by the key's kind."""
-    from matplotlib.colors import ListedColormap
-    from matplotlib.figure import Figure                          # no pyplot: no global backend state
-    from matplotlib.patches import Patch
-
-    colours = ["#3b75af", "#ef8636", "#519e3e", "#b0b0b0"]       # GT, MASK, COPY, PAD
-    mask, kind = batch.attn_mask[row].cpu(), batch.kind[row].cpu()
-    L = mask.shape[0]
-    image = torch.where(mask, kind[None, :].expand(L, L), -1).float()
-    image[image < 0] = float("nan")                               # not attended: blank
-    fig = Figure(figsize=(2 + 0.28 * L, 1.5 + 0.28 * L))
-    ax = fig.add_subplot()
-    ax.imshow(image.numpy(), cmap=ListedColormap(colours), vmin=-0.5, vmax=3.5, interpolation="nearest")
-    labels = [("M" if c == MASK else "P" if c == PAD else token_str(t)) + f" @{p}"
-              for t, p, c in zip(batch.input_ids[row].tolist(), batch.positions[row].tolist(), kind.tolist())]
-    ax.set_xticks(range(L), labels, rotation=90, fontsize=7)
-    ax.set_yticks(range(L), labels, fontsize=7)
-    for ticks in (ax.get_xticklabels(), ax.get_yticklabels()):
-        for tick, c in zip(ticks, kind.tolist()):
-            tick.set_color(colours[c])
-    ax.set_xlabel("key (token @ position)")
-    ax.set_ylabel("query")
-    ax.set_title(f"MTP attention mask: k={batch.k}, offset={batch.offset}, {len(batch.prefix_end)} regions")
-    names = ["ground truth", "mask slot", "copy", "padding"]
-    ax.legend(handles=[Patch(color=c, label=n) for c, n in zip(colours, names)],
-              loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-
-
-# =============================================================================================
-# Prompt formats
-# =============================================================================================
+# ====================================== Prompt formats =======================================
 #
 # How finetune_hf.py turns a (prompt, response) pair into token ids, one format per model family:
-#
 #   llama3-chat  <|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n{prompt}<|eot_id|>
 #                <|start_header_id|>assistant<|end_header_id|>\n\n{response}<|eot_id|>
-#                (Llama-3's template without a system turn; Llama-Magpie in the paper)
 #   chatml       <|im_start|>system\n{CHATML_SYSTEM}<|im_end|>\n<|im_start|>user\n{prompt}<|im_end|>\n
 #                <|im_start|>assistant\n{response}<|im_end|>   (SmolLM2-Instruct, Qwen-Instruct)
-#   qwen         <|endoftext|>{prompt}\n\n{response}<eos>   (the paper's Qwen recipe: prompt and
-#                response joined with "\n\n", token 151643 = <|endoftext|> prepended)
+#   qwen         <|endoftext|>{prompt}\n\n{response}<eos>   (the paper's Qwen recipe)
 #   plain        <bos>{prompt}\n\n{response}<eos>             (small models with no chat tokens)
-#
-# The prompt part and the response part are tokenized separately, so a prompt formatted for
-# generation (finetune_hf.py eval --prompt-style zeroshot, analyze) is token for token the
-# prefix seen in training. Sequences are cut to seq_len tokens and padded with `padding_token`:
-# everything from its first occurrence on is padding for the layout (mtp_layout's EOS rule).
-# A chat template tokenizes the text between special tokens piece by piece, so building the
-# prompt piece by piece gives the very ids that transformers' apply_chat_template gives.
+# Prompt and response are tokenized apart, so a prompt formatted for generation is the prefix
+# seen in training, token for token, and equals transformers' apply_chat_template (which also
+# tokenizes the text between special tokens piece by piece). Rows are cut to seq_len and padded
+# with `padding_token`.
 
 FORMATS = ("llama3-chat", "chatml", "qwen", "plain")
 # The system turn SmolLM2-Instruct's chat template writes when a conversation has none.
 CHATML_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
-
-
-def end_token(tok: Tokenizer, fmt: str) -> int:
-    """The token that ends a response in this format (and pads after it)."""
-    if fmt == "llama3-chat":
-        return tok.token_id("<|eot_id|>")
-    if fmt == "chatml":
-        return tok.token_id("<|im_end|>")
-    if tok.eos_id is None:
-        raise ValueError("the tokenizer has no EOS token; give it one (tokenizer_config.json eos_token)")
-    return tok.eos_id
 
 
 def start_tokens(tok: Tokenizer, fmt: str) -> list[int]:
@@ -959,18 +611,27 @@ def prompt_tokens(tok: Tokenizer, fmt: str, prompt: str) -> list[int]:
     return start_tokens(tok, fmt) + tok.encode(prompt + "\n\n")
 
 
-def padding_token(tok: Tokenizer, fmt: str) -> int:
-    """Fills a sequence after its response. The layout's EOS rule treats the first one as the end
-    of the row, so for the chat templates it must not be the end-of-turn token, which also closes
-    the user turn: there it is <|end_of_text|> (Llama 3) or <|endoftext|> (ChatML)."""
-    if fmt in ("llama3-chat", "chatml"):
-        return tok.token_id("<|end_of_text|>" if fmt == "llama3-chat" else "<|endoftext|>")
-    return end_token(tok, fmt)
+def end_token(tok: Tokenizer, fmt: str) -> int:
+    """The token that ends a response in this format."""
+    if fmt == "llama3-chat":
+        return tok.token_id("<|eot_id|>")
+    if fmt == "chatml":
+        return tok.token_id("<|im_end|>")
+    if tok.eos_id is None:
+        raise ValueError("the tokenizer has no EOS token; give it one (tokenizer_config.json eos_token)")
+    return tok.eos_id
 
 
 def response_tokens(tok: Tokenizer, fmt: str, response: str) -> list[int]:
-    text = response.strip() if fmt == "llama3-chat" else response
-    return tok.encode(text) + [end_token(tok, fmt)]
+    return tok.encode(response.strip() if fmt == "llama3-chat" else response) + [end_token(tok, fmt)]
+
+
+def padding_token(tok: Tokenizer, fmt: str) -> int:
+    """Fills a row after its response. The layout ends a row at its first one, so in the chat
+    formats it is not the end-of-turn token, which also closes the user turn."""
+    if fmt in ("llama3-chat", "chatml"):
+        return tok.token_id("<|end_of_text|>" if fmt == "llama3-chat" else "<|endoftext|>")
+    return end_token(tok, fmt)
 
 
 def training_sequences(pairs, tok: Tokenizer, fmt: str, seq_len: int) -> torch.Tensor:
@@ -982,144 +643,97 @@ def training_sequences(pairs, tok: Tokenizer, fmt: str, seq_len: int) -> torch.T
     return out
 
 
-# =============================================================================================
-# Word problems
-# =============================================================================================
+# ======================================= Word problems =======================================
 #
-# A miniature GSM8K that a CPU can learn: grade-school arithmetic word problems built from a
-# few templates, each with a short chain of thought and an integer answer. They are written in
-# the formats of the real datasets, so the loaders, prompt formats and scoring that serve
-# MetaMathQA and GSM8K (finetune_hf.py) serve these unchanged:
-#
-#   training rows, MetaMathQA:  {"query", "response", "type", "original_question"}, the response
-#                               ending "The answer is: N" (MetaMathQA's GSM rows do the same);
-#   test rows, GSM8K:           {"question", "answer"}, the answer with GSM8K's calculator notes
-#                               "12 + 7 = <<12+7=19>>19" and a last line "#### N".
-#
-# Reasoning is a list of text pieces and Equation(a, op, b); only the rendering differs between
-# the two formats. Every template has ONE phrasing, so the solution is a deterministic function
-# of the question (unlike MetaMathQA, whose answers vary in wording): the teacher is sure of
-# everything but the results of the arithmetic, the part a small model gets wrong. Numbers
-# stay small (results below 60, one-digit factors) so a model of a million parameters learns
-# the arithmetic in minutes.
+# A miniature GSM8K that a CPU can learn: arithmetic word problems from five templates, with a
+# short chain of thought, as MetaMathQA training rows (the response ends "The answer is: N") and
+# GSM8K test rows (calculator notes "12 + 7 = <<12+7=19>>19", last line "#### N"), so that the
+# loaders, formats and scoring of finetune_hf.py serve them unchanged. One phrasing per template:
+# the teacher is sure of everything but the arithmetic, the part a small model gets wrong. Results
+# stay below 60 and factors have one digit, so a million parameters learn them in minutes.
 
 WP_NAMES = ["Tom", "Ann", "Ben", "Sue", "Max", "Amy", "Sam", "Eva", "Leo", "Mia", "Joe", "Kim"]
 WP_ITEMS = ["apples", "pens", "books", "cards", "eggs", "cups", "toys", "coins", "shells", "stamps"]
-
-
-@dataclass(frozen=True)
-class Equation:
-    a: int
-    op: str          # "+", "-" or "*"
-    b: int
-
-    @property
-    def value(self) -> int:
-        return {"+": self.a + self.b, "-": self.a - self.b, "*": self.a * self.b}[self.op]
+WP_TEMPLATES = ("gets_more", "gives_away", "boxes", "buys_then_gives", "money_left")
 
 
 @dataclass
 class WordProblem:
     question: str
-    reasoning: list           # str pieces and Equations, rendered by `solution`
+    solution: str     # the chain of thought, with GSM8K's calculator notes <<a+b=c>>
     answer: int
 
 
-def _gets_more(rng) -> WordProblem:
-    name, other, item = *rng.sample(WP_NAMES, 2), rng.choice(WP_ITEMS)
-    a, b = rng.randint(2, 30), rng.randint(2, 20)
-    eq = Equation(a, "+", b)
-    return WordProblem(
-        f"{name} has {a} {item}. {other} gives {name} {b} more {item}. How many {item} does {name} have now?",
-        [f"{name} starts with {a} {item} and gets {b} more, so {name} has ", eq, f" {item}."], eq.value)
-
-
-def _gives_away(rng) -> WordProblem:
-    name, other, item = *rng.sample(WP_NAMES, 2), rng.choice(WP_ITEMS)
-    a = rng.randint(10, 40)
-    b = rng.randint(1, a - 1)
-    eq = Equation(a, "-", b)
-    return WordProblem(
-        f"{name} has {a} {item}. {name} gives {b} {item} to {other}. How many {item} does {name} have left?",
-        [f"{name} starts with {a} {item} and gives away {b}, so {name} has ", eq, f" {item} left."], eq.value)
-
-
-def _boxes(rng) -> WordProblem:
-    name, item = rng.choice(WP_NAMES), rng.choice(WP_ITEMS)
-    a, b = rng.randint(2, 9), rng.randint(2, 9)
-    eq = Equation(a, "*", b)
-    return WordProblem(
-        f"{name} buys {a} boxes of {item}. Each box holds {b} {item}. How many {item} does {name} buy?",
-        [f"Each of the {a} boxes holds {b} {item}, so {name} buys ", eq, f" {item}."], eq.value)
-
-
-def _buys_then_gives(rng) -> WordProblem:
-    name, other, item = *rng.sample(WP_NAMES, 2), rng.choice(WP_ITEMS)
-    a, b = rng.randint(2, 25), rng.randint(2, 15)
-    first = Equation(a, "+", b)
-    c = rng.randint(1, first.value - 1)
-    second = Equation(first.value, "-", c)
-    return WordProblem(
-        f"{name} has {a} {item}. {name} buys {b} more {item} and then gives {c} {item} to {other}. "
-        f"How many {item} does {name} have now?",
-        [f"After buying {b} more, {name} has ", first, f" {item}. After giving {c} to {other}, {name} has ",
-         second, f" {item}."], second.value)
-
-
-def _money_left(rng) -> WordProblem:
-    name, item = rng.choice(WP_NAMES), rng.choice(WP_ITEMS)
-    n, price = rng.randint(2, 6), rng.randint(2, 6)
-    cost = Equation(n, "*", price)
-    money = rng.randint(cost.value + 1, cost.value + 25)
-    left = Equation(money, "-", cost.value)
-    return WordProblem(
-        f"{name} has ${money}. {name} buys {n} {item} for ${price} each. How much money does {name} have left?",
-        [f"The {item} cost ", cost, f" dollars. {name} has ", left, " dollars left."], left.value)
-
-
-WP_TEMPLATES = [_gets_more, _gives_away, _boxes, _buys_then_gives, _money_left]
+def calc(a: int, op: str, b: int) -> tuple[int, str]:
+    """The result of `a op b`, and the step as GSM8K writes it: "a op b = <<a op b=c>>c"."""
+    c = {"+": a + b, "-": a - b, "*": a * b}[op]
+    return c, f"{a} {op} {b} = <<{a}{op}{b}={c}>>{c}"
 
 
 def word_problem(rng: random.Random) -> WordProblem:
-    """One problem from a random template."""
-    return rng.choice(WP_TEMPLATES)(rng)
-
-
-def solution(problem: WordProblem, calculator_notes: bool = False) -> str:
-    """The chain of thought as text; GSM8K style writes `a op b = <<a op b=c>>c`."""
-    out = []
-    for piece in problem.reasoning:
-        if isinstance(piece, Equation):
-            c = piece.value
-            note = f"<<{piece.a}{piece.op}{piece.b}={c}>>" if calculator_notes else ""
-            out.append(f"{piece.a} {piece.op} {piece.b} = {note}{c}")
-        else:
-            out.append(piece)
-    return "".join(out)
+    """One problem from a random template (these draws, in this order, fix every data set)."""
+    template = rng.choice(WP_TEMPLATES)
+    if template in ("boxes", "money_left"):
+        name, item = rng.choice(WP_NAMES), rng.choice(WP_ITEMS)
+    else:
+        name, other, item = *rng.sample(WP_NAMES, 2), rng.choice(WP_ITEMS)
+    if template == "gets_more":
+        a, b = rng.randint(2, 30), rng.randint(2, 20)
+        answer, step = calc(a, "+", b)
+        question = f"{name} has {a} {item}. {other} gives {name} {b} more {item}. How many {item} does {name} have now?"
+        solution = f"{name} starts with {a} {item} and gets {b} more, so {name} has {step} {item}."
+    elif template == "gives_away":
+        a = rng.randint(10, 40)
+        b = rng.randint(1, a - 1)
+        answer, step = calc(a, "-", b)
+        question = f"{name} has {a} {item}. {name} gives {b} {item} to {other}. How many {item} does {name} have left?"
+        solution = f"{name} starts with {a} {item} and gives away {b}, so {name} has {step} {item} left."
+    elif template == "boxes":
+        a, b = rng.randint(2, 9), rng.randint(2, 9)
+        answer, step = calc(a, "*", b)
+        question = f"{name} buys {a} boxes of {item}. Each box holds {b} {item}. How many {item} does {name} buy?"
+        solution = f"Each of the {a} boxes holds {b} {item}, so {name} buys {step} {item}."
+    elif template == "buys_then_gives":
+        a, b = rng.randint(2, 25), rng.randint(2, 15)
+        total, step1 = calc(a, "+", b)
+        c = rng.randint(1, total - 1)
+        answer, step2 = calc(total, "-", c)
+        question = (f"{name} has {a} {item}. {name} buys {b} more {item} and then gives {c} {item} to {other}. "
+                    f"How many {item} does {name} have now?")
+        solution = (f"After buying {b} more, {name} has {step1} {item}. "
+                    f"After giving {c} to {other}, {name} has {step2} {item}.")
+    else:                                                                       # money_left
+        n, price = rng.randint(2, 6), rng.randint(2, 6)
+        cost, step1 = calc(n, "*", price)
+        money = rng.randint(cost + 1, cost + 25)
+        answer, step2 = calc(money, "-", cost)
+        question = (f"{name} has ${money}. {name} buys {n} {item} for ${price} each. "
+                    f"How much money does {name} have left?")
+        solution = f"The {item} cost {step1} dollars. {name} has {step2} dollars left."
+    return WordProblem(question, solution, answer)
 
 
 def metamath_row(problem: WordProblem) -> dict:
-    return {"query": problem.question, "response": f"{solution(problem)} The answer is: {problem.answer}",
+    solution = regex.sub(r"<<[^>]*>>", "", problem.solution)   # MetaMathQA has no calculator notes
+    return {"query": problem.question, "response": f"{solution} The answer is: {problem.answer}",
             "type": "GSM_Synthetic", "original_question": problem.question}
 
 
 def gsm8k_row(problem: WordProblem) -> dict:
-    return {"question": problem.question, "answer": f"{solution(problem, calculator_notes=True)}\n#### {problem.answer}"}
+    return {"question": problem.question, "answer": f"{problem.solution}\n#### {problem.answer}"}
 
 
-def word_problem_split(n_train: int, n_test: int, seed: int = 0) -> tuple[list[WordProblem], list[WordProblem]]:
-    """Disjoint training and test problems (no test question occurs in training)."""
-    rng = random.Random(seed)
-    seen, problems = set(), []
+def word_problem_split(n_train: int, n_test: int, seed: int = 0) -> tuple[list, list]:
+    """Disjoint training and test problems (lists of WordProblem; no test question is in training)."""
+    rng, problems = random.Random(seed), {}
     while len(problems) < n_train + n_test:
         p = word_problem(rng)
-        if p.question not in seen:
-            seen.add(p.question)
-            problems.append(p)
+        problems.setdefault(p.question, p)
+    problems = list(problems.values())
     return problems[:n_train], problems[n_train:]
 
 
-def write_word_problems(folder, n_train: int = 20000, n_test: int = 500, seed: int = 0) -> tuple[Path, Path]:
+def write_word_problems(folder, n_train=20000, n_test=500, seed=0) -> tuple[Path, Path]:
     """train.json (MetaMathQA: one JSON array, as distributed) and test.jsonl (GSM8K: JSON lines)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -1132,56 +746,36 @@ def write_word_problems(folder, n_train: int = 20000, n_test: int = 500, seed: i
 
 def word_problem_pairs(path) -> list[tuple[str, str]]:
     """(query, response) pairs of a train.json written by write_word_problems."""
-    with open(path, encoding="utf-8") as f:
-        return [(row["query"], row["response"]) for row in json.load(f)]
+    return [(row["query"], row["response"]) for row in json.loads(Path(path).read_text(encoding="utf-8"))]
 
 
 def word_problem_batch(tokenizer, pairs, rng: random.Random, batch_size: int, seq_len: int):
-    """A random batch for next-token pretraining, in the "plain" prompt format:
-    <bos>{query}\n\n{response}<eos>, cut to seq_len and padded with <eos>.
-
-    Returns (seqs, supervised), both (batch_size, seq_len): token ids, and which tokens are
-    predicted (everything after <bos> up to and including the first <eos>).
-    """
+    """A random batch for next-token pretraining in the "plain" format, cut to seq_len and padded
+    with <eos>. Returns (seqs, supervised), both (batch_size, seq_len): the ids, and the tokens
+    that are predicted (all after <bos> up to and including the first <eos>)."""
     rows = [pairs[rng.randrange(len(pairs))] for _ in range(batch_size)]
     seqs = training_sequences(rows, tokenizer, "plain", seq_len).long()               # (B, seq_len)
     is_eos = seqs == tokenizer.eos_id
-    length = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, seq_len)         # (B,) through the first <eos>
+    length = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, seq_len)   # (B,) to the first <eos>
     supervised = torch.arange(seq_len)[None, :] < length[:, None]
-    supervised[:, 0] = False                                                          # <bos> is given, not predicted
+    supervised[:, 0] = False                                                    # <bos> is given
     return seqs, supervised
 
 
 def word_problem_tokenizer() -> Tokenizer:
-    """A word-level byte-level BPE for the word problems, built in code like `toy_tokenizer`.
-
-    Every piece the templates produce (GPT-2 split: a word with its leading space, a number, a
-    punctuation run) is one token, and so is every number below 1000 with and without a leading
-    space: about 2.5k tokens, so a problem with its solution takes 30-65 tokens. Other text
-    still encodes, byte by byte. Ranks: the 256 bytes, then every prefix of every whole piece,
-    shorter first, so BPE merges always reach the whole piece.
-    """
+    """The word problems' vocabulary, built like `toy_tokenizer`: every piece the templates produce
+    (GPT-2 split) and every number below 1000, with and without a leading space, is one token:
+    about 2.5k tokens, so a problem with its solution takes 30-65 tokens."""
     sample = word_problem_split(3000, 0, seed=12345)[0]
     text = "\n\n".join(f"{p.question}\n\n{metamath_row(p)['response']}" for p in sample)
     words = WP_NAMES + WP_ITEMS
     pieces = set(regex.findall(GPT2_PATTERN, text)) | set(words) | {f" {w}" for w in words}
-    pieces |= {f"{n}" for n in range(1000)} | {f" {n}" for n in range(1000)}
-    ranks = {bytes([b]): b for b in range(256)}
-    prefixes = {p.encode()[:n] for p in pieces for n in range(2, len(p.encode()) + 1)}
-    for token in sorted(prefixes, key=lambda t: (len(t), t)):
-        ranks[token] = len(ranks)
-    specials = {text: len(ranks) + i for i, text in enumerate(["<|bos|>", "<|eos|>", "<|pad|>"])}
-    return Tokenizer(ranks, specials, GPT2_PATTERN, bos_token="<|bos|>", eos_token="<|eos|>",
-                     pad_token="<|pad|>")
+    return whole_token_tokenizer(pieces | {f"{n}" for n in range(1000)} | {f" {n}" for n in range(1000)})
 
 
-# =============================================================================================
-# Domain prompts
-# =============================================================================================
-#
-# Chat prompts of four kinds, generated from templates, for `finetune_hf.py data` (a model's
-# own answers as training rows, when no data set is at hand) and `analyze` (how predictable
-# is each kind of answer?). Every domain has a fixed train / test split of its prompts.
+# ====================================== Domain prompts =======================================
+# Chat prompts from templates (and the word problems' questions), for `finetune_hf.py data` (a
+# model's own answers as training rows) and `analyze` (how predictable is each kind of answer?).
 
 DOMAIN_TEMPLATES = {
     "lists": (["List {n} {x}.", "Name {n} {x}, one per line.", "Give me a numbered list of {n} {x}.",
@@ -1220,3 +814,138 @@ def domain_prompts(domain: str, n: int, split: str = "train", seed: int = 0) -> 
                if "{n}" in t or n_items == 3]
     rng.shuffle(prompts)
     return prompts[:n]
+
+
+# --- plumbing: reading and writing Hugging Face tokenizer files ------------------------------
+
+@lru_cache(maxsize=1)
+def gpt2_byte_to_char() -> dict[int, str]:
+    """GPT-2's byte table, so that JSON can hold any token: printable bytes stand for themselves,
+    the 68 others (control bytes, space, ...) become chr(256 + i) in order; the space byte is "Ġ"."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(shifted)}}
+
+
+GPT2_CHAR_TO_BYTE = {c: b for b, c in gpt2_byte_to_char().items()}
+
+
+def bytes_to_piece(token: bytes) -> str:
+    return "".join(gpt2_byte_to_char()[b] for b in token)
+
+
+def piece_to_bytes(piece: str) -> bytes:
+    return bytes(GPT2_CHAR_TO_BYTE[c] for c in piece)   # KeyError: not a byte-level string
+
+
+def read_hf_tokenizer_json(spec: dict, file: Path) -> tuple[dict, dict, str, bool]:
+    """A parsed tokenizer.json -> (mergeable_ranks, special_tokens, split pattern, nfc)."""
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE" or model.get("byte_fallback"):
+        raise ValueError(f"unsupported tokenizer in {file}: only byte-level BPE is supported, "
+                         f"got model type {model.get('type')!r}")
+    specials = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
+    special_ids = set(specials.values())
+    try:   # a trained vocab may list the special tokens too: they stay special only
+        ranks = {piece_to_bytes(piece): i for piece, i in model["vocab"].items() if i not in special_ids}
+    except KeyError as err:
+        raise ValueError(f"unsupported tokenizer in {file}: vocab is not byte-level") from err
+    if model.get("unk_token") and sum(len(t) == 1 for t in ranks) < 256:
+        raise ValueError(f"unsupported tokenizer in {file}: single bytes are missing and map to an unknown token")
+    # The split regex: Split + ByteLevel, GPT-2's ByteLevel alone, or ByteLevel after a Digits step.
+    pre = spec.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    last = steps[-1] if steps and steps[-1].get("type") == "ByteLevel" else {}
+    first = steps[0] if len(steps) == 2 else {}
+    pattern = None
+    if last and not last.get("add_prefix_space", True):
+        if first == {"type": "Digits", "individual_digits": True} and last.get("use_regex", True):
+            pattern = DIGITS_THEN_GPT2_PATTERN
+        elif first.get("type") == "Split" and "Regex" in first.get("pattern", {}) and not first.get("invert") \
+                and first.get("behavior") == "Isolated" and not last.get("use_regex", True):
+            pattern = first["pattern"]["Regex"]
+        elif len(steps) == 1 and last.get("use_regex", True):
+            pattern = GPT2_PATTERN
+    if pattern is None:
+        raise ValueError(f"unsupported pre_tokenizer in {file}: {json.dumps(pre)[:200]}")
+    normalizer = spec.get("normalizer")
+    if normalizer is not None and normalizer.get("type") != "NFC":
+        raise ValueError(f"unsupported normalizer in {file}: {normalizer.get('type')!r}")
+    return ranks, specials, pattern, normalizer is not None
+
+
+def read_token_roles(folder: Path, specials: dict[str, int]) -> tuple[dict, list[int], dict]:
+    """(bos/eos/pad token texts, stop ids, tokenizer_config.json) from the files next to a tokenizer.
+    tokenizer_config.json decides when it names a role (null is "none": Qwen has no BOS, though its
+    config.json has a bos_token_id), then config.json, generation_config.json. Every eos id stops."""
+    def read(name):
+        file = folder / name
+        return json.loads(file.read_text(encoding="utf-8")) if file.is_file() else {}
+
+    def as_list(value):
+        return value if isinstance(value, list) else [] if value is None else [value]
+
+    tok_config, configs = read("tokenizer_config.json"), [read("config.json"), read("generation_config.json")]
+    text_of = {i: text for text, i in specials.items()}
+    roles = {}
+    for role in ("bos_token", "eos_token", "pad_token"):
+        if role in tok_config:
+            text = tok_config[role].get("content") if isinstance(tok_config[role], dict) else tok_config[role]
+        else:
+            ids = [i for c in configs for i in as_list(c.get(f"{role}_id"))]
+            text = text_of.get(ids[0]) if ids else None
+        roles[role] = text if text in specials else None
+    stop_ids = [i for c in configs for i in as_list(c.get("eos_token_id")) if i in text_of]
+    return roles, stop_ids, tok_config
+
+
+def llama3_special_tokens(first_id: int) -> dict[str, int]:
+    """Llama 3.1's 256 special tokens: a few named ones, the rest <|reserved_special_token_i|>."""
+    named = {0: "begin_of_text", 1: "end_of_text", 4: "finetune_right_pad_id", 6: "start_header_id",
+             7: "end_header_id", 8: "eom_id", 9: "eot_id", 10: "python_tag"}
+    reserved = [i for i in range(256) if i not in named]
+    names = {**named, **{i: f"reserved_special_token_{n}" for n, i in enumerate(reserved)}}
+    return {f"<|{names[i]}|>": first_id + i for i in range(256)}
+
+
+def hf_tokenizer_json(tok: Tokenizer) -> dict:
+    """The tokenizer.json dict: the file `tok` was read from plus its added special tokens, or (for a
+    tokenizer built in code) vocab + merges that make HF's BPE act exactly as ours."""
+    def added(text, i):
+        return {"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
+                "normalized": False, "special": True}
+
+    if tok.hf_spec is not None:
+        known = {t["content"] for t in tok.hf_spec["added_tokens"]}
+        new = [added(text, i) for text, i in tok.special_tokens.items() if text not in known]
+        return {**tok.hf_spec, "added_tokens": tok.hf_spec["added_tokens"] + new}
+    vocab = {bytes_to_piece(b): r for b, r in tok.mergeable_ranks.items()}
+    merges = []
+    for token, rank in sorted(tok.mergeable_ranks.items(), key=lambda item: item[1]):
+        # The last merge tiktoken makes to build this token: its merge loop, using lower ranks only.
+        parts = [bytes([b]) for b in token]
+        while len(parts) > 2:
+            pair_ranks = [tok.mergeable_ranks.get(a + b, rank) for a, b in zip(parts, parts[1:])]
+            best = min(range(len(pair_ranks)), key=pair_ranks.__getitem__)   # leftmost on ties
+            if pair_ranks[best] >= rank:
+                break
+            parts[best:best + 2] = [parts[best] + parts[best + 1]]
+        if len(parts) == 2:
+            merges.append([bytes_to_piece(parts[0]), bytes_to_piece(parts[1])])
+    # HF numbers added tokens it does not find in the vocab len(vocab), len(vocab)+1, ...
+    # If ours are not exactly those ids, put them in the vocab too so their ids are kept.
+    specials = sorted(tok.special_tokens.items(), key=lambda item: item[1])
+    if [i for _, i in specials] != list(range(len(vocab), len(vocab) + len(specials))):
+        vocab.update(specials)
+    split = {"type": "Split", "pattern": {"Regex": tok.pattern}, "behavior": "Isolated", "invert": False}
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+    return {"version": "1.0", "truncation": None, "padding": None,
+            "added_tokens": [added(text, i) for text, i in specials],
+            "normalizer": {"type": "NFC"} if tok.nfc else None,
+            "pre_tokenizer": {"type": "Sequence", "pretokenizers": [split, byte_level]},
+            "post_processor": None, "decoder": {**byte_level, "add_prefix_space": True, "use_regex": True},
+            # ignore_merges: a piece that is itself a token is looked up whole, as tiktoken does
+            "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                      "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                      "ignore_merges": True, "vocab": vocab, "merges": merges}}

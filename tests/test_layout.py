@@ -165,6 +165,20 @@ def test_window_past_the_sequence_end_is_unsupervised():
     assert batch.valid[0, 1].all() and (batch.targets[0, 1] == EOS_ID).all()
 
 
+def test_trained_limits_the_targets_and_a_target_after_the_eos_counts_as_the_eos():
+    seqs = random_seqs(2, 16)
+    seqs[1, 12] = EOS_ID
+    trained = torch.zeros(2, 16, dtype=torch.bool)
+    trained[:, 9:13] = True                              # an "answer" 9..12; row 1 ends at its EOS, 12
+    full, part = layout(seqs, 3, 2, 2), mtp_layout(seqs, 3, 2, 2, MASK_ID, EOS_ID, PAD_ID, trained=trained)
+    # ends 2, 10: region 0 predicts 3..5 (not trained), region 1 predicts 11, 12, 13
+    assert not part.valid[:, 0].any()
+    assert part.valid[0, 1].tolist() == [True, True, False]            # 13 is not trained
+    assert part.valid[1, 1].tolist() == [True, True, True]             # 13 comes after the EOS: the EOS decides
+    assert torch.equal(part.ntp_valid, full.ntp_valid & trained[:, 1:])
+    assert torch.equal(part.targets, full.targets) and torch.equal(part.attn_mask, full.attn_mask)
+
+
 def test_k1_has_no_mask_slots():
     seqs = random_seqs(2, 16)
     batch = layout(seqs, k=1, offset=3, n_regions=4)

@@ -15,8 +15,7 @@ from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, tra
 from tokenizers import Tokenizer as HFTokenizer
 
 from data import (DIGITS_THEN_GPT2_PATTERN, GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN, TOY_PROMPT_WORDS, Tokenizer,
-                  bytes_to_piece,
-                  gpt2_byte_to_char, piece_to_bytes, toy_tokenizer, toy_whole_tokens)
+                  bytes_to_piece, gpt2_byte_to_char, piece_to_bytes, toy_tokenizer, toy_whole_tokens)
 
 TRAIN_TEXT = [
     "The quick brown fox jumps over the lazy dog. It's 2024 and we've got 12345 apples!",
