@@ -253,21 +253,17 @@ class Transformer(nn.Module):
             raise ValueError("attn_mask cannot be combined with a KV cache (attention is causal by slot)")
         if cache is None and n_tokens is not None:
             raise ValueError("n_tokens needs a KV cache")
-        plan = None
-        if cache is not None:
-            plan = plan_cached_pass(cache, T, n_tokens)                # every index this pass needs
+        plan = None if cache is None else plan_cached_pass(cache, T, n_tokens)   # every index it needs
+        mask = attn_mask[:, None] if attn_mask is not None and attn_mask.dim() == 3 else attn_mask  # None: causal
+        if plan is not None:
             mask = plan.mask[:, None]                        # (B', 1, T, S): one mask for all heads
-        else:
-            mask = attn_mask[:, None] if attn_mask is not None and attn_mask.dim() == 3 else attn_mask  # None: causal
-            if positions is None:
-                positions = torch.arange(T, device=device)[None].expand(B, T)
         ragged = plan is not None and plan.grid is not None
         if ragged:
             # Only attention mixes tokens: pack the real ones into one row of N = sum(n_tokens).
             tokens = tokens.reshape(-1)[plan.index][None]                                 # (1, N)
             positions = plan.slots[None] if positions is None else positions.reshape(-1)[plan.index][None]
-        elif positions is None:
-            positions = plan.positions                                                    # (B, T)
+        elif positions is None:                                                           # (B, T)
+            positions = plan.positions if plan is not None else torch.arange(T, device=device)[None].expand(B, T)
         x = self.tok_emb(tokens)                                        # (B, T, dim) or (1, N, dim)
         angles = positions[..., None].float() * self.inv_freq                # (B, T, hd/2)
         angles = torch.cat([angles, angles], dim=-1)[:, None]           # (B, 1, T, hd): rotate_half
@@ -276,15 +272,14 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, mask, cache, i, plan)
         if cache is not None:
             cache.lengths += T if n_tokens is None else torch.as_tensor(n_tokens, device=device)
-        if ragged:
-            if output_index is None:
-                x = to_grid(x[0], plan, B)                           # (B, T, dim), zeros at padding
-            else:
-                # Row b starts at first[b]; a row of no tokens reads another's logits (ignored).
-                n = torch.as_tensor(n_tokens, device=device)
-                first = torch.cumsum(n, 0) - n                                   # (B,)
-                index = (first[:, None] + output_index).clamp(max=x.shape[1] - 1)        # (B, N)
-                return self.lm_head(self.norm(x[0][index]))                  # (B, N, V)
+        if ragged and output_index is None:
+            x = to_grid(x[0], plan, B)                                   # (B, T, dim), zeros at padding
+        elif ragged:
+            # Row b starts at first[b]; a row of no tokens reads another's logits (ignored).
+            n = torch.as_tensor(n_tokens, device=device)
+            first = torch.cumsum(n, 0) - n                                       # (B,)
+            index = (first[:, None] + output_index).clamp(max=x.shape[1] - 1)            # (B, N)
+            return self.lm_head(self.norm(x[0][index]))                      # (B, N, V)
         if output_index is not None:
             x = x.gather(1, output_index[..., None].expand(-1, -1, x.shape[-1]))   # (B, N, dim)
         return self.lm_head(self.norm(x))
@@ -324,9 +319,8 @@ def add_mask_token(model: Transformer, tokenizer, text: str = "<mask>", seed: in
             extra = w.new_zeros(mask_id + 1 - w.shape[0], w.shape[1])
             return nn.Parameter(torch.cat([w.detach(), extra]), requires_grad=w.requires_grad)
         model.tok_emb.weight = grown(model.tok_emb.weight)
-        head = model.lm_head
-        head.weight = model.tok_emb.weight if cfg.tie_embeddings else grown(head.weight)
-        model.tok_emb.num_embeddings = head.out_features = cfg.vocab_size = mask_id + 1
+        model.lm_head.weight = model.tok_emb.weight if cfg.tie_embeddings else grown(model.lm_head.weight)
+        model.tok_emb.num_embeddings = model.lm_head.out_features = cfg.vocab_size = mask_id + 1
     g = torch.Generator().manual_seed(seed)
     for w in [model.tok_emb.weight] + ([] if cfg.tie_embeddings else [model.lm_head.weight]):
         rows = w[:n_used].float()
@@ -505,8 +499,7 @@ def read_safetensors(path) -> dict:
     """All tensors of a single-file or sharded safetensors checkpoint (never unpickles)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
-    single = os.path.join(path, "model.safetensors")
-    index = os.path.join(path, "model.safetensors.index.json")
+    single, index = (os.path.join(path, f) for f in ("model.safetensors", "model.safetensors.index.json"))
     if os.path.isfile(single):
         files = [single]
     elif os.path.isfile(index):
