@@ -404,11 +404,8 @@ WORD_PROBLEMS = dict(dim=128, n_layers=4, n_heads=4, ffn_dim=512, seq_len=64, ba
 WORD_PROBLEMS_QUICK = dict(dim=32, n_layers=1, n_heads=2, ffn_dim=64, batch_size=4, teacher_steps=3, warmup_steps=1)
 WORD_PROBLEM_CONTEXT = 512          # positions the base model supports: room for few-shot prompts
 
-def word_problem_base_model(args, device) -> dict:
+def word_problem_base_model(args, cfg: RunConfig, device) -> dict:
     """Phase 1 on word problems (into DIR/data) -> DIR/base, a base model for finetune_hf.py."""
-    cfg = replace(RunConfig(seed=args.seed), **{**WORD_PROBLEMS, **(WORD_PROBLEMS_QUICK if args.quick else {})})
-    if args.teacher_steps is not None:
-        cfg = replace(cfg, teacher_steps=args.teacher_steps)
     folder, tokenizer, start = args.word_problems, data.word_problem_tokenizer(), time.perf_counter()
     train_file, test_file = data.write_word_problems(os.path.join(folder, "data"), n_train=200 if args.quick
                                                      else 20_000, n_test=10 if args.quick else 500, seed=args.seed)
@@ -438,19 +435,20 @@ def default_out(args, cfg: RunConfig) -> str:
     return os.path.join("runs", "-".join(["toy"] + (["quick"] if args.quick else []) + parts))
 
 def main(argv=None) -> dict:
-    """The toy run (or --export-hf, or --word-problems); returns what it wrote to results.json."""
     args = parse_args(argv)
-    cfg = RunConfig(seed=args.seed, **(QUICK if args.quick else {}))
-    budget = ("teacher_steps", "mtp_steps", "n_eval")
-    cfg = replace(cfg, **{n: getattr(args, n) for n in budget if getattr(args, n) is not None})
+    if args.word_problems:
+        preset, phases = {**WORD_PROBLEMS, **(WORD_PROBLEMS_QUICK if args.quick else {})}, ["base"]
+    else:
+        preset, phases = QUICK if args.quick else {}, PHASES
+    budget = ("teacher_steps", "mtp_steps", "n_eval")     # --word-problems: teacher_steps alone
+    cfg = replace(RunConfig(seed=args.seed, **preset), **{n: getattr(args, n) for n in budget
+                                                          if getattr(args, n) is not None})
     device = parse_device(args.device)
     torch.set_num_threads(args.threads)
-    if args.word_problems:
-        folder, phases = output_folder(args.word_problems, "--word-problems"), ["base"]
-    else:
-        folder, phases = output_folder(args.out or default_out(args, cfg), "--out"), PHASES
+    folder = (output_folder(args.word_problems, "--word-problems") if args.word_problems
+              else output_folder(args.out or default_out(args, cfg), "--out"))
     try:
-        return word_problem_base_model(args, device) if args.word_problems else toy_run(args, cfg, folder, device)
+        return word_problem_base_model(args, cfg, device) if args.word_problems else toy_run(args, cfg, folder, device)
     except KeyboardInterrupt:                          # one line: what is saved and how to go on
         saved = [p for p in phases if os.path.exists(os.path.join(folder, "checkpoints", f"{p}.pt"))]
         raise KeyboardInterrupt(f"{folder}/checkpoints holds {', '.join(saved) or 'no finished phase yet'}; "
