@@ -3,14 +3,12 @@
 Multi-token prediction (MTP) by self-distillation adds no heads: one new `<mask>` token, and
 feeding `prefix <mask> <mask> ...` asks the unchanged network for the next few tokens at once.
 The block is Llama's, x += Attention(RMSNorm(x)); x += SwiGLU(RMSNorm(x)), with RoPE, grouped-query
-attention (GQA), optional per-head q/k RMSNorm (Qwen3) and tied embeddings. `forward` takes explicit
-positions and any boolean mask (the packed training layout); the KV cache is written at explicit
-slots, so decoding rolls mask slots back and overwrites them, each row feeding its own token count.
-References: Llama 3 (arXiv 2407.21783), Qwen3 (2505.09388), RoFormer (2104.09864), GQA (2305.13245),
-GLU variants (2002.05202), Multi-Token Prediction via Self-Distillation (2602.06019).
+attention (GQA), optional q/k norms (Qwen3) and tied embeddings. `forward` takes explicit positions
+and any boolean mask (the packed training layout); the KV cache is written at explicit slots, so
+decoding rolls mask slots back and overwrites them. References: Llama 3 (arXiv 2407.21783), Qwen3
+(2505.09388), RoFormer (2104.09864), GQA (2305.13245), GLU variants (2002.05202), Multi-Token
+Prediction via Self-Distillation (2602.06019).
 """
-
-from __future__ import annotations
 
 import json
 import math
@@ -307,26 +305,24 @@ def add_mask_token(model: Transformer, tokenizer, text: str = "<mask>", seed: in
     rows are drawn with the used rows' per-dimension mean and std: a typical, uninformative token.
     The first spare row is used (Qwen3-4B: 151936 rows, 151669 tokens), or the matrices grow."""
     cfg = model.config
-    if text in tokenizer.special_tokens:
-        mask_id = tokenizer.special_tokens[text]
-        if mask_id >= cfg.vocab_size:
-            raise ValueError(f"tokenizer has {text} = {mask_id} but the model has only {cfg.vocab_size} rows")
-        cfg.mask_token_id = mask_id
-        return mask_id
-    n_used = mask_id = tokenizer.n_vocab
-    if mask_id >= cfg.vocab_size:                     # no spare row: append zero rows up to mask_id
-        def grown(w):
-            extra = w.new_zeros(mask_id + 1 - w.shape[0], w.shape[1])
-            return nn.Parameter(torch.cat([w.detach(), extra]), requires_grad=w.requires_grad)
-        model.tok_emb.weight = grown(model.tok_emb.weight)
-        model.lm_head.weight = model.tok_emb.weight if cfg.tie_embeddings else grown(model.lm_head.weight)
-        model.tok_emb.num_embeddings = model.lm_head.out_features = cfg.vocab_size = mask_id + 1
-    g = torch.Generator().manual_seed(seed)
-    for w in [model.tok_emb.weight] + ([] if cfg.tie_embeddings else [model.lm_head.weight]):
-        rows = w[:n_used].float()
-        noise = torch.randn(w.shape[1], generator=g).to(w.device)
-        w[mask_id] = (rows.mean(0) + rows.std(0) * noise).to(w.dtype)
-    tokenizer.add_special_token(text, mask_id)
+    mask_id = tokenizer.special_tokens.get(text)
+    if mask_id is not None and mask_id >= cfg.vocab_size:
+        raise ValueError(f"tokenizer has {text} = {mask_id} but the model has only {cfg.vocab_size} rows")
+    if mask_id is None:
+        n_used = mask_id = tokenizer.n_vocab
+        if mask_id >= cfg.vocab_size:                     # no spare row: append zero rows up to mask_id
+            def grown(w):
+                extra = w.new_zeros(mask_id + 1 - w.shape[0], w.shape[1])
+                return nn.Parameter(torch.cat([w.detach(), extra]), requires_grad=w.requires_grad)
+            model.tok_emb.weight = grown(model.tok_emb.weight)
+            model.lm_head.weight = model.tok_emb.weight if cfg.tie_embeddings else grown(model.lm_head.weight)
+            model.tok_emb.num_embeddings = model.lm_head.out_features = cfg.vocab_size = mask_id + 1
+        g = torch.Generator().manual_seed(seed)
+        for w in [model.tok_emb.weight] + ([] if cfg.tie_embeddings else [model.lm_head.weight]):
+            rows = w[:n_used].float()
+            noise = torch.randn(w.shape[1], generator=g).to(w.device)
+            w[mask_id] = (rows.mean(0) + rows.std(0) * noise).to(w.dtype)
+        tokenizer.add_special_token(text, mask_id)
     cfg.mask_token_id = mask_id
     return mask_id
 
@@ -360,12 +356,10 @@ def load_hf(cls, path, device, dtype) -> Transformer:
         tensors.pop("lm_head.weight", None)                # some exports write the tied copy anyway
     wrong = [f"{h} {list(tensors[h].shape)} (expected {shapes[names[h]]})"
              for h in sorted(set(names) & set(tensors)) if list(tensors[h].shape) != shapes[names[h]]]
-    problems = []
-    for what, bad in [("missing", sorted(set(names) - set(tensors))),
-                      ("unexpected", sorted(set(tensors) - set(names))), ("wrong shape", wrong)]:
-        if bad:                                          # name at most three of each
-            more = f" and {len(bad) - 3} more" if len(bad) > 3 and what != "wrong shape" else ""
-            problems.append(f"{what} {', '.join(bad[:3])}{more}")
+    missing, unexpected = sorted(set(names) - set(tensors)), sorted(set(tensors) - set(names))
+    problems = [f"{what} {', '.join(bad[:3])}" + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+                for what, bad in (("missing", missing), ("unexpected", unexpected)) if bad]
+    problems += [f"wrong shape {', '.join(wrong[:3])}"] if wrong else []      # three named at most
     if problems:
         raise ValueError(f"checkpoint {path} does not match its config: " + "; ".join(problems))
     ours = {names[h]: tensors.pop(h).to(device=device, dtype=dtype) for h in list(tensors)}  # one at a time

@@ -12,8 +12,6 @@
 Each phase is saved to OUT/checkpoints/ and resumed (--restart retrains); OUT names the settings.
 """
 
-from __future__ import annotations
-
 import json
 import math
 import os
