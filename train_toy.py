@@ -5,9 +5,10 @@
     python train_toy.py --export-hf hf_toy  a finished run's three models in Hugging Face layout
     python train_toy.py --word-problems runs/wp   the base model of finetune_hf.py's miniature
 
-1. teacher: a small Llama-style transformer learns data.py's four toy tasks by next-token prediction
+1. teacher: a small Llama-style transformer learns data.py's four toy tasks (two with branch points)
+   by next-token prediction
 2. students: two copies with a `<mask>` token learn multi-token prediction on the same batches and
-   layouts, "naive" against the true next k tokens, "distill" from the frozen teacher's predictions
+   layouts: "naive" against the true next k tokens, "distill" by student-forced self-distillation
 3. evaluation: static k, ConfAdapt and lossless decoding -> OUT/results.json, a table, plots
 Each phase is saved to OUT/checkpoints/ and resumed (--restart retrains); OUT names the settings.
 """
@@ -74,7 +75,6 @@ QUICK = dict(dim=64, n_layers=2, ffn_dim=192, batch_size=16, teacher_steps=40, m
              warmup_steps=5, n_eval=6, static_ks=(1, 4), taus=(0.5, 0.9), max_new_tokens=16)
 
 # --- 1-2. Training: one loop for the teacher and both students -------------------------------
-
 def train_phase(name: str, model: Transformer, cfg: RunConfig, next_batch, device, plan: dict | None = None,
                 mode: str | None = None, tokenizer=None) -> tuple[Transformer, list[dict]]:
     """AdamW -> (model in eval mode, log). mode None: next-token loss (cfg.teacher_*); "gt" or
@@ -138,7 +138,6 @@ def student_from(teacher: Transformer, device) -> tuple[Transformer, object]:
     return student.to(device), tokenizer
 
 # --- 3. Evaluation: every model with every decoding setting on every task --------------------
-
 def sweep(cfg: RunConfig, multi_token: bool) -> list[DecodeConfig]:
     """The decoding settings; without <mask>, greedy only (called static k=1: the curve's start)."""
     modes = decode_modes(cfg.static_ks, cfg.taus, cfg.k_max, cfg.k_max) if multi_token else decode_modes((1,))
@@ -194,7 +193,6 @@ def summary(rows: list[dict]) -> dict:
     return out
 
 # --- The run: 1. teacher, 2. students, 3. evaluation, 4. report -----------------------------
-
 def toy_run(args, cfg: RunConfig, out: str, device) -> dict:
     """Train (or load) the three models, evaluate them, report; return what results.json holds."""
     tokenizer = data.toy_tokenizer()
