@@ -83,9 +83,8 @@ def apply_rope(x, cos, sin):
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 class KVCache(nn.Module):
-    """Keys and values (n_layers, B, n_kv_heads, max_len, head_dim). A pass writes row b at slots
-    lengths[b], lengths[b] + 1, ... and advances `lengths`; `rollback` lowers them, erasing nothing:
-    attention is causal by slot and the next pass overwrites the forgotten slots."""
+    """Keys and values (n_layers, B, n_kv_heads, max_len, head_dim); a pass writes row b at slots
+    lengths[b], ...; `rollback` erases nothing: attention is causal by slot, passes overwrite."""
     def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, device=None, dtype=None):
         super().__init__()
         shape = (cfg.n_layers, batch_size, cfg.n_kv_heads, max_len, cfg.head_dim)
@@ -390,10 +389,9 @@ def save_hf(model: Transformer, path, max_shard_bytes: int, dtype=None):
     for file, shard in zip(files, shards):
         atomic_save(lambda p, s=shard: save_file(s, p, metadata={"format": "pt"}), os.path.join(path, file))
     if n > 1:
-        weight_map = {name: file for file, shard in zip(files, shards) for name in shard}
-        total = sum(t.numel() * t.element_size() for t in state.values())
-        write_json(os.path.join(path, "model.safetensors.index.json"),
-                   {"metadata": {"total_size": total}, "weight_map": weight_map})
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+                 "weight_map": {name: file for file, shard in zip(files, shards) for name in shard}}
+        write_json(os.path.join(path, "model.safetensors.index.json"), index)
     write_json(os.path.join(path, "config.json"), config_to_hf(model.config, next(iter(state.values())).dtype))
 
 def config_from_hf(hf: dict) -> ModelConfig:
