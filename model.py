@@ -5,9 +5,10 @@ feeding `prefix <mask> <mask> ...` asks the unchanged network for the next few t
 The block is Llama's, x += Attention(RMSNorm(x)); x += SwiGLU(RMSNorm(x)), with RoPE, grouped-query
 attention (GQA), optional q/k norms (Qwen3) and tied embeddings. `forward` takes explicit positions
 and any boolean mask (the packed training layout); the KV cache is written at explicit slots, so
-decoding rolls mask slots back and overwrites them. References: Llama 3 (arXiv 2407.21783), Qwen3
-(2505.09388), RoFormer (2104.09864), GQA (2305.13245), GLU variants (2002.05202), Multi-Token
-Prediction via Self-Distillation (2602.06019).
+decoding rolls mask slots back and overwrites them, each row feeding its own number (`n_tokens`).
+Below the plumbing line: Llama-3.x, Qwen3 and Qwen2 checkpoints in Hugging Face layout, in and out.
+References: Llama 3 (arXiv 2407.21783), Qwen3 (2505.09388), RoFormer (2104.09864), GQA (2305.13245),
+GLU variants (2002.05202), Multi-Token Prediction via Self-Distillation (2602.06019).
 """
 
 import json
