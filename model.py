@@ -3,21 +3,13 @@
 Multi-token prediction (MTP) by self-distillation adds no heads: one new `<mask>` token, and
 feeding `prefix <mask> <mask> ...` asks the unchanged network for the next few tokens at once.
 The block is Llama's, x += Attention(RMSNorm(x)); x += SwiGLU(RMSNorm(x)), with RoPE, grouped-query
-attention (GQA), optional per-head q/k RMSNorm (Qwen3) and optionally tied embeddings. For MTP:
-  * `forward` takes explicit positions and any boolean attention mask: the packed training layout
-    (data.py) interleaves mask blocks with tokens that keep their positions;
-  * the KV cache is written at explicit slots: decoding (confadapt.py) appends `accepted tokens +
-    masks`, rolls the mask slots back, and the next pass simply overwrites them; each row accepts
-    its own number of tokens, so it feeds its own number next time (`n_tokens`);
-  * `add_mask_token` gives the embedding matrix its `<mask>` row.
-Below the plumbing line: Hugging Face checkpoints (Llama-3.x, Qwen3, Qwen2) read and written, so a
-tuned model runs in transformers, vLLM or SGLang; devices; files.
-
-References: Llama 3 (arXiv 2407.21783), Qwen3 (2505.09388), RoFormer (2104.09864), GQA
-(2305.13245), GLU variants (2002.05202), Multi-Token Prediction via Self-Distillation (2602.06019).
+attention (GQA), optional q/k norms (Qwen3) and tied embeddings. `forward` takes explicit positions
+and any boolean mask (the packed training layout); the KV cache is written at explicit slots, so
+decoding rolls mask slots back and overwrites them, each row feeding its own number (`n_tokens`).
+Below the plumbing line: Llama-3.x, Qwen3 and Qwen2 checkpoints in Hugging Face layout, in and out.
+References: Llama 3 (arXiv 2407.21783), Qwen3 (2505.09388), RoFormer (2104.09864), GQA (2305.13245),
+GLU variants (2002.05202), Multi-Token Prediction via Self-Distillation (2602.06019).
 """
-
-from __future__ import annotations
 
 import json
 import math
@@ -29,7 +21,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 
 @dataclass
 class ModelConfig:
@@ -58,12 +49,10 @@ class ModelConfig:
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         if self.model_type not in HF_ARCHITECTURES:
-            raise ValueError(f"unsupported model type {self.model_type!r}; "
-                             f"supported: {', '.join(HF_ARCHITECTURES)}")
+            raise ValueError(f"unsupported model type {self.model_type!r}; supported: {', '.join(HF_ARCHITECTURES)}")
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in float32 and cast back before the weight (as Llama does)."""
-
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
@@ -75,9 +64,8 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Rotation frequency of each pair of channels, (head_dim // 2,). Llama 3.1's scaling extends
-    the context: wavelengths longer than original_max / low_freq_factor are slowed down by
-    `factor`, those shorter than original_max / high_freq_factor kept, the band between blended."""
+    """Rotation frequency of each channel pair, (head_dim // 2,). Llama 3.1 scaling slows the
+    wavelengths over original_max / low by `factor`, keeps those under original_max / high."""
     hd, scaling = cfg.head_dim, cfg.rope_scaling
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
     if not scaling:
@@ -85,7 +73,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     original_max = scaling["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv_freq
-    s = ((original_max / wavelen) - low) / (high - low)                     # 0 at long, 1 at short end
+    s = ((original_max / wavelen) - low) / (high - low)                  # 0 at long, 1 at short end
     smoothed = (1 - s) * inv_freq / factor + s * inv_freq
     scaled = torch.where(wavelen > original_max / low, inv_freq / factor, smoothed)
     return torch.where(wavelen < original_max / high, inv_freq, scaled).float()
@@ -96,11 +84,8 @@ def apply_rope(x, cos, sin):
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 class KVCache(nn.Module):
-    """Keys and values (n_layers, B, n_kv_heads, max_len, head_dim). A pass writes row b's tokens at
-    slots lengths[b], lengths[b] + 1, ... (slot == position while decoding) and advances `lengths`.
-    `rollback` forgets the mask slots by lowering `lengths`: nothing is erased, as attention is
-    causal by slot and the next pass overwrites them."""
-
+    """Keys and values (n_layers, B, n_kv_heads, max_len, head_dim); a pass writes row b at slots
+    lengths[b], ...; `rollback` erases nothing: attention is causal by slot, passes overwrite."""
     def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, device=None, dtype=None):
         super().__init__()
         shape = (cfg.n_layers, batch_size, cfg.n_kv_heads, max_len, cfg.head_dim)
@@ -112,7 +97,7 @@ class KVCache(nn.Module):
     def rollback(self, lengths):
         """Forget everything at or after `lengths` (an int, or one length per row)."""
         lengths = torch.as_tensor(lengths, dtype=torch.long, device=self.lengths.device).expand_as(self.lengths)
-        if ((lengths > self.lengths) | (lengths < 0)).any():                 # one read of the device
+        if ((lengths > self.lengths) | (lengths < 0)).any():                # one read of the device
             raise ValueError("rollback can only shorten the cache")
         self.lengths.copy_(lengths)
 
@@ -124,15 +109,14 @@ class KVCache(nn.Module):
 
     def write(self, layer: int, rows, slots, k, v):
         """Store k, v (N, n_kv_heads, head_dim) at (rows[i], slots[i]); return the layer's k, v."""
-        self.k[layer][rows, :, slots] = k.to(self.k.dtype)           # cache layer is (B, n_kv, S, hd)
+        self.k[layer][rows, :, slots] = k.to(self.k.dtype)         # cache layer is (B, n_kv, S, hd)
         self.v[layer][rows, :, slots] = v.to(self.v.dtype)
         return self.k[layer], self.v[layer]
 
 @dataclass
 class CachedPass:
-    """The index tensors of a cached pass of N tokens, built once from host-side lengths so that no
-    layer asks the device for a length (on a GPU each such read waits for all queued work). B' rows
-    feed tokens; a pass is ragged when rows feed different numbers (n_tokens)."""
+    """Index tensors of a cached pass of N tokens, built once from host-side lengths: no layer waits
+    for the device to read a length. B' rows feed tokens; ragged: rows feed different numbers."""
     rows: torch.Tensor                  # (N,) cache row of each fed token, row after row
     slots: torch.Tensor                 # (N,) its cache slot
     mask: torch.Tensor                  # (B', T, S) bool: token t sees slot s (causal by slot)
@@ -143,21 +127,18 @@ class CachedPass:
     index: torch.Tensor | None = None   # ragged: (N,) the same in the caller's (B, T) grid
 
 def plan_cached_pass(cache: KVCache, T: int, n_tokens=None) -> CachedPass:
-    """The index tensors of a pass of T tokens per row (or n_tokens[b] for row b) on `cache`."""
     device = cache.lengths.device
-    lengths = cache.lengths.tolist()                                 # the pass's one read of the device
-    fed = [T] * len(lengths) if n_tokens is None else (
-        n_tokens.tolist() if torch.is_tensor(n_tokens) else list(n_tokens))
+    lengths = cache.lengths.tolist()                             # the pass's one read of the device
+    fed = [T] * len(lengths) if n_tokens is None else n_tokens.tolist() if torch.is_tensor(n_tokens) else list(n_tokens)
     S = max(n + f for n, f in zip(lengths, fed))
     if S > cache.max_len:
         raise ValueError(f"KV cache overflow: {S} slots needed, cache holds {cache.max_len}")
     live = [b for b, f in enumerate(fed) if f] if n_tokens is not None else list(range(len(fed)))
-    cells = [(i, b, t) for i, b in enumerate(live) for t in range(fed[b])]   # (grid row, cache row, step)
+    cells = [(i, b, t) for i, b in enumerate(live) for t in range(fed[b])]  # (grid row, cache row, step)
     tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)
-    positions = tensor([lengths[b] for b in live])[:, None] + torch.arange(T, device=device)   # (B', T)
-    mask = torch.arange(S, device=device)[None, None, :] <= positions[:, :, None]             # (B', T, S)
-    p = CachedPass(tensor([b for _, b, _ in cells]), tensor([lengths[b] + t for _, b, t in cells]),
-                   mask, positions, S)
+    positions = tensor([lengths[b] for b in live])[:, None] + torch.arange(T, device=device)  # (B', T)
+    mask = torch.arange(S, device=device)[None, None, :] <= positions[:, :, None]       # (B', T, S)
+    p = CachedPass(tensor([b for _, b, _ in cells]), tensor([lengths[b] + t for _, b, t in cells]), mask, positions, S)
     if n_tokens is not None:
         p.index = tensor([b * T + t for _, b, t in cells])
         p.grid = tensor([i * T + t for i, _, t in cells])
@@ -171,19 +152,16 @@ def to_grid(x, p: CachedPass, n_rows: int):
     return out.view(n_rows, T, *x.shape[1:])
 
 def attend(q, k, v, mask):
-    """softmax(q k^T / sqrt(hd) + mask) v with grouped-query attention, shaped for a fused kernel:
-    q (B, H, T, hd); k, v (B, n_kv, S, hd); mask None = causal (T == S), else bool (..., T, S).
-    Causal passes go to the flash kernels, which take GQA natively. Not all kernels that take a mask
-    take GQA (torch may fall back to float32 (B, H, T, S) scores), so with a mask the g query heads
-    that share a K/V head become g * T query rows of that head, each with its token's mask row.
-    """
+    """softmax(q k^T / sqrt(hd) + mask) v; q (B, H, T, hd), k, v (B, n_kv, S, hd), mask None
+    (causal) or bool (..., T, S). Masked kernels may lack GQA (torch falls back to float32
+    (B, H, T, S) scores), so the g query heads of a K/V head become g * T query rows of it."""
     B, H, T, hd = q.shape
     n_kv, S = k.shape[1], k.shape[2]
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != n_kv)
     g = H // n_kv
-    q = q.reshape(B, n_kv, g * T, hd)                            # query head h = kv * g + j -> row j * T + t
-    mask = mask.unsqueeze(-3).expand(*mask.shape[:-2], g, T, S).flatten(-3, -2)          # (..., g * T, S)
+    q = q.reshape(B, n_kv, g * T, hd)                   # query head h = kv * g + j -> row j * T + t
+    mask = mask.unsqueeze(-3).expand(*mask.shape[:-2], g, T, S).flatten(-3, -2)    # (..., g * T, S)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).view(B, H, T, hd)
 
 class Attention(nn.Module):
@@ -202,22 +180,22 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)       # (B, T, n_heads, hd)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)    # (B, T, n_kv_heads, hd)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None:                                  # Qwen3: per-head norm before RoPE
+        if self.q_norm is not None:                               # Qwen3: per-head norm before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, heads, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             new = (t.transpose(1, 2).reshape(-1, self.n_kv_heads, self.head_dim) for t in (k, v))
             k, v = cache.write(layer, plan.rows, plan.slots, *new)       # (N, n_kv, hd) each, in
-            k, v = k[:, :, : plan.S], v[:, :, : plan.S]                             # (B, n_kv, S, hd)
-            if plan.live is not None:                                # only the rows that feed tokens attend
+            k, v = k[:, :, : plan.S], v[:, :, : plan.S]                           # (B, n_kv, S, hd)
+            if plan.live is not None:                        # only the rows that feed tokens attend
                 k, v = k.index_select(0, plan.live), v.index_select(0, plan.live)  # (B', n_kv, S, hd)
         ragged = plan is not None and plan.grid is not None
-        if ragged:                            # spread the packed queries out to the (B', T) grid of their rows
-            q = to_grid(q[0].transpose(0, 1), plan, len(plan.mask)).transpose(1, 2)   # (B', n_heads, T, hd)
+        if ragged:                 # spread the packed queries out to the (B', T) grid of their rows
+            q = to_grid(q[0].transpose(0, 1), plan, len(plan.mask)).transpose(1, 2)  # (B', n_heads, T, hd)
         y = attend(q, k, v, mask).transpose(1, 2)                    # (B, T, n_heads, hd)
         if ragged:
-            y = y.reshape(-1, self.n_heads, self.head_dim).index_select(0, plan.grid)[None]   # (1, N, n_heads, hd)
+            y = y.reshape(-1, self.n_heads, self.head_dim).index_select(0, plan.grid)[None]  # (1, N, n_heads, hd)
         return self.wo(y.reshape(B, T, self.n_heads * self.head_dim))
 
 class SwiGLU(nn.Module):
@@ -262,56 +240,44 @@ class Transformer(nn.Module):
         return KVCache(self.config, batch_size, max_len or self.config.max_seq_len, p.device, p.dtype)
 
     def forward(self, tokens, positions=None, attn_mask=None, cache=None, output_index=None, n_tokens=None):
-        """Logits for `tokens` (B, T).
-
-        positions    (B, T) RoPE position ids. Default: 0..T-1, or continuing the cache.
-        attn_mask    bool, True = may attend; (T, T) or (B, T, T). Default: causal. Not with a cache.
-        cache        KVCache: token t of row b goes to slot lengths[b] + t and attends causally by
-                     slot; lengths advance by T, or by n_tokens (roll the masks back yourself).
-        output_index (B, N) positions whose logits are wanted -> (B, N, V); default all (B, T, V).
-        n_tokens     (B,) with a cache, best a list (it stays on the host): row b is only its first
-                     n_tokens[b] tokens, the rest is right-padding, which is never computed.
-        """
+        """Logits for `tokens` (B, T). positions (B, T): RoPE positions, default 0..T-1 or
+        continuing the cache. attn_mask: bool (T, T) or (B, T, T), True = may attend, default
+        causal; not with a cache, where token t of row b goes to slot lengths[b] + t and lengths
+        advance by T (or by n_tokens: (B,), best a list, row b's real tokens; the right-padding is
+        never computed). output_index (B, N): positions whose logits are wanted -> (B, N, V)."""
         B, T = tokens.shape
         device = tokens.device
-        plan = None
-        if cache is not None:
-            if attn_mask is not None:
-                raise ValueError("attn_mask cannot be combined with a KV cache (attention is causal by slot)")
-            plan = plan_cached_pass(cache, T, n_tokens)                     # every index this pass needs
-            mask = plan.mask[:, None]                                        # (B', 1, T, S): one mask for all heads
-        else:
-            if n_tokens is not None:
-                raise ValueError("n_tokens needs a KV cache")
-            mask = attn_mask[:, None] if attn_mask is not None and attn_mask.dim() == 3 else attn_mask  # None: causal
-            if positions is None:
-                positions = torch.arange(T, device=device)[None].expand(B, T)
+        if cache is not None and attn_mask is not None:
+            raise ValueError("attn_mask cannot be combined with a KV cache (attention is causal by slot)")
+        if cache is None and n_tokens is not None:
+            raise ValueError("n_tokens needs a KV cache")
+        plan = None if cache is None else plan_cached_pass(cache, T, n_tokens)   # every index it needs
+        mask = attn_mask[:, None] if attn_mask is not None and attn_mask.dim() == 3 else attn_mask  # None: causal
+        if plan is not None:
+            mask = plan.mask[:, None]                        # (B', 1, T, S): one mask for all heads
         ragged = plan is not None and plan.grid is not None
         if ragged:
-            # Every layer but attention treats tokens independently, so the real tokens of all rows
-            # are packed into one row of N = sum(n_tokens) and the padding costs nothing there.
+            # Only attention mixes tokens: pack the real ones into one row of N = sum(n_tokens).
             tokens = tokens.reshape(-1)[plan.index][None]                                 # (1, N)
             positions = plan.slots[None] if positions is None else positions.reshape(-1)[plan.index][None]
-        elif positions is None:
-            positions = plan.positions                                                    # (B, T)
-        x = self.tok_emb(tokens)                                             # (B, T, dim) or (1, N, dim)
+        elif positions is None:                                                           # (B, T)
+            positions = plan.positions if plan is not None else torch.arange(T, device=device)[None].expand(B, T)
+        x = self.tok_emb(tokens)                                        # (B, T, dim) or (1, N, dim)
         angles = positions[..., None].float() * self.inv_freq                # (B, T, hd/2)
-        angles = torch.cat([angles, angles], dim=-1)[:, None]                # (B, 1, T, hd): rotate_half
+        angles = torch.cat([angles, angles], dim=-1)[:, None]           # (B, 1, T, hd): rotate_half
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, cache, i, plan)
         if cache is not None:
             cache.lengths += T if n_tokens is None else torch.as_tensor(n_tokens, device=device)
-        if ragged:
-            if output_index is None:
-                x = to_grid(x[0], plan, B)                                   # (B, T, dim), zeros at padding
-            else:
-                # Index into the packed row, where row b starts at first[b]. A row of no tokens
-                # has no logits to give and reads some other row's (its caller ignores them).
-                n = torch.as_tensor(n_tokens, device=device)
-                first = torch.cumsum(n, 0) - n                                   # (B,)
-                index = (first[:, None] + output_index).clamp(max=x.shape[1] - 1)        # (B, N)
-                return self.lm_head(self.norm(x[0][index]))                  # (B, N, V)
+        if ragged and output_index is None:
+            x = to_grid(x[0], plan, B)                                   # (B, T, dim), zeros at padding
+        elif ragged:
+            # Row b starts at first[b]; a row of no tokens reads another's logits (ignored).
+            n = torch.as_tensor(n_tokens, device=device)
+            first = torch.cumsum(n, 0) - n                                       # (B,)
+            index = (first[:, None] + output_index).clamp(max=x.shape[1] - 1)            # (B, N)
+            return self.lm_head(self.norm(x[0][index]))                      # (B, N, V)
         if output_index is not None:
             x = x.gather(1, output_index[..., None].expand(-1, -1, x.shape[-1]))   # (B, N, dim)
         return self.lm_head(self.norm(x))
@@ -328,50 +294,41 @@ class Transformer(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, device="cpu", dtype=torch.float32) -> "Transformer":
-        """Load a Hugging Face layout folder (config.json + safetensors): load_hf below."""
         return load_hf(cls, path, device, dtype)
 
     def save_pretrained(self, path, max_shard_bytes: int = 5 * 2**30, dtype=None):
-        """Write config.json and safetensors (sharded past max_shard_bytes) in the HF layout."""
         save_hf(self, path, max_shard_bytes, dtype)
 
 @torch.no_grad()
 def add_mask_token(model: Transformer, tokenizer, text: str = "<mask>", seed: int = 0) -> int:
-    """Give model and tokenizer one new `<mask>` token; return its id (the existing one, if any).
-    Its embedding (and output row, if untied) is drawn with the per-dimension mean and std of the
-    used rows: a typical, uninformative token. Checkpoints with spare rows beyond the tokenizer
-    (Qwen3-4B: 151936 for 151669 tokens) use the first spare row; otherwise the matrices grow."""
+    """Give model and tokenizer a `<mask>` token; return its id (the existing one, if any). Its
+    rows are drawn with the used rows' per-dimension mean and std: a typical, uninformative token.
+    The first spare row is used (Qwen3-4B: 151936 rows, 151669 tokens), or the matrices grow."""
     cfg = model.config
-    if text in tokenizer.special_tokens:
-        mask_id = tokenizer.special_tokens[text]
-        if mask_id >= cfg.vocab_size:
-            raise ValueError(f"tokenizer has {text} = {mask_id} but the model has only {cfg.vocab_size} rows")
-        cfg.mask_token_id = mask_id
-        return mask_id
-    n_used = mask_id = tokenizer.n_vocab
-    if mask_id >= cfg.vocab_size:                     # no spare row: append zero rows up to mask_id
-        def grown(w):
-            extra = w.new_zeros(mask_id + 1 - w.shape[0], w.shape[1])
-            return nn.Parameter(torch.cat([w.detach(), extra]), requires_grad=w.requires_grad)
-        model.tok_emb.weight = grown(model.tok_emb.weight)
-        head = model.lm_head
-        head.weight = model.tok_emb.weight if cfg.tie_embeddings else grown(head.weight)
-        model.tok_emb.num_embeddings = head.out_features = cfg.vocab_size = mask_id + 1
-    g = torch.Generator().manual_seed(seed)
-    for w in [model.tok_emb.weight] + ([] if cfg.tie_embeddings else [model.lm_head.weight]):
-        rows = w[:n_used].float()
-        noise = torch.randn(w.shape[1], generator=g).to(w.device)
-        w[mask_id] = (rows.mean(0) + rows.std(0) * noise).to(w.dtype)
-    tokenizer.add_special_token(text, mask_id)
+    mask_id = tokenizer.special_tokens.get(text)
+    if mask_id is not None and mask_id >= cfg.vocab_size:
+        raise ValueError(f"tokenizer has {text} = {mask_id} but the model has only {cfg.vocab_size} rows")
+    if mask_id is None:
+        n_used = mask_id = tokenizer.n_vocab
+        if mask_id >= cfg.vocab_size:                     # no spare row: append zero rows up to mask_id
+            def grown(w):
+                extra = w.new_zeros(mask_id + 1 - w.shape[0], w.shape[1])
+                return nn.Parameter(torch.cat([w.detach(), extra]), requires_grad=w.requires_grad)
+            model.tok_emb.weight = grown(model.tok_emb.weight)
+            model.lm_head.weight = model.tok_emb.weight if cfg.tie_embeddings else grown(model.lm_head.weight)
+            model.tok_emb.num_embeddings = model.lm_head.out_features = cfg.vocab_size = mask_id + 1
+        g = torch.Generator().manual_seed(seed)
+        for w in [model.tok_emb.weight] + ([] if cfg.tie_embeddings else [model.lm_head.weight]):
+            rows = w[:n_used].float()
+            noise = torch.randn(w.shape[1], generator=g).to(w.device)
+            w[mask_id] = (rows.mean(0) + rows.std(0) * noise).to(w.dtype)
+        tokenizer.add_special_token(text, mask_id)
     cfg.mask_token_id = mask_id
     return mask_id
 
-
 # ---- plumbing: Hugging Face checkpoints, devices, files --------------------------------------
-
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-# Our module names -> Hugging Face ones; a tensor keeps its suffix and layer index:
-# layers.3.attn.wq.weight is model.layers.3.self_attn.q_proj.weight.
+# Our module names -> HF's; layers.3.attn.wq.weight is model.layers.3.self_attn.q_proj.weight.
 HF_NAMES = {"tok_emb": "model.embed_tokens", "norm": "model.norm", "lm_head": "lm_head",
             "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
             "attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj", "attn.wv": "self_attn.v_proj",
@@ -380,8 +337,7 @@ HF_NAMES = {"tok_emb": "model.embed_tokens", "norm": "model.norm", "lm_head": "l
             "mlp.down": "mlp.down_proj"}
 
 def hf_names(model: Transformer) -> dict:
-    """{Hugging Face name: our name} of every tensor a checkpoint of `model` holds (a tied lm_head
-    is the embedding matrix and is not stored)."""
+    """{Hugging Face name: our name} of each tensor in a checkpoint (a tied lm_head is not)."""
     names = {}
     for name in model.state_dict():
         layer, module, suffix = re.fullmatch(r"(layers\.\d+\.)?(.+)\.(weight|bias)", name).groups()
@@ -390,23 +346,19 @@ def hf_names(model: Transformer) -> dict:
     return names
 
 def load_hf(cls, path, device, dtype) -> Transformer:
-    """Transformer.from_pretrained. Names and shapes are checked against the config before anything
-    is copied, so a mismatched checkpoint fails loudly instead of giving a wrong model."""
-    cfg = read_model_config(path)
-    tensors = read_safetensors(path)
+    """Transformer.from_pretrained: names and shapes are checked first: a bad file fails loudly."""
+    cfg, tensors = read_model_config(path), read_safetensors(path)
     with torch.device("meta"):
         model = cls(cfg)
     names, shapes = hf_names(model), {n: list(t.shape) for n, t in model.state_dict().items()}
     if cfg.tie_embeddings:
-        tensors.pop("lm_head.weight", None)                    # some exports write the tied copy anyway
+        tensors.pop("lm_head.weight", None)                # some exports write the tied copy anyway
     wrong = [f"{h} {list(tensors[h].shape)} (expected {shapes[names[h]]})"
              for h in sorted(set(names) & set(tensors)) if list(tensors[h].shape) != shapes[names[h]]]
-    problems = []
-    for what, bad in [("missing", sorted(set(names) - set(tensors))),
-                      ("unexpected", sorted(set(tensors) - set(names))), ("wrong shape", wrong)]:
-        if bad:                                          # name at most three of each
-            more = f" and {len(bad) - 3} more" if len(bad) > 3 and what != "wrong shape" else ""
-            problems.append(f"{what} {', '.join(bad[:3])}{more}")
+    missing, unexpected = sorted(set(names) - set(tensors)), sorted(set(tensors) - set(names))
+    problems = [f"{what} {', '.join(bad[:3])}" + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+                for what, bad in (("missing", missing), ("unexpected", unexpected)) if bad]
+    problems += [f"wrong shape {', '.join(wrong[:3])}"] if wrong else []      # three named at most
     if problems:
         raise ValueError(f"checkpoint {path} does not match its config: " + "; ".join(problems))
     ours = {names[h]: tensors.pop(h).to(device=device, dtype=dtype) for h in list(tensors)}  # one at a time
@@ -419,20 +371,18 @@ def load_hf(cls, path, device, dtype) -> Transformer:
     return model.eval()
 
 def save_hf(model: Transformer, path, max_shard_bytes: int, dtype=None):
-    """Transformer.save_pretrained: safetensors shards of at most max_shard_bytes (a bigger tensor
-    gets its own), an index when there are several, and config.json."""
+    """Transformer.save_pretrained: shards of at most max_shard_bytes, index if several, config."""
     from safetensors.torch import save_file
     os.makedirs(path, exist_ok=True)
     sd = model.state_dict()
-    state = {h: sd[n].detach().to(dtype or sd[n].dtype).contiguous().cpu()
-             for h, n in hf_names(model).items()}
+    state = {h: sd[n].detach().to(dtype or sd[n].dtype).contiguous().cpu() for h, n in hf_names(model).items()}
     shards, size = [{}], 0
     for name, t in state.items():
         if shards[-1] and size + t.numel() * t.element_size() > max_shard_bytes:
             shards, size = shards + [{}], 0
         shards[-1][name] = t
         size += t.numel() * t.element_size()
-    for stale in os.listdir(path):                 # leftovers of an earlier, differently sharded save
+    for stale in os.listdir(path):               # leftovers of an earlier, differently sharded save
         if stale.startswith("model") and stale.endswith((".safetensors", ".index.json")):
             os.remove(os.path.join(path, stale))
     n = len(shards)
@@ -440,23 +390,19 @@ def save_hf(model: Transformer, path, max_shard_bytes: int, dtype=None):
     for file, shard in zip(files, shards):
         atomic_save(lambda p, s=shard: save_file(s, p, metadata={"format": "pt"}), os.path.join(path, file))
     if n > 1:
-        weight_map = {name: file for file, shard in zip(files, shards) for name in shard}
-        total = sum(t.numel() * t.element_size() for t in state.values())
-        write_json(os.path.join(path, "model.safetensors.index.json"),
-                   {"metadata": {"total_size": total}, "weight_map": weight_map})
-    saved = next(iter(state.values())).dtype
-    write_json(os.path.join(path, "config.json"), config_to_hf(model.config, saved))
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+                 "weight_map": {name: file for file, shard in zip(files, shards) for name in shard}}
+        write_json(os.path.join(path, "model.safetensors.index.json"), index)
+    write_json(os.path.join(path, "config.json"), config_to_hf(model.config, next(iter(state.values())).dtype))
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    """Read a transformers config.json (older or newer style) into a ModelConfig."""
     model_type = hf.get("model_type")
     if model_type not in HF_ARCHITECTURES:
         raise ValueError(f"unsupported model_type {model_type!r} in config.json; "
                          f"supported: {', '.join(HF_ARCHITECTURES)}")
     if hf.get("mlp_bias"):
         raise ValueError("unsupported config: mlp_bias=true")
-    # Newer transformers write rope_parameters {rope_theta, rope_type, ...}; older ones
-    # top-level rope_theta and rope_scaling {rope_type or type, ...}.
+    # New transformers: rope_parameters {rope_theta, rope_type, ...}; old: rope_theta, rope_scaling.
     rope = dict(hf.get("rope_parameters") or {})
     theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
     rope = rope or dict(hf.get("rope_scaling") or {})
@@ -465,39 +411,31 @@ def config_from_hf(hf: dict) -> ModelConfig:
         raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, llama3")
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     scaling = {"rope_type": "llama3", **{k: rope[k] for k in keys}} if rope_type == "llama3" else None
-    n_heads = hf["num_attention_heads"]
+    heads = hf["num_attention_heads"]
     return ModelConfig(
-        vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
+        vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=heads,
+        n_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
         ffn_dim=hf["intermediate_size"], norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
-        rope_scaling=scaling, qk_norm=model_type == "qwen3",
-        attn_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        max_seq_len=hf.get("max_position_embeddings", 2048), model_type=model_type,
-        bos_token_id=hf.get("bos_token_id"), eos_token_id=hf.get("eos_token_id"),
-        mask_token_id=hf.get("mask_token_id"))
+        rope_scaling=scaling, qk_norm=model_type == "qwen3", tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attn_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)), model_type=model_type,
+        max_seq_len=hf.get("max_position_embeddings", 2048), bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=hf.get("eos_token_id"), mask_token_id=hf.get("mask_token_id"))
 
 def config_to_hf(cfg: ModelConfig, dtype=torch.float32) -> dict:
-    """The config.json of `cfg`, in the older top-level style that older and newer transformers
-    (and vLLM / SGLang through them) read."""
-    hf = {"architectures": [HF_ARCHITECTURES[cfg.model_type]], "model_type": cfg.model_type,
-          "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim,
-          "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-          "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
-          "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
-          "rope_scaling": dict(cfg.rope_scaling) if cfg.rope_scaling else None,
-          "attention_bias": cfg.attn_bias, "tie_word_embeddings": cfg.tie_embeddings,
-          "max_position_embeddings": cfg.max_seq_len, "bos_token_id": cfg.bos_token_id,
-          "eos_token_id": cfg.eos_token_id, "mask_token_id": cfg.mask_token_id,
-          "torch_dtype": str(dtype).removeprefix("torch.")}
-    if cfg.model_type == "qwen2":
-        hf.pop("attention_bias")                         # Qwen2 always has q/k/v biases
-    return hf
+    """The config.json of `cfg`, in the old style that old and new transformers (and vLLM) read."""
+    return {"architectures": [HF_ARCHITECTURES[cfg.model_type]], "model_type": cfg.model_type,
+            "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim,
+            "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+            "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+            "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+            "rope_scaling": dict(cfg.rope_scaling) if cfg.rope_scaling else None,
+            **({} if cfg.model_type == "qwen2" else {"attention_bias": cfg.attn_bias}),  # Qwen2: on
+            "tie_word_embeddings": cfg.tie_embeddings, "max_position_embeddings": cfg.max_seq_len,
+            "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
+            "mask_token_id": cfg.mask_token_id, "torch_dtype": str(dtype).removeprefix("torch.")}
 
 def parse_device(name: str) -> torch.device:
-    """A --device string (cpu, cuda, cuda:N, or auto: cuda when there is one) -> torch.device.
-    A GPU this machine lacks is one clear error, never a silent run on the CPU."""
+    """--device cpu, cuda, cuda:N or auto -> torch.device; a missing GPU is an error, not CPU."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -514,7 +452,6 @@ def parse_device(name: str) -> torch.device:
     return device
 
 def read_json(path, what="file") -> dict:
-    """A JSON object from `path`; every failure is a one-line error that names the file."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no {what} at {path}")
     try:
@@ -527,7 +464,6 @@ def read_json(path, what="file") -> dict:
     return obj
 
 def read_model_config(path) -> ModelConfig:
-    """The ModelConfig of a Hugging Face folder; a missing or mistyped field names config.json."""
     file = os.path.join(path, "config.json")
     hf = read_json(file, "model config")
     try:
@@ -537,7 +473,6 @@ def read_model_config(path) -> ModelConfig:
         raise ValueError(f"{file}: {problem}") from None
 
 def read_checkpoint(path, what="checkpoint", weights_only=False):
-    """torch.load, with a truncated or corrupt file reported in one line that names it."""
     try:
         return torch.load(path, map_location="cpu", weights_only=weights_only)
     except (EOFError, RuntimeError, OSError, ValueError, pickle.UnpicklingError) as e:
@@ -556,8 +491,7 @@ def read_safetensors(path) -> dict:
     """All tensors of a single-file or sharded safetensors checkpoint (never unpickles)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
-    single = os.path.join(path, "model.safetensors")
-    index = os.path.join(path, "model.safetensors.index.json")
+    single, index = (os.path.join(path, f) for f in ("model.safetensors", "model.safetensors.index.json"))
     if os.path.isfile(single):
         files = [single]
     elif os.path.isfile(index):

@@ -5,20 +5,13 @@
     python train_toy.py --export-hf hf_toy  a finished run's three models in Hugging Face layout
     python train_toy.py --word-problems runs/wp   the base model of finetune_hf.py's miniature
 
-  1. teacher   a small Llama-style transformer learns the four toy tasks of data.py (two have
-               branch points) by next-token prediction.
-  2. students  two copies of it, each given a `<mask>` token, learn multi-token prediction on the
-               same batches and layouts: "naive" against the ground-truth next k tokens,
-               "distill" by student-forced self-distillation from the frozen teacher.
-  3. evaluate  all three on held-out prompts with static k, ConfAdapt (a sweep of tau) and the
-               lossless mode; then OUT/results.json, a closing table and plots.
-
-Each phase is saved to OUT/checkpoints/<phase>.pt: running again resumes (--restart retrains). OUT
-is named after the settings that change the results (runs/toy, runs/toy-quick, ...); a folder
-holding a run of other settings is only replaced with --restart.
+1. teacher: a small Llama-style transformer learns data.py's four toy tasks (two with branch points)
+   by next-token prediction
+2. students: two copies with a `<mask>` token learn multi-token prediction on the same batches and
+   layouts: "naive" against the true next k tokens, "distill" by student-forced self-distillation
+3. evaluation: static k, ConfAdapt and lossless decoding -> OUT/results.json, a table, plots
+Each phase is saved to OUT/checkpoints/ and resumed (--restart retrains); OUT names the settings.
 """
-
-from __future__ import annotations
 
 import json
 import math
@@ -44,23 +37,18 @@ MODELS = ("ntp", "naive", "distill")          # names used in results.json
 STUDENT_MODE = {"naive": "gt", "distill": "hard"}
 PHASES = ("teacher", *STUDENT_MODE)           # one checkpoint each
 
-
 @dataclass
 class RunConfig:
-    # model
-    dim: int = 128
+    dim: int = 128                     # the model
     n_layers: int = 3
     n_heads: int = 4
     ffn_dim: int = 384
-    # data
-    tasks: tuple = data.TOY_TASKS      # drawn uniformly
+    tasks: tuple = data.TOY_TASKS      # the data: tasks drawn uniformly
     seq_len: int = 21                  # every toy sequence fits (the longest, repeat, is 21 tokens)
-    # phase 1: teacher (next-token prediction)
-    batch_size: int = 32
+    batch_size: int = 32               # phase 1, the teacher: next-token prediction
     teacher_steps: int = 3000          # near the floor: fewer steps failed a seed (README)
     teacher_lr: float = 4e-3
-    # phase 2: students (multi-token prediction), the same budget for both
-    mtp_batch_size: int = 16
+    mtp_batch_size: int = 16           # phase 2, the students: MTP, the same budget for both
     mtp_steps: int = 700               # an MTP step costs 3-4x a teacher step
     mtp_lr: float = 2e-3
     k_max: int = 8
@@ -68,8 +56,7 @@ class RunConfig:
     prefix_ntp_weight: float = 1.0     # next-token loss on the ground-truth answer tokens too
     warmup_steps: int = 20
     weight_decay: float = 0.1
-    # phase 3: evaluation
-    n_eval: int = 200                  # held-out prompts per task at most (count 84, count_free 27)
+    n_eval: int = 200                  # phase 3: prompts per task at most (count 84, count_free 27)
     static_ks: tuple = (1, 2, 3, 4, 5, 6, 7, 8)
     taus: tuple = (0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
     max_new_tokens: int = 24           # answers are at most 13 items + <|eos|>
@@ -84,19 +71,14 @@ class RunConfig:
                        "prefix_ntp_weight", "warmup_steps", "weight_decay"]
         return {**{name: getattr(self, name) for name in shared}, "data": data_id}
 
-
 QUICK = dict(dim=64, n_layers=2, ffn_dim=192, batch_size=16, teacher_steps=40, mtp_batch_size=8, mtp_steps=20,
              warmup_steps=5, n_eval=6, static_ks=(1, 4), taus=(0.5, 0.9), max_new_tokens=16)
 
-
 # --- 1-2. Training: one loop for the teacher and both students -------------------------------
-
 def train_phase(name: str, model: Transformer, cfg: RunConfig, next_batch, device, plan: dict | None = None,
                 mode: str | None = None, tokenizer=None) -> tuple[Transformer, list[dict]]:
-    """Train `model` with AdamW; return it (in eval mode) and its log, one dict per step. mode None:
-    next-token prediction (the teacher, cfg.teacher_*); "gt" or "hard": multi-token prediction (a
-    student, cfg.mtp_*; its `tokenizer` knows <mask>). next_batch(rng, B) -> (seqs, answer), both
-    (B, N); `plan`: the phases still to come, for the run's ETA."""
+    """AdamW -> (model in eval mode, log). mode None: next-token loss (cfg.teacher_*); "gt" or
+    "hard": MTP (cfg.mtp_*; `tokenizer` knows <mask>). next_batch(rng, B) -> (seqs, answer)."""
     student = mode is not None
     steps, peak, batch_size = ((cfg.mtp_steps, cfg.mtp_lr, cfg.mtp_batch_size) if student else
                                (cfg.teacher_steps, cfg.teacher_lr, cfg.batch_size))
@@ -122,8 +104,7 @@ def train_phase(name: str, model: Transformer, cfg: RunConfig, next_batch, devic
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
             stats = {"loss": float(loss.detach())}
         else:
-            # pack the batch into MTP problems (k in [2, k_max] and the region offset drawn afresh,
-            # only answer tokens trained), then the loss against the truth or the frozen teacher
+            # MTP problems (k in [2, k_max], region offset drawn afresh); loss vs truth or teacher
             batch = data.random_mtp_layout(seqs, cfg.k_max, tokenizer.mask_id, tokenizer.eos_id, tokenizer.pad_id,
                                            n_regions=cfg.n_regions, generator=gen, trained=answer)
             loss, stats = mtp_loss(model, teacher, batch, mode=mode, prefix_ntp_weight=cfg.prefix_ntp_weight)
@@ -141,14 +122,12 @@ def train_phase(name: str, model: Transformer, cfg: RunConfig, next_batch, devic
                   f"run {format_seconds(run_eta(plan or {}, name, step + 1, steps, elapsed))}", flush=True)
     return model.eval(), log
 
-
 def build_teacher(cfg: RunConfig, tokenizer, device, tie_embeddings: bool = True, context: int = 128) -> Transformer:
     torch.manual_seed(cfg.seed)
     mcfg = ModelConfig(vocab_size=tokenizer.n_vocab, dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
                        n_kv_heads=cfg.n_heads, ffn_dim=cfg.ffn_dim, max_seq_len=context, tie_embeddings=tie_embeddings,
                        bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
     return Transformer(mcfg).to(device)
-
 
 def student_from(teacher: Transformer, device) -> tuple[Transformer, object]:
     """A trainable copy of the teacher with <mask> added, and the tokenizer that knows <mask>."""
@@ -158,14 +137,11 @@ def student_from(teacher: Transformer, device) -> tuple[Transformer, object]:
     add_mask_token(student, tokenizer)
     return student.to(device), tokenizer
 
-
 # --- 3. Evaluation: every model with every decoding setting on every task --------------------
-
 def sweep(cfg: RunConfig, multi_token: bool) -> list[DecodeConfig]:
     """The decoding settings; without <mask>, greedy only (called static k=1: the curve's start)."""
     modes = decode_modes(cfg.static_ks, cfg.taus, cfg.k_max, cfg.k_max) if multi_token else decode_modes((1,))
     return [DecodeConfig("static", k=1) if m.kind == "greedy" else m for m in modes]
-
 
 def evaluate(models: dict, tokenizer, eval_sets: dict, cfg: RunConfig, plan: dict) -> tuple[list[dict], dict]:
     """One results row per (model, decoding, task) and one sample output each."""
@@ -197,11 +173,8 @@ def evaluate(models: dict, tokenizer, eval_sets: dict, cfg: RunConfig, plan: dic
                           f"eta {format_seconds(run_eta(plan, 'evaluation', done, total, elapsed))}", flush=True)
     return rows, samples
 
-
 def cell(rows, **match) -> dict | None:
-    """The first row whose fields have the values in `match`, or None."""
     return next((r for r in rows if all(r[k] == v for k, v in match.items())), None)
-
 
 # The closing table, the README's claims one row per task: (column, the results row, its metrics).
 SUMMARY = (("teacher k=1", dict(model="ntp", decode="static", k=1), ("accuracy",)),
@@ -210,20 +183,16 @@ SUMMARY = (("teacher k=1", dict(model="ntp", decode="static", k=1), ("accuracy",
            ("naive tau=0.9", dict(model="naive", decode="confadapt", tau=0.9), ("accuracy", "effective_k")),
            ("distill tau=0.9", dict(model="distill", decode="confadapt", tau=0.9), ("accuracy", "effective_k")))
 
-
 def summary(rows: list[dict]) -> dict:
     """{task: {"column: metric": value}} at full precision; format_summary rounds it."""
-    out = {}
-    for task in sorted({r["task"] for r in rows}, key=data.TOY_TASKS.index):
-        out[task] = {}
+    out = {task: {} for task in sorted({r["task"] for r in rows}, key=data.TOY_TASKS.index)}
+    for task, values in out.items():
         for column, match, metrics in SUMMARY:
             row = cell(rows, task=task, **match)
-            out[task].update({f"{column}: {m}": row[m] for m in metrics} if row else {})
+            values.update({f"{column}: {m}": row[m] for m in metrics} if row else {})
     return out
 
-
 # --- The run: 1. teacher, 2. students, 3. evaluation, 4. report -----------------------------
-
 def toy_run(args, cfg: RunConfig, out: str, device) -> dict:
     """Train (or load) the three models, evaluate them, report; return what results.json holds."""
     tokenizer = data.toy_tokenizer()
@@ -265,22 +234,17 @@ def toy_run(args, cfg: RunConfig, out: str, device) -> dict:
           f"pareto.png, training_curves.png, attention_mask.png, chunks.png")
     return results
 
-
 # --- plumbing: the ETA, the table, plots, checkpoints, export, word problems, command line ---
 
-# What one unit of each phase costs, in teacher steps, for the run's overall ETA: an MTP step packs
-# up to 8x more positions per row (distill adds the teacher's forward); one prompt decoded with one
-# setting is a few cached passes. Measured with --threads 1 on the 2-core AMD EPYC.
+# A unit of each phase in teacher steps, for the ETA: an MTP step packs up to 8x more positions
+# (distill adds the teacher's forward); a prompt decoded is a few cached passes (--threads 1, EPYC).
 COST = {"base": 1.0, "teacher": 1.0, "naive": 3.0, "distill": 3.9, "evaluation": 0.02}
 
-
 def run_eta(plan: dict, phase: str, done: int, total: int, elapsed: float) -> float:
-    """Seconds to the end of the run: the rest of this phase at its measured pace, then every
-    later phase of `plan` (phase -> units to do, in order) at the same pace per teacher step."""
+    """Seconds left: this phase at its pace, then the later ones of `plan` (phase -> units)."""
     per_unit = elapsed / max(1, done)
     later = list(plan)[list(plan).index(phase) + 1:] if phase in plan else []
     return per_unit * (total - done) + per_unit / COST[phase] * sum(plan[p] * COST[p] for p in later)
-
 
 def format_summary(table: dict) -> str:
     """The table for people: percentages, and tokens per forward pass in brackets."""
@@ -299,23 +263,18 @@ def format_summary(table: dict) -> str:
     return "\n".join(body + ["held-out prompts; acc. = accuracy, coh. = coherent, degen. = degenerate (one item "
                               "repeated); k=4: static k, tau=0.9: ConfAdapt; tok/pass: tokens per forward pass"])
 
-
-STYLE = {"ntp": ("black", "*"), "naive": ("tab:red", "o"), "distill": ("tab:blue", "s")}
-
-
 def plot(rows: list[dict], logs: dict, model, tokenizer, cfg: RunConfig, out: str):
-    """OUT/pareto.png (no coherence: a trained model's answers have the right length, so here it
-    equals accuracy), training_curves.png, attention_mask.png (the training layout's) and chunks.png
-    (a ConfAdapt generation of `model`, one chunk per forward pass)."""
+    """OUT/pareto.png (no coherence: it equals accuracy here), training_curves.png,
+    attention_mask.png (the training layout), chunks.png (ConfAdapt's chunks, one per pass)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
+    style = {"ntp": ("black", "*"), "naive": ("tab:red", "o"), "distill": ("tab:blue", "s")}
     tasks = sorted({r["task"] for r in rows}, key=data.TOY_TASKS.index)
     fig, axes = plt.subplots(2, len(tasks), figsize=(4 * len(tasks), 7.5), squeeze=False)
     for col, task in enumerate(tasks):
         for ax, metric in zip(axes[:, col], ("accuracy", "degeneration")):
-            for name, (colour, marker) in STYLE.items():
+            for name, (colour, marker) in style.items():
                 for decode, line in (("static", "-"), ("confadapt", "--"), ("lossless", "none")):
                     cells = sorted((r for r in rows if (r["model"], r["task"], r["decode"]) == (name, task, decode)),
                                    key=lambda r: -r["tau"] if decode == "confadapt" else r["k"])   # sweep order
@@ -337,21 +296,19 @@ def plot(rows: list[dict], logs: dict, model, tokenizer, cfg: RunConfig, out: st
     fig.tight_layout(rect=(0, 0.08, 1, 0.96))
     fig.savefig(os.path.join(out, "pareto.png"), dpi=110)
     plt.close(fig)
-
     titles = {"teacher": "teacher: next-token cross-entropy",         # the students add prefix_ntp_weight x that
               "naive": "naive: cross-entropy to the true next k (+ NTP)",
               "distill": "distill: cross-entropy over the teacher's (+ NTP)"}
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     for ax, (name, title) in zip(axes, titles.items()):
         ax.plot([s["step"] for s in logs[name]], [s["loss"] for s in logs[name]], lw=0.8,
-                color=STYLE["ntp" if name == "teacher" else name][0])
+                color=style["ntp" if name == "teacher" else name][0])
         ax.set_title(title, fontsize=10)
         ax.set(xlabel="step", ylabel="loss", yscale="linear" if name == "distill" else "log")  # distill can be < 0
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(os.path.join(out, "training_curves.png"), dpi=110)
     plt.close(fig)
-
     seqs, _ = data.toy_batch(tokenizer, random.Random(cfg.seed), 1, tasks=("count",), seq_len=cfg.seq_len)
     batch = data.mtp_layout(seqs, k=4, offset=5, n_regions=2, mask_id=tokenizer.mask_id,    # 2 regions: readable
                             eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
@@ -364,14 +321,10 @@ def plot(rows: list[dict], logs: dict, model, tokenizer, cfg: RunConfig, out: st
                     g.chunk_sizes, title=f"distilled student, {mode.describe()}: {len(g.tokens)} tokens in "
                                          f"{g.forward_passes} forward passes")
 
-
-# Checkpoints: one file per phase, written atomically, so an interrupted run resumes.
-
 def key_changes(saved: dict, key: dict) -> str:
     """What differs between two settings dicts, as `name old -> new, ...`."""
     return ", ".join(f"{k} {saved.get(k)} -> {key.get(k)}" for k in sorted({*saved, *key}, key=str)
                      if saved.get(k) != key.get(k))
-
 
 def load_checkpoint(path: str, key: dict, device):
     """(model, log, seconds) if `path` holds a finished phase, else None; another run's is an error."""
@@ -387,7 +340,6 @@ def load_checkpoint(path: str, key: dict, device):
     model = Transformer(ModelConfig(**ckpt["model_config"]))
     model.load_state_dict(ckpt["state"])
     return model.to(device).eval(), ckpt["log"], ckpt["seconds"]
-
 
 def run_phase(name, out, cfg, restart, device, train, data_id: str = ""):
     """(model, log, seconds): the phase's checkpoint if it matches, else train() -> (model, log), saved."""
@@ -406,10 +358,8 @@ def run_phase(name, out, cfg, restart, device, train, data_id: str = ""):
     print(f"== {name}: trained in {format_seconds(seconds)} (final loss {log[-1]['loss']:.4f}), saved {path}")
     return model, log, seconds
 
-
 def check_run_folder(out: str, cfg: RunConfig, data_id: str, phases) -> dict:
-    """Before any work: {phase: model} of the checkpoints in `out` that can be reused. A checkpoint
-    or a results.json of other settings means `out` holds another run: an error."""
+    """Before any work: {phase: model} reusable in `out`; another run's files are an error."""
     done = {p: load_checkpoint(os.path.join(out, "checkpoints", f"{p}.pt"), cfg.phase_key(p, data_id), "cpu")
             for p in phases}                                # load_checkpoint raises if it is another run's
     done = {p: found[0] for p, found in done.items() if found is not None}
@@ -421,22 +371,17 @@ def check_run_folder(out: str, cfg: RunConfig, data_id: str, phases) -> dict:
                            f"--out, or add --restart to replace that run")
     return done
 
-
 def toy_batches(cfg: RunConfig, tokenizer):
     """The toy batch function: (rng, batch_size) -> (seqs, answer), tasks mixed uniformly."""
     return partial(data.toy_batch, tokenizer, tasks=cfg.tasks, seq_len=cfg.seq_len)
 
-
 def data_fingerprint(tokenizer, next_batch, seed: int) -> str:
-    """What a phase trains on, in one string: the vocabulary size and a checksum of 256 sequences
-    from the phase's batch function, so that a changed tokenizer or task generator retrains."""
+    """The vocabulary size and a checksum of 256 sequences: a changed tokenizer or task retrains."""
     seqs, answer = next_batch(random.Random(seed), 256)
     return f"vocab {tokenizer.n_vocab}, crc {zlib.crc32(seqs.numpy().tobytes() + answer.numpy().tobytes())}"
 
-
 def export_hf(path: str, out: str, done: dict) -> dict:
-    """--export-hf: the finished run in `out` (`done`: its models) as DIR/teacher, DIR/naive and
-    DIR/distill in Hugging Face layout, each with its tokenizer (the students' knows <mask>)."""
+    """--export-hf: the models `done` of the run in `out` as DIR/<phase> in Hugging Face layout."""
     missing = [p for p in PHASES if p not in done]
     if missing:
         raise CliError(f"--export-hf: {out} has no finished {', '.join(missing)} for these settings; run the "
@@ -449,21 +394,14 @@ def export_hf(path: str, out: str, done: dict) -> dict:
     print(f"exported {path}/teacher, {path}/naive and {path}/distill (Hugging Face layout)")
     return {"export": path, "models": list(MODELS)}
 
-
 # --word-problems: the base model of the miniature (README, "Miniature reproduction").
 WORD_PROBLEMS = dict(dim=128, n_layers=4, n_heads=4, ffn_dim=512, seq_len=64, batch_size=32, teacher_steps=1500,
                      teacher_lr=2e-3, warmup_steps=100, tasks=("word_problems",))
 WORD_PROBLEMS_QUICK = dict(dim=32, n_layers=1, n_heads=2, ffn_dim=64, batch_size=4, teacher_steps=3, warmup_steps=1)
 WORD_PROBLEM_CONTEXT = 512          # positions the base model supports: room for few-shot prompts
 
-
-def word_problem_base_model(args, device) -> dict:
-    """Phase 1 alone on other data: the synthetic grade-school word problems (data.py) written to
-    DIR/data, a small Llama-layout model trained on them from scratch by next-token prediction and
-    saved to DIR/base in Hugging Face layout: a stand-in pretrained model for finetune_hf.py."""
-    cfg = replace(RunConfig(seed=args.seed), **{**WORD_PROBLEMS, **(WORD_PROBLEMS_QUICK if args.quick else {})})
-    if args.teacher_steps is not None:
-        cfg = replace(cfg, teacher_steps=args.teacher_steps)
+def word_problem_base_model(args, cfg: RunConfig, device) -> dict:
+    """Phase 1 on word problems (into DIR/data) -> DIR/base, a base model for finetune_hf.py."""
     folder, tokenizer, start = args.word_problems, data.word_problem_tokenizer(), time.perf_counter()
     train_file, test_file = data.write_word_problems(os.path.join(folder, "data"), n_train=200 if args.quick
                                                      else 20_000, n_test=10 if args.quick else 500, seed=args.seed)
@@ -484,37 +422,33 @@ def word_problem_base_model(args, device) -> dict:
           f"python finetune_hf.py train --model {base} --data {train_file} ...")
     return {"base": base, "train": str(train_file), "test": str(test_file), "seconds": seconds}
 
-
 def default_out(args, cfg: RunConfig) -> str:
-    """runs/toy for the default settings; each setting that changes the results adds to the name
-    (runs/toy-quick, runs/toy-seed1, runs/toy-teacher300-mtp40), so runs never share a folder."""
+    """runs/toy, plus each setting that changes results: runs/toy-quick-seed1-teacher300-mtp40."""
     base = RunConfig(**(QUICK if args.quick else {}))
     parts = [f"{short}{getattr(cfg, name)}" for name, short in (("seed", "seed"), ("teacher_steps", "teacher"),
                                                                ("mtp_steps", "mtp"), ("n_eval", "eval"))
              if getattr(cfg, name) != getattr(base, name)]
     return os.path.join("runs", "-".join(["toy"] + (["quick"] if args.quick else []) + parts))
 
-
 def main(argv=None) -> dict:
-    """The toy run (or --export-hf, or --word-problems); returns what it wrote to results.json."""
     args = parse_args(argv)
-    cfg = RunConfig(seed=args.seed, **(QUICK if args.quick else {}))
-    for name in ("teacher_steps", "mtp_steps", "n_eval"):
-        if getattr(args, name) is not None:
-            cfg = replace(cfg, **{name: getattr(args, name)})
+    if args.word_problems:
+        preset, phases = {**WORD_PROBLEMS, **(WORD_PROBLEMS_QUICK if args.quick else {})}, ["base"]
+    else:
+        preset, phases = QUICK if args.quick else {}, PHASES
+    budget = ("teacher_steps", "mtp_steps", "n_eval")     # --word-problems: teacher_steps alone
+    cfg = replace(RunConfig(seed=args.seed, **preset), **{n: getattr(args, n) for n in budget
+                                                          if getattr(args, n) is not None})
     device = parse_device(args.device)
     torch.set_num_threads(args.threads)
-    if args.word_problems:
-        folder, phases = output_folder(args.word_problems, "--word-problems"), ["base"]
-    else:
-        folder, phases = output_folder(args.out or default_out(args, cfg), "--out"), PHASES
+    folder = (output_folder(args.word_problems, "--word-problems") if args.word_problems
+              else output_folder(args.out or default_out(args, cfg), "--out"))
     try:
-        return word_problem_base_model(args, device) if args.word_problems else toy_run(args, cfg, folder, device)
+        return word_problem_base_model(args, cfg, device) if args.word_problems else toy_run(args, cfg, folder, device)
     except KeyboardInterrupt:                          # one line: what is saved and how to go on
         saved = [p for p in phases if os.path.exists(os.path.join(folder, "checkpoints", f"{p}.pt"))]
         raise KeyboardInterrupt(f"{folder}/checkpoints holds {', '.join(saved) or 'no finished phase yet'}; "
                                 f"run the same command again to continue from there") from None
-
 
 def parse_args(argv=None):
     p = Parser(description=__doc__.split("\n")[0])
@@ -525,9 +459,8 @@ def parse_args(argv=None):
     run.add_argument("--seed", type=count, default=0, help="seed for weights, data and layouts")
     run.add_argument("--restart", action="store_true", help="train every phase again, replacing the run in --out")
     run.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
-    run.add_argument("--threads", type=positive_int, default=1,
-                     help="torch CPU threads: the toy's matrices are small, and a second thread slows steps "
-                          "down 4-15x whenever another job uses a core (README)")
+    run.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads: the toy's "
+                     "matrices are small; a 2nd slows steps 4-15x if another job uses a core")
     budget = p.add_argument_group("budget (override the defaults)")
     for flag, field, what in (("--teacher-steps", "teacher_steps", "next-token training steps of the teacher"),
                               ("--mtp-steps", "mtp_steps", "MTP training steps of each student"),
@@ -535,18 +468,15 @@ def parse_args(argv=None):
         budget.add_argument(flag, type=positive_int, default=None,
                             help=f"{what} (default {getattr(RunConfig, field)}, --quick {QUICK[field]})")
     other = p.add_argument_group("other jobs")
-    other.add_argument("--export-hf", default=None, metavar="DIR",
-                       help="only export the finished run in --out (same settings): DIR/teacher, DIR/naive and "
-                            "DIR/distill in Hugging Face layout, in seconds")
-    other.add_argument("--word-problems", default=None, metavar="DIR",
-                       help="instead of the toy run: write word-problem data to DIR/data and train a small "
-                            "Llama-layout base model on them, saved to DIR/base (the miniature of finetune_hf.py)")
+    other.add_argument("--export-hf", default=None, metavar="DIR", help="only export the run "
+                       "in --out (same settings): DIR/teacher, naive, distill in HF layout")
+    other.add_argument("--word-problems", default=None, metavar="DIR", help="not the toy run: "
+                       "write word-problem data to DIR/data, train a base model into DIR/base")
     args = p.parse_args(argv)
     if args.word_problems and (args.export_hf or args.out or args.mtp_steps or args.n_eval):
         raise CliError("--word-problems DIR trains the base model alone: --out, --export-hf, --mtp-steps "
                        "and --n-eval do not apply")
     return args
-
 
 if __name__ == "__main__":
     sys.exit(run_cli(main, sys.argv[1:]))
