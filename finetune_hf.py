@@ -1,15 +1,16 @@
-"""Fine-tune a Hugging Face Llama / Qwen / SmolLM2 checkpoint into a multi-token predictor; measure it.
+"""Fine-tune a Hugging Face Llama/Qwen/SmolLM2 checkpoint into a multi-token predictor; measure it.
 
-`train` adds a <mask> token and trains the model against a frozen copy of itself with the toy's loss
-(data.mtp_layout + distill.mtp_loss), on one process or sharded with FSDP2 under `torchrun`, then exports a
-Hugging Face folder. `eval` scores GSM8K as lm-evaluation-harness's gsm8k_cot does, over static k and
-ConfAdapt thresholds; `analyze` estimates before tuning what ConfAdapt could reach on a domain; `data`
-writes the model's own answers as training rows; `export` turns a checkpoint into a folder.
+`train`: add <mask>, self-distill against a frozen copy (data.mtp_layout + distill.mtp_loss), on one
+process or sharded with FSDP2 under torchrun, export a Hugging Face folder. `eval`: GSM8K, scored as
+lm-evaluation-harness's gsm8k_cot does, over static k and ConfAdapt thresholds. `analyze`: before
+tuning, what ConfAdapt could reach on a domain. `data`: the model's own answers as training rows.
+`export`: a checkpoint -> a Hugging Face folder.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -74,17 +75,16 @@ def train(args, on_step=None) -> Path:
     if d.main:
         out.mkdir(parents=True, exist_ok=True)
         write_json(out / "train_args.json", vars(args))
-    d.log(f"{args.mode} training: {len(pairs):,} rows, format {args.format}, {d.world} process(es) "
-          f"on {d.device}, {args.batch_size // d.world // args.micro_batch} micro-batch(es) of {args.micro_batch} "
-          f"per process and step, {student.config.n_layers} layers, mask id {mask_id}")
+    d.log(f"{args.mode} training: {len(pairs):,} rows, format {args.format}, {d.world} process(es) on "
+          f"{d.device}, {args.batch_size // d.world // args.micro_batch} micro-batch(es) of {args.micro_batch} each")
     # 4. The loop: rows of the step -> this process's micro-batches -> train_step -> log, save.
     region_len, per, t0, progress = args.seq_len // args.regions, args.micro_batch, time.perf_counter(), Progress()
     try:
         for step in range(start, args.steps):
-            g = torch.Generator().manual_seed(args.seed * 7_919 + step + 1)     # same on every process
+            g = torch.Generator().manual_seed(args.seed * 7_919 + step + 1)  # same on every process
             k, offset = sample_k_and_offset(args.k_max, region_len, generator=g)
             rows = rows_of_step(step, args.batch_size, len(seqs), args.seed)
-            micro = [seqs[rows[i * per:(i + 1) * per]].long()                   # micro-batch i: process i % world
+            micro = [seqs[rows[i * per:(i + 1) * per]].long()  # micro-batch i: process i % world
                      for i in range(d.rank, len(rows) // per, d.world)]
             stats = train_step(student, teacher, optimizer, scheduler, micro, k, offset, args, d, mask_id, pad)
             last, lr, elapsed = step + 1 == args.steps, scheduler.get_last_lr()[0], time.perf_counter() - t0
@@ -207,27 +207,23 @@ def score(completion: str, gold: str) -> dict:
     """Both extractions of one completion and whether each equals the gold answer."""
     def extract(regex: re.Pattern, select: int) -> str:       # match `select` (0: first, -1: last)
         found = [m if isinstance(m, str) else next(g for g in m if g) for m in regex.findall(completion)]
-        return found[select].strip() if found else "[invalid]"       # of several groups: the non-empty one
-
-    def normalize(answer: str) -> str:
-        for pattern in IGNORED_BEFORE_COMPARING:
-            answer = re.sub(pattern, "", answer)
-        return answer.lower()
+        return found[select].strip() if found else "[invalid]"  # of groups: the non-empty one
+    def normalize(answer: str) -> str:  # each IGNORED_BEFORE_COMPARING pattern in turn
+        return functools.reduce(lambda a, pattern: re.sub(pattern, "", a), IGNORED_BEFORE_COMPARING, answer).lower()
     strict, flexible = extract(STRICT_MATCH, 0), extract(FLEXIBLE_EXTRACT, -1)
     return {"strict": strict, "flexible": flexible,
             "strict_ok": normalize(strict) == normalize(gold), "flexible_ok": normalize(flexible) == normalize(gold)}
 
 def cut_at_stop_strings(text: str, stops=GSM8K_STOP_STRINGS) -> str:
-    return min((text.split(s)[0] for s in stops), key=len)       # the text before the first stop string
+    return min((text.split(s)[0] for s in stops), key=len)  # the text before the first stop string
 
 def mean_and_stderr(values) -> tuple[float, float]:
     values = [float(v) for v in values]
     return sum(values) / len(values), statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
 
 def completion_of(tok: Tokenizer, gen, stop_ids, stops=GSM8K_STOP_STRINGS) -> tuple[str, int, int]:
-    """(completion text, tokens, forward passes) as if decoding had stopped at the first stop string:
-    generate stops at stop TOKENS only, so a stop STRING ("Q:") ends the completion with the pass
-    whose tokens completed it, as a string-stopping decoder would; what follows is not counted."""
+    """(text, tokens, forward passes) as if decoding had stopped at the first stop string: generate
+    stops at stop TOKENS only, so a stop STRING ("Q:") ends the text with the pass that completed it."""
     tokens = gen.tokens[:-1] if gen.tokens and gen.tokens[-1] in stop_ids else gen.tokens
     text = tok.decode(tokens)
     cut = cut_at_stop_strings(text, stops)
@@ -239,8 +235,7 @@ def completion_of(tok: Tokenizer, gen, stop_ids, stops=GSM8K_STOP_STRINGS) -> tu
     return cut, len(gen.tokens), gen.forward_passes
 
 def evaluate(args) -> list[dict]:
-    """`eval`: every question decoded with every setting of the sweep (confadapt.decode_modes) and scored;
-    writes results.json, results.md, pareto.png and samples.jsonl to --out."""
+    """`eval`: every question, every setting; results.json/.md, pareto.png, samples.jsonl."""
     modes = decode_modes(args.static_k, args.taus, args.k_max, args.lossless_k)
     if not modes:
         raise ValueError("nothing to evaluate: give --static-k and/or --taus")
@@ -250,7 +245,7 @@ def evaluate(args) -> list[dict]:
     prompts = [start_tokens(tok, fmt) + tok.encode(fewshot_prompt(q, args.n_shot)) if fewshot
                else prompt_tokens(tok, fmt, q) for q, _ in questions]
     reference = None
-    if args.reference:                                # an earlier eval's k=1 completions (the untuned model's)
+    if args.reference:  # an earlier eval's k=1 completions (the untuned model's)
         path = Path(args.reference) / "samples.jsonl"
         greedy = [r for r in read_rows(path) if r.get("decoding") == "k=1 (greedy)"]
         if len(greedy) < len(golds):
@@ -261,7 +256,7 @@ def evaluate(args) -> list[dict]:
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))    # longest first
     results, table, same = [], [], reference is not None        # table: the rows of results.md
     with open(out / "samples.jsonl", "w", encoding="utf-8") as f:
-        for mode in modes:                            # a finished row's place in the batch goes to the next prompt
+        for mode in modes:  # a finished row's place in the batch goes to the next prompt
             gens, stats = generate(model, [prompts[i] for i in order], args.max_new_tokens, mode, mask_id, stop_ids,
                                    batch_size=args.batch_size)
             samples = [None] * len(order)
@@ -281,7 +276,7 @@ def evaluate(args) -> list[dict]:
                    "effective_k_overall": tokens / max(1, sum(s["passes"] for s in samples)),
                    "tokens_per_second": tokens / max(stats.seconds - stats.prefill_seconds, 1e-9),
                    "batch_size": args.batch_size}
-            if reference is not None:                 # how often the answer is the reference's, word for word
+            if reference is not None:  # how often the answer is the reference's, word for word
                 row["same_as_reference"] = mean_and_stderr(s["completion"] == r for s, r in zip(samples, reference))[0]
             results.append(row)
             table.append(f"| {row['decoding']} | {100 * flex:.1f} ± {100 * flex_se:.1f} | {100 * strict:.1f} ± "
@@ -309,9 +304,8 @@ def evaluate(args) -> list[dict]:
     return results
 
 def pareto_plot(rows: list[dict], path, title: str):
-    """Accuracy (flexible-extract) against effective k, a series per decoding rule, and the Pareto front."""
+    """Flexible-extract accuracy against effective k, a series per rule, and the Pareto front."""
     from matplotlib.figure import Figure
-
     def xy(rs):
         return [r["effective_k_mean"] for r in rs], [100 * r["flexible_acc"] for r in rs]
     fig = Figure(figsize=(6.4, 4.4))
@@ -325,7 +319,7 @@ def pareto_plot(rows: list[dict], path, title: str):
             label = f"τ={r['tau']:g}" if r["kind"] == "confadapt" else f"k≤{r['k']}" if r["kind"] == "lossless" \
                 else f"k={r['k']}"
             ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
-    points = list(zip(*xy(rows)))                     # a setting is on the front unless one is as good on both
+    points = list(zip(*xy(rows)))  # a setting is on the front unless one is as good on both
     front = sorted(p for p in set(points) if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in points))
     ax.plot([x for x, _ in front], [y for _, y in front], "k--", lw=0.8, alpha=0.5, label="Pareto front")
     ax.set(xlabel="effective k (tokens per forward pass)", ylabel="accuracy, flexible-extract (%)")
@@ -336,14 +330,14 @@ def pareto_plot(rows: list[dict], path, title: str):
     fig.savefig(path, dpi=130)
 
 def load_for_inference(args) -> tuple[Transformer, Tokenizer, int | None, str, set]:
-    """Model (eval mode, on --device), tokenizer, mask id, prompt format and stop ids (stop_ids_for)."""
+    """Model (eval mode, on --device), tokenizer, mask id, format, stop ids (stop_ids_for)."""
     device = parse_device(args.device)
     model, tok, mask_id, stop_ids = load_model(args.model, device, compute_dtype(device.type, args.dtype))
     fmt = args.format if args.format != "auto" else default_format(tok, model.config)
     return model, tok, mask_id, fmt, stop_ids | {end_token(tok, fmt)}
 
 def stop_ids_for(model: Transformer, tok: Tokenizer, fmt: str) -> set:
-    """The model's and the tokenizer's stop ids, plus the token that ends a response in this format."""
+    """The model's and tokenizer's stop ids and the token that ends a response in this format."""
     eos = model.config.eos_token_id
     return {i for i in (eos if isinstance(eos, list) else [eos]) if i is not None} | set(tok.stop_ids) \
         | {end_token(tok, fmt)}
@@ -351,13 +345,11 @@ def stop_ids_for(model: Transformer, tok: Tokenizer, fmt: str) -> set:
 # === analyze: is this domain predictable enough to be worth tuning? ==========================
 # Let the base model answer the domain's prompts greedily and record for each answer token its
 # top-1 probability c_t given the true prefix. ConfAdapt accepts a mask prediction when the TUNED
-# model is at least tau sure of it without seeing the tokens just before it. Two bounds on that,
-# each run through ConfAdapt's rule:
+# model is at least tau sure of it without seeing the tokens just before it. Two bounds on that:
 #   per-token (optimistic)  position j of a pass is accepted while every c it covers is >= tau;
 #   joint (conservative)    accepted while c_t * c_{t+1} * ... * c_{t+j} >= tau: the probability of
 #                           the whole greedy run, a lower bound on the marginal of its last token.
-# Both assume a student that learns all the teacher knows: read them as ceilings (on the
-# word-problem miniature: 10.9-11.2 at tau = 0.9, 6.7 reached after 1,000 steps).
+# Both assume a student that learns all the teacher knows: read them as ceilings.
 
 def simulated_passes(conf: list[float], tau: float, k_max: int, joint: bool) -> int:
     """Forward passes ConfAdapt(tau, k_max) needs for an answer with these confidences (per token or joint)."""
@@ -392,7 +384,7 @@ def analyze(args) -> dict:
             with torch.inference_mode():              # one teacher-forced pass over prompt + answer
                 ids = torch.tensor([prompt + gen.tokens], device=next(model.parameters()).device)   # (1, P + A)
                 index = torch.arange(len(prompt) - 1, ids.shape[1] - 1, device=ids.device)[None]   # (1, A)
-                probs = model(ids, output_index=index).float().softmax(-1)                         # (1, A, V)
+                probs = model(ids, output_index=index).float().softmax(-1)  # (1, A, V)
                 confs.append(probs.max(-1).values[0].tolist())
         flat = [c for cs in confs for c in cs]
         if not flat:
@@ -427,9 +419,8 @@ def analyze(args) -> dict:
     return report
 
 # === data: training rows from the model itself ===============================================
-# The hard teacher uses the data only as prefixes (its targets are its own predictions along them),
-# so the model's greedy answers to prompts of the target domains serve, from the very distribution
-# ConfAdapt will decode.
+# The hard teacher uses data only as prefixes (its targets are its own predictions), so the model's
+# greedy answers to prompts of the target domains serve, from the distribution ConfAdapt decodes.
 
 def make_data(args):
     """`data`: write the model's greedy answers to each domain's training prompts as JSONL rows."""
@@ -452,10 +443,8 @@ def make_data(args):
 # === export: a Hugging Face folder any transformers-based stack loads ========================
 
 def export(student, tok: Tokenizer, path: Path, args, d: Dist) -> Path:
-    """config.json (with mask_token_id) + safetensors + tokenizer (with <mask>) + README.md, written on rank 0
-    from the gathered full state dict, in the base checkpoint's dtype (float32 when unstated)."""
+    """config.json, safetensors, tokenizer (<mask> in each), README.md; the base model's dtype."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     state = get_model_state_dict(student, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if d.main:
         with torch.device("meta"):
@@ -501,10 +490,8 @@ batch {args.batch_size}, AdamW lr {args.lr:g} (warm-up {args.warmup} steps, then
 """
 
 def export_checkpoint(args):
-    """`export`: a training checkpoint (a run's --out, or a step_N folder) -> Hugging Face folder."""
-    ckpt = Path(args.checkpoint)
-    if (ckpt / "checkpoints").is_dir():
-        ckpt = latest_checkpoint(ckpt) or ckpt
+    """`export`: a training checkpoint (a run's --out or a step_N folder) -> Hugging Face folder."""
+    ckpt = latest_checkpoint(args.checkpoint) or Path(args.checkpoint)  # a run: its latest
     if not (ckpt / "trainer.pt").is_file():
         raise FileNotFoundError(f"no training checkpoint (trainer.pt) in {args.checkpoint}")
     saved = argparse.Namespace(**read_checkpoint(ckpt / "trainer.pt", "training checkpoint", weights_only=True)["args"])
@@ -523,22 +510,18 @@ class Dist:
     device: torch.device = torch.device("cpu")
     dtype: torch.dtype = torch.float32               # what the matrix multiplications compute in
     sharded: bool = False                            # under torchrun: FSDP2, at any world size
-
     @property
     def main(self) -> bool:
         return self.rank == 0
-
     def log(self, message: str):
         if self.main:
             print(message, flush=True)
-
     def all_sum(self, x: float) -> float:
         if not self.sharded:
             return x
         t = torch.tensor([float(x)], dtype=torch.float64, device=self.device)
         torch.distributed.all_reduce(t)
         return float(t)
-
     def barrier(self):
         if self.sharded:
             torch.distributed.barrier()
@@ -546,10 +529,9 @@ class Dist:
 def setup_processes(device: str, dtype: str = "auto") -> Dist:
     """Join the torchrun process group if there is one (nccl on GPU, gloo on CPU)."""
     import datetime
-
     device, torchrun = parse_device(device), "WORLD_SIZE" in os.environ
     compute = compute_dtype(device.type, dtype)
-    if device.type == "cuda":                         # under torchrun: one GPU per process, whatever --device named
+    if device.type == "cuda":  # under torchrun: one GPU per process, whatever --device named
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torchrun else device
         torch.cuda.set_device(device)
     if not torchrun:
@@ -558,13 +540,11 @@ def setup_processes(device: str, dtype: str = "auto") -> Dist:
     # collective; for an 8B model on a slow disk that can outlast NCCL's default 10 minutes.
     torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                          timeout=datetime.timedelta(hours=1))
-    if device.type == "cpu" and dtype == "auto":      # several CPU processes (gloo, tests): float32
-        compute = torch.float32
+    compute = torch.float32 if device.type == "cpu" and dtype == "auto" else compute  # gloo: float32
     return Dist(torch.distributed.get_rank(), torch.distributed.get_world_size(), device, compute, sharded=True)
 
 def compute_dtype(device_type: str, dtype: str = "auto") -> torch.dtype:
-    """--dtype auto: bfloat16 on GPUs that have it (Ampere and later) and on CPUs with native
-    bfloat16 arithmetic (AVX-512 BF16 or AMX; elsewhere torch emulates it, slowly), else float32."""
+    """--dtype auto: bfloat16 on GPUs and CPUs with native bfloat16 arithmetic (elsewhere slow), else float32."""
     if dtype != "auto":
         return getattr(torch, dtype)
     if device_type == "cuda":
@@ -572,11 +552,9 @@ def compute_dtype(device_type: str, dtype: str = "auto") -> torch.dtype:
     flags = Path("/proc/cpuinfo").read_text() if os.path.isfile("/proc/cpuinfo") else ""   # Linux lists them
     return torch.bfloat16 if "avx512_bf16" in flags or "amx_bf16" in flags else torch.float32
 
-# Precision (--dtype). The student keeps float32 master weights (AdamW's lr 1e-5 updates vanish in
-# bfloat16's 8-bit mantissa) and computes in bfloat16 where the hardware has it: FSDP2's
-# MixedPrecisionPolicy when sharded, torch.autocast otherwise. The teacher never changes, so it is
-# stored in the compute dtype. float16 is not offered: it would need loss scaling, and its range overflows.
-#
+# Precision. The student keeps float32 master weights (lr 1e-5 updates vanish in bfloat16's 8-bit
+# mantissa) and computes in --dtype: FSDP2's MixedPrecisionPolicy when sharded, torch.autocast
+# otherwise. The teacher never changes: it is stored in the compute dtype (float16: loss scaling).
 # Sharding. Every rank builds student and teacher on the meta device (no memory) and shards each
 # block (one all-gather unit), then the root, with fully_shard; only rank 0 reads the checkpoint and
 # broadcasts its weights straight into the shards, so no other process ever holds the full model.
@@ -602,7 +580,6 @@ def load_student_and_teacher(args, d: Dist, with_teacher: bool = True):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     with torch.device("meta"):
         student = Transformer(cfg)
     teacher = frozen_teacher(student).to(d.dtype) if with_teacher else None
@@ -629,7 +606,6 @@ def make_optimizer(model, args):
 # process writes its shards of model and optimizer state) plus trainer.pt (step, scheduler, CPU
 # RNG state, arguments). It is written under a temporary name and renamed when complete, then
 # `latest` is atomically pointed at it: a crash at any moment leaves the previous one intact.
-# (With one process, DCP warns that torch.distributed is disabled: the warning is silenced.)
 
 RESUME_MUST_MATCH = ("model", "data", "format", "seq_len", "mode", "prefix_ntp_weight", "k_max", "regions",
                      "batch_size", "lr", "warmup", "weight_decay", "beta1", "beta2", "seed")
@@ -637,13 +613,11 @@ RESUME_MUST_MATCH = ("model", "data", "format", "seq_len", "mode", "prefix_ntp_w
 def save_checkpoint(student, optimizer, scheduler, step: int, args, d: Dist) -> Path:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
-
     root = Path(args.out) / "checkpoints"
     final, tmp = root / f"step_{step:06d}", root / f".step_{step:06d}.tmp"
     if d.main:
-        root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        tmp.mkdir(parents=True)
     d.barrier()
     model_state, optim_state = get_state_dict(student, optimizer)
     with warnings.catch_warnings():
@@ -668,13 +642,10 @@ def latest_checkpoint(out) -> Path | None:
     return path if path is not None and (path / "trainer.pt").is_file() else None
 
 def load_checkpoint(path: Path, student, optimizer, scheduler, args) -> int:
-    """Restore model, optimizer, scheduler and RNG from `path`; returns the step to continue from.
-    The settings that shape the run must be the saved run's (--model and --data as the files they name)."""
+    """Restore model, optimizer, scheduler and RNG from `path` if the run's settings match; the next step."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
     trainer = read_checkpoint(path / "trainer.pt", "training checkpoint", weights_only=True)
-
     def setting(name, args):
         value = args.get(name)
         if name in ("model", "data") and value is not None:
@@ -690,7 +661,7 @@ def load_checkpoint(path: Path, student, optimizer, scheduler, args) -> int:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
             dcp.load(state, checkpoint_id=str(path))
-        except Exception as e:                        # dcp wraps the reader's error in its own exception type
+        except Exception as e:  # dcp wraps the reader's error in its own exception type
             raise ValueError(f"cannot read the checkpoint {path}: truncated or corrupt ({type(e).__name__}); "
                              f"resume from an earlier one by pointing {path.parent}/latest at it") from None
     set_state_dict(student, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -723,8 +694,7 @@ def check_train_args(args):
               f"{args.lr:g}{'' if reached < 1 else ' only at step ' + str(args.warmup)}", flush=True)
 
 def read_rows(path, choices=None) -> list:
-    """A JSON array or JSON-lines file -> its rows (dicts); with `choices` (tuples of field names),
-    each row's text fields of the first tuple that the first row has, as a tuple."""
+    """Rows (dicts) of a JSON array or JSONL file; with `choices`, the first field tuple they have."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no data file at {path}")
     try:
@@ -753,12 +723,10 @@ def read_rows(path, choices=None) -> list:
         raise ValueError(f"{path}: row {bad + 1} lacks a text field {' or '.join(repr(f) for f in fields)}")
     return [tuple(r[f] for f in fields) for r in rows]
 
-def read_pairs(path) -> list[tuple[str, str]]:
-    """(prompt, response) pairs: MetaMathQA rows as distributed (query, response) or (prompt, response)."""
+def read_pairs(path) -> list[tuple[str, str]]:  # MetaMathQA as distributed, or (prompt, response)
     return read_rows(path, [("query", "response"), ("prompt", "response")])
 
-def read_gsm8k(path) -> list[tuple[str, str]]:
-    """GSM8K test rows -> (question, gold answer); gold is the text after the last '####'."""
+def read_gsm8k(path) -> list[tuple[str, str]]:  # (question, gold): the text after the last '####'
     return [(q, a.split("####")[-1].strip()) for q, a in read_rows(path, [("question", "answer")])]
 
 def build_parser() -> argparse.ArgumentParser:
@@ -766,30 +734,25 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     taus, model = [0.99, 0.95, 0.9, 0.8, 0.7, 0.5], "Hugging Face layout folder"
 
-    def common(c, max_new_tokens=None, device=True):  # --format (unless export), decoding (eval, analyze, data), system
-        if device:
-            c.add_argument("--format", default="auto", choices=("auto",) + FORMATS, help="prompt format (auto: "
-                           "llama3-chat or chatml if the tokenizer has their tokens, qwen for Qwen, else plain)")
+    def common(c, max_new_tokens=None):  # train, eval, analyze, data; decoding: not train
+        c.add_argument("--format", default="auto", choices=("auto", *FORMATS), help="prompt format (auto: detect)")
         if max_new_tokens:
             c.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens, help="most tokens per answer")
-            c.add_argument("--batch-size", type=positive_int, default=16,
-                           help="prompts decoded at once (a finished one hands its place to the next)")
-        if device:
-            c.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
-            c.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"), help="compute "
-                           "dtype (auto: bfloat16 on GPUs and on CPUs with bfloat16 arithmetic, else float32)")
-        c.add_argument("--threads", type=positive_int, help="CPU threads (default: torch's, one per core)")
+            c.add_argument("--batch-size", type=positive_int, default=16, help="prompts decoded at once")
+        c.add_argument("--device", default="auto", help="auto (cuda if any), cpu, cuda or cuda:N")
+        c.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"), help="compute dtype (auto: "
+                       "bfloat16 where the hardware computes in it, else float32)")
+        c.add_argument("--threads", type=positive_int, help="CPU threads (default: one per core)")
 
-    t = sub.add_parser("train", help="MTP fine-tuning by self-distillation (torchrun for several GPUs)")
+    t = sub.add_parser("train", help="MTP fine-tuning by self-distillation (torchrun: several GPUs)")
     t.add_argument("--model", required=True, help=f"{model} (config.json, safetensors, tokenizer)")
     g = t.add_argument_group("data")
-    g.add_argument("--data", required=True, nargs="+", help="MetaMathQA JSON array / JSONL (query, response) "
-                   "or JSONL (prompt, response); several are joined")
-    g.add_argument("--seq-len", type=number(int, 2), default=160, help="tokens per training sequence")
+    g.add_argument("--data", required=True, nargs="+", help="rows (query or prompt, response): JSON array or JSONL")
+    g.add_argument("--seq-len", type=number(int, 2), default=160, help="tokens per sequence")
     g.add_argument("--limit-rows", type=count, default=0, help="use only the first N rows (0: all)")
     o = t.add_argument_group("optimization (defaults: the paper's full-scale recipe)")
     o.add_argument("--steps", type=positive_int, default=100_000, help="optimizer steps")
-    o.add_argument("--batch-size", type=positive_int, default=128, help="global batch (sequences per step)")
+    o.add_argument("--batch-size", type=positive_int, default=128, help="sequences per step (global)")
     o.add_argument("--micro-batch", type=positive_int, default=8, help="sequences per forward pass and process")
     o.add_argument("--lr", type=positive_float, default=1e-5, help="peak learning rate (AdamW)")
     o.add_argument("--warmup", type=count, default=2000, help="linear warm-up steps, then constant")
@@ -802,18 +765,16 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--mode", default="hard", choices=MODES, help="hard / soft: self-distillation; gt: naive ablation")
     m.add_argument("--k-max", type=number(int, 2), default=16, help="k is drawn uniformly from [2, k_max] every step")
     m.add_argument("--regions", type=positive_int, help="MTP problems per sequence (default seq_len / (2 k_max))")
-    m.add_argument("--prefix-ntp-weight", type=number(float, 0), default=0.0,
-                   help="add this much plain next-token loss on the ground-truth tokens (an ablation; 0: off)")
+    m.add_argument("--prefix-ntp-weight", type=number(float, 0), default=0.0, help="plus this much plain NTP loss")
     c = t.add_argument_group("checkpoints and system")
     c.add_argument("--out", required=True, help="output folder: checkpoints/, log.jsonl, final/ (the exported model)")
     c.add_argument("--save-every", type=positive_int, default=1000, help="checkpoint every N steps")
     c.add_argument("--keep", type=positive_int, default=2, help="checkpoints to keep")
-    c.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    c.add_argument("--resume", action="store_true", help="continue from --out's last checkpoint")
     c.add_argument("--overwrite", action="store_true", help="replace the run already in --out (checkpoints, log)")
     c.add_argument("--activation-checkpointing", action="store_true", help="recompute block activations in backward")
     c.add_argument("--log-every", type=positive_int, default=1, help="a log.jsonl row every N steps")
     common(c)
-
     e = sub.add_parser("eval", help="GSM8K sweep over static k and ConfAdapt thresholds")
     e.add_argument("--model", required=True, help=f"{model} (a tuned model, or any for k = 1)")
     e.add_argument("--data", required=True, help="GSM8K test JSONL (question, answer)")
@@ -828,7 +789,6 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--limit", type=count, default=0, help="first N questions only (0: all)")
     e.add_argument("--reference", help="an earlier eval's --out: report how often each answer equals its k=1 answer")
     common(e, 256)
-
     a = sub.add_parser("analyze", help="before tuning: how predictable are the model's answers on this domain?")
     a.add_argument("--model", required=True, help=f"{model}: the base model, before tuning")
     src = a.add_mutually_exclusive_group(required=True)
@@ -839,40 +799,40 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--k-max", type=number(int, 2), default=16, help="ConfAdapt: most tokens per pass")
     a.add_argument("--out", help="also write analysis.json and analysis.md here")
     common(a, 256)
-
     r = sub.add_parser("data", help="training rows from the model itself: its greedy answers to domain prompts")
     r.add_argument("--model", required=True, help=model)
     r.add_argument("--out", required=True, help="JSONL file of {domain, prompt, response} rows (train --data takes it)")
-    r.add_argument("--domains", nargs="+", choices=DOMAINS, default=list(DOMAINS), help="prompt domains")
+    r.add_argument("--domains", nargs="+", choices=DOMAINS, default=list(DOMAINS), help="domains")
     r.add_argument("--per-domain", type=positive_int, default=100, help="prompts per domain (fewer if it has fewer)")
     r.add_argument("--split", default="train", choices=("train", "test"), help="which prompts of each domain")
     common(r, 128)
-
-    x = sub.add_parser("export", help="a training checkpoint -> Hugging Face folder with model card")
+    x = sub.add_parser("export", help="a training checkpoint -> a Hugging Face folder")
     x.add_argument("--checkpoint", required=True, help="a run's --out folder or one checkpoints/step_N folder")
     x.add_argument("--out", required=True, help="the Hugging Face folder to write")
-    common(x, device=False)
+    x.add_argument("--threads", type=positive_int, help="CPU threads (default: one per core)")
     return p
 
 def check_paths(args):
     """Before any work: what a command reads exists, and what it writes can be made."""
-    if getattr(args, "model", None) is not None:
+    a = vars(args)                                    # export has no --model, --data or --device
+    if a.get("model") is not None:
         input_path(args.model, "--model", folder=True)
         read_model_config(args.model)                 # the config says most about a wrong folder
-    data = getattr(args, "data", None)
-    for path in [data] if isinstance(data, str) else data or []:
+    for path in [args.data] if isinstance(a.get("data"), str) else a.get("data") or []:
         input_path(path, "--data")
     for flag in ("checkpoint", "reference"):
-        if getattr(args, flag, None) is not None:
-            input_path(getattr(args, flag), f"--{flag}", folder=True)
+        if a.get(flag) is not None:
+            input_path(a[flag], f"--{flag}", folder=True)
     if args.command == "data":                        # --out is a file there
         if os.path.isdir(args.out):
             raise CliError(f"--out {args.out}: is a folder, expected a file name")
         output_folder(os.path.dirname(args.out) or ".", f"--out {args.out}: its folder")
-    elif getattr(args, "out", None) is not None:
+    elif a.get("out") is not None:
         output_folder(args.out, "--out")
-    if getattr(args, "device", None) is not None:
+    if a.get("device") is not None:
         parse_device(args.device)
+
+COMMANDS = {"train": train, "eval": evaluate, "analyze": analyze, "data": make_data, "export": export_checkpoint}
 
 def command(argv):
     args = build_parser().parse_args(argv)
@@ -880,8 +840,7 @@ def command(argv):
         torch.set_num_threads(args.threads)
     try:
         check_paths(args)
-        {"train": train, "eval": evaluate, "analyze": analyze, "data": make_data, "export": export_checkpoint}[
-            args.command](args)
+        COMMANDS[args.command](args)
     finally:
         if "WORLD_SIZE" in os.environ and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
