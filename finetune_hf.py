@@ -1,10 +1,9 @@
 """Fine-tune a Hugging Face Llama/Qwen/SmolLM2 checkpoint into a multi-token predictor; measure it.
 
-`train`: add <mask>, self-distill against a frozen copy (data.mtp_layout + distill.mtp_loss), on one
-process or sharded with FSDP2 under torchrun, export a Hugging Face folder. `eval`: GSM8K, scored as
-lm-evaluation-harness's gsm8k_cot does, over static k and ConfAdapt thresholds. `analyze`: before
-tuning, what ConfAdapt could reach on a domain. `data`: the model's own answers as training rows.
-`export`: a checkpoint -> a Hugging Face folder.
+`train`: add <mask> and self-distill against a frozen copy (data.mtp_layout + distill.mtp_loss), on
+one process or FSDP2-sharded under torchrun, then export a Hugging Face folder. `eval`: GSM8K scored
+as lm-evaluation-harness's gsm8k_cot, over static k and ConfAdapt thresholds. `analyze`: before
+tuning, what ConfAdapt could reach on a domain. `data`: own answers as rows. `export`: -> a folder.
 """
 
 from __future__ import annotations
@@ -36,11 +35,9 @@ from model import (ModelConfig, Transformer, add_mask_token, atomic_save, parse_
                    read_json, read_model_config, rope_inv_freq, write_json)
 
 # === train: student + frozen teacher -> data rows -> AdamW -> the step loop -> export ==========
-# A step sees a global batch of --batch-size rows, split over the processes and, in each, into
-# micro-batches of --micro-batch rows (gradient accumulation). Every process draws the same k and
-# region offset, seeded by the step number, and the data order is a seeded permutation per epoch:
-# a step is a function of its number, so a run resumed at step s continues bit for bit.
-
+# A step's --batch-size rows are split over the processes and, in each, into --micro-batch rows
+# (gradient accumulation). All processes draw the same k and offset, seeded by the step number, from
+# a seeded data order per epoch: a step is a function of its number, so a resumed run is bit-exact.
 def train(args, on_step=None) -> Path:
     """`train`: the whole run; returns the exported folder. on_step(step, stats) is a test hook."""
     check_train_args(args)
@@ -92,11 +89,10 @@ def train(args, on_step=None) -> Path:
                 with open(log, "a") as f:
                     f.write(json.dumps({"step": step + 1, **stats, "lr": lr}) + "\n")
             if d.main and progress.due(last):
-                done = step + 1 - start
                 d.log(f"step {step + 1}/{args.steps} | loss {stats['loss']:.4f} | agree {stats['agree']:.3f} "
                       f"| k {stats['k']:2d} | lr {lr:.2e} | grad {stats['grad_norm']:.3f} "
-                      f"| {done * args.batch_size * args.seq_len / elapsed:,.0f} tok/s "
-                      f"| ETA {format_seconds(elapsed / done * (args.steps - step - 1))}")
+                      f"| {(step + 1 - start) * args.batch_size * args.seq_len / elapsed:,.0f} tok/s "
+                      f"| ETA {format_seconds(elapsed / (step + 1 - start) * (args.steps - step - 1))}")
             if (step + 1) % args.save_every == 0 or last:
                 d.log(f"saved checkpoint {save_checkpoint(student, optimizer, scheduler, step + 1, args, d)}")
             if on_step is not None:
@@ -106,17 +102,14 @@ def train(args, on_step=None) -> Path:
         raise KeyboardInterrupt(f"{'the last checkpoint is ' + str(saved) if saved else 'no checkpoint yet'}; "
                                 f"run the same command with --resume to continue") from None
     # 5. Export: a Hugging Face folder, <mask> in tokenizer and config.
-    final = export(student, tok, out / "final", args, d)
-    d.log(f"exported {final}")
-    return final
+    return export(student, tok, out / "final", args, d)
 
 def train_step(student, teacher, optimizer, scheduler, micro: list[torch.Tensor], k: int, offset: int,
                args, d: Dist, mask_id, pad: int) -> dict:
     """mtp_layout -> mtp_loss -> backward per micro-batch (micro, seq_len), then clip and step; stats of the step."""
-    # mtp_loss averages over the valid predictions of its micro-batch; weighting each by its share
-    # of the global batch's makes the gradient one mean over the global batch, however it is split
-    # (FSDP averages over processes, hence the factor world). Under FSDP2 each backward
-    # reduce-scatters at once: deferring it would hold a full float32 gradient on every GPU.
+    # mtp_loss averages over its micro-batch's valid predictions; weighted by their share of the
+    # global batch's, the gradient is one mean over it however it is split (FSDP averages over
+    # processes: hence * world). Each backward reduce-scatters at once: no full gradient is held.
     batches = [mtp_layout(s, k, offset, args.regions, mask_id=mask_id, eos_id=pad, pad_id=pad) for s in micro]
     counts = [int(b.valid.sum()) for b in batches]    # counted on the host, before moving
     batches = [b.to(d.device) for b in batches]
@@ -155,17 +148,14 @@ def default_format(tok: Tokenizer, cfg: ModelConfig) -> str:
             "chatml" if has({"<|im_start|>", "<|im_end|>", "<|endoftext|>"}) else "plain")
 
 # === eval: GSM8K, scored as lm-evaluation-harness's `gsm8k_cot` task scores it ===============
-# Prompt: the 8 chain-of-thought exemplars of Wei et al. (2022) as "Q: ...\nA: ... The answer
-# is N." joined by blank lines, then "Q: {question}\nA:". Greedy decoding stops at "Q:", "</s>",
-# "<|im_end|>" or a stop token; the completion is cut before the first stop string.
+# Prompt: the 8 chain-of-thought exemplars of Wei et al. (2022), "Q: ...\nA: ... The answer is N.",
+# then "Q: {question}\nA:". Decoding stops at "Q:", "</s>", "<|im_end|>" or a stop token.
 #   strict-match      the FIRST match of `The answer is (\-?[0-9\.\,]+).` -- the last "." is an
 #                     unescaped regex dot (ANY one character), so with nothing after the number
 #                     the group gives back its last digit: a final "The answer is 42" gives "4";
 #   flexible-extract  the LAST match of `(-?[$0-9.,]{2,})|(-?[0-9]+)`, the last number-like run.
-# Before comparing, both the extraction and the gold answer (the text after "####") lose every
-# ",", every "$", everything up to "#### " and one trailing ".", and are lower-cased. Accuracy
-# comes with its standard error, sqrt(sample variance / n), as the harness reports it.
-
+# Before comparing, extraction and gold answer (the text after "####") lose every "," and "$",
+# all up to "#### " and one trailing ".", and are lower-cased. Standard error: sqrt(sample var / n).
 GSM8K_EXEMPLARS = [
     ("There are 15 trees in the grove. Grove workers will plant trees in the grove today. After they are done, "
      "there will be 21 trees. How many trees did the grove workers plant today?",
@@ -224,12 +214,9 @@ def mean_and_stderr(values) -> tuple[float, float]:
 def completion_of(tok: Tokenizer, gen, stop_ids, stops=GSM8K_STOP_STRINGS) -> tuple[str, int, int]:
     """(text, tokens, forward passes) as if decoding had stopped at the first stop string: generate
     stops at stop TOKENS only, so a stop STRING ("Q:") ends the text with the pass that completed it."""
-    tokens = gen.tokens[:-1] if gen.tokens and gen.tokens[-1] in stop_ids else gen.tokens
-    text = tok.decode(tokens)
+    text = tok.decode(gen.tokens[:-1] if gen.tokens and gen.tokens[-1] in stop_ids else gen.tokens)
     cut = cut_at_stop_strings(text, stops)
-    if cut == text:
-        return text, len(gen.tokens), gen.forward_passes
-    for passes, end in enumerate(gen.boundaries, 1):
+    for passes, end in enumerate(gen.boundaries if cut != text else [], 1):  # the pass that made the cut
         if any(s in tok.decode(gen.tokens[:end]) for s in stops):
             return cut, end, passes
     return cut, len(gen.tokens), gen.forward_passes
@@ -338,19 +325,17 @@ def load_for_inference(args) -> tuple[Transformer, Tokenizer, int | None, str, s
 
 def stop_ids_for(model: Transformer, tok: Tokenizer, fmt: str) -> set:
     """The model's and tokenizer's stop ids and the token that ends a response in this format."""
-    eos = model.config.eos_token_id
-    return {i for i in (eos if isinstance(eos, list) else [eos]) if i is not None} | set(tok.stop_ids) \
-        | {end_token(tok, fmt)}
+    eos = model.config.eos_token_id if isinstance(model.config.eos_token_id, list) else [model.config.eos_token_id]
+    return {i for i in eos if i is not None} | {*tok.stop_ids, end_token(tok, fmt)}
 
 # === analyze: is this domain predictable enough to be worth tuning? ==========================
-# Let the base model answer the domain's prompts greedily and record for each answer token its
-# top-1 probability c_t given the true prefix. ConfAdapt accepts a mask prediction when the TUNED
-# model is at least tau sure of it without seeing the tokens just before it. Two bounds on that:
+# The base model answers the domain's prompts greedily; c_t is each answer token's top-1 probability
+# given the true prefix. ConfAdapt accepts a mask prediction when the TUNED model is at least tau
+# sure of it without seeing the tokens just before. Two bounds on that:
 #   per-token (optimistic)  position j of a pass is accepted while every c it covers is >= tau;
 #   joint (conservative)    accepted while c_t * c_{t+1} * ... * c_{t+j} >= tau: the probability of
 #                           the whole greedy run, a lower bound on the marginal of its last token.
 # Both assume a student that learns all the teacher knows: read them as ceilings.
-
 def simulated_passes(conf: list[float], tau: float, k_max: int, joint: bool) -> int:
     """Forward passes ConfAdapt(tau, k_max) needs for an answer with these confidences (per token or joint)."""
     t, passes = 0, 0
@@ -421,7 +406,6 @@ def analyze(args) -> dict:
 # === data: training rows from the model itself ===============================================
 # The hard teacher uses data only as prefixes (its targets are its own predictions), so the model's
 # greedy answers to prompts of the target domains serve, from the distribution ConfAdapt decodes.
-
 def make_data(args):
     """`data`: write the model's greedy answers to each domain's training prompts as JSONL rows."""
     model, tok, _, fmt, stop_ids = load_for_inference(args)
@@ -435,10 +419,9 @@ def make_data(args):
                          "finished": finished})
         print(f"{domain}: {len(questions)} answers, {sum(len(g.tokens) for g in gens):,} tokens, "
               f"{stats.seconds:.0f} s", flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_save(lambda p: Path(p).write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8"), out)
-    print(f"wrote {len(rows)} rows to {out}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    atomic_save(lambda p: Path(p).write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8"), args.out)
+    print(f"wrote {len(rows)} rows to {args.out}")
 
 # === export: a Hugging Face folder any transformers-based stack loads ========================
 
@@ -458,12 +441,13 @@ def export(student, tok: Tokenizer, path: Path, args, d: Dist) -> Path:
         tok.save_pretrained(path)
         (Path(path) / "README.md").write_text(model_card(model.config, args), encoding="utf-8")
     d.barrier()
+    d.log(f"exported {path}")
     return Path(path)
 
 def model_card(cfg: ModelConfig, args) -> str:
     """The exported folder's README.md: what the model is, how to decode it, how it was trained."""
-    how = ("the naive ground-truth multi-token loss (an ablation)" if args.mode == "gt" else
-           f"student-forced self-distillation from a frozen copy of itself ({args.mode} teacher targets)")
+    how = ("the naive ground-truth loss (an ablation)" if args.mode == "gt" else
+           f"self-distillation from a frozen copy of itself ({args.mode} targets)")
     return f"""---
 library_name: transformers
 tags: [multi-token-prediction, self-distillation]
@@ -476,13 +460,8 @@ vocabulary has one extra token, `<mask>` (id {cfg.mask_token_id}, `mask_token_id
 Fed the text so far and k-1 `<mask>` tokens, it predicts the next k tokens in one forward pass; \
 ConfAdapt keeps the leading ones whose top-1 probability is at least tau. Prompt format: `{args.format}`.
 Decode it with `python confadapt.py --model THIS_FOLDER --prompt "..." --tau 0.9 --k-max 16` (or \
-`--lossless --k-max 8`: exactly the greedy output, in fewer passes), or with plain transformers:
-
-```python
-model, tok = AutoModelForCausalLM.from_pretrained(FOLDER), AutoTokenizer.from_pretrained(FOLDER)
-x = torch.cat([ids, torch.full((1, k - 1), model.config.mask_token_id)], dim=1)   # ids: a formatted prompt
-confidence, next_k = model(x).logits[0, -k:].softmax(-1).max(-1)                   # k proposals, confidences
-```
+`--lossless --k-max 8`: exactly the greedy output, in fewer passes). With plain transformers \
+(`AutoModelForCausalLM`), append k-1 `mask_token_id`s to the prompt's ids: `logits[0, -k:]` are the next k tokens.
 
 Training: seq len {args.seq_len}, k uniform in [2, {args.k_max}], {args.regions} regions per sequence, global \
 batch {args.batch_size}, AdamW lr {args.lr:g} (warm-up {args.warmup} steps, then constant), betas \
@@ -517,10 +496,9 @@ class Dist:
         if self.main:
             print(message, flush=True)
     def all_sum(self, x: float) -> float:
-        if not self.sharded:
-            return x
         t = torch.tensor([float(x)], dtype=torch.float64, device=self.device)
-        torch.distributed.all_reduce(t)
+        if self.sharded:
+            torch.distributed.all_reduce(t)
         return float(t)
     def barrier(self):
         if self.sharded:
@@ -536,8 +514,7 @@ def setup_processes(device: str, dtype: str = "auto") -> Dist:
         torch.cuda.set_device(device)
     if not torchrun:
         return Dist(device=device, dtype=compute)
-    # Rank 0 alone reads the checkpoint and writes the export while the others wait in a
-    # collective; for an 8B model on a slow disk that can outlast NCCL's default 10 minutes.
+    # Rank 0 alone loads and exports while the others wait: on a slow disk, over NCCL's default 10 min.
     torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                          timeout=datetime.timedelta(hours=1))
     compute = torch.float32 if device.type == "cpu" and dtype == "auto" else compute  # gloo: float32
@@ -558,14 +535,11 @@ def compute_dtype(device_type: str, dtype: str = "auto") -> torch.dtype:
 # Sharding. Every rank builds student and teacher on the meta device (no memory) and shards each
 # block (one all-gather unit), then the root, with fully_shard; only rank 0 reads the checkpoint and
 # broadcasts its weights straight into the shards, so no other process ever holds the full model.
-
 def load_student_and_teacher(args, d: Dist, with_teacher: bool = True):
     """(student, teacher or None, tokenizer, mask id) on d.device, sharded when d.sharded."""
     tok = load_tokenizer(args.model)
-    full, meta = None, [None]
-    if d.main:
-        full = Transformer.from_pretrained(args.model, dtype=torch.float32)
-        meta = [(full.config, add_mask_token(full, tok))]
+    full = Transformer.from_pretrained(args.model, dtype=torch.float32) if d.main else None
+    meta = [(full.config, add_mask_token(full, tok))] if d.main else [None]
     if d.sharded:                                     # rank 0's config and mask id, on every rank
         torch.distributed.broadcast_object_list(meta, src=0)
     cfg, mask_id = meta[0]
@@ -599,14 +573,11 @@ def load_student_and_teacher(args, d: Dist, with_teacher: bool = True):
 def make_optimizer(model, args):
     """AdamW (model.configure_optimizer: no decay on the norms), linear warm-up, then constant."""
     optimizer = model.configure_optimizer(args.lr, args.weight_decay, (args.beta1, args.beta2))
-    warmup = max(1, args.warmup)
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup)))
 
-# A checkpoint is a folder checkpoints/step_000123/ written by torch.distributed.checkpoint (each
-# process writes its shards of model and optimizer state) plus trainer.pt (step, scheduler, CPU
-# RNG state, arguments). It is written under a temporary name and renamed when complete, then
-# `latest` is atomically pointed at it: a crash at any moment leaves the previous one intact.
-
+# A checkpoint is checkpoints/step_000123/: torch.distributed.checkpoint's files (each process its
+# shards of model and optimizer state) and trainer.pt (step, scheduler, CPU RNG, arguments), renamed
+# from a temporary name when complete, then named in `latest`: a crash leaves the last one whole.
 RESUME_MUST_MATCH = ("model", "data", "format", "seq_len", "mode", "prefix_ntp_weight", "k_max", "regions",
                      "batch_size", "lr", "warmup", "weight_decay", "beta1", "beta2", "seed")
 
@@ -620,7 +591,7 @@ def save_checkpoint(student, optimizer, scheduler, step: int, args, d: Dist) -> 
         tmp.mkdir(parents=True)
     d.barrier()
     model_state, optim_state = get_state_dict(student, optimizer)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # one process: DCP warns that torch.distributed is disabled
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
     d.barrier()
@@ -655,8 +626,7 @@ def load_checkpoint(path: Path, student, optimizer, scheduler, args) -> int:
                if setting(k, trainer["args"]) != setting(k, vars(args))]
     if changed:
         raise ValueError(f"cannot resume from {path}: settings differ from the interrupted run ({'; '.join(changed)})")
-    model_state, optim_state = get_state_dict(student, optimizer)
-    state = {"model": model_state, "optim": optim_state}
+    state = dict(zip(("model", "optim"), get_state_dict(student, optimizer)))   # as save_checkpoint names them
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
@@ -813,8 +783,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 def check_paths(args):
-    """Before any work: what a command reads exists, and what it writes can be made."""
-    a = vars(args)                                    # export has no --model, --data or --device
+    """Before any work: what a command reads exists, and what it writes can be made (--device: on loading)."""
+    a = vars(args)                                    # export has no --model or --data
     if a.get("model") is not None:
         input_path(args.model, "--model", folder=True)
         read_model_config(args.model)                 # the config says most about a wrong folder
@@ -829,8 +799,6 @@ def check_paths(args):
         output_folder(os.path.dirname(args.out) or ".", f"--out {args.out}: its folder")
     elif a.get("out") is not None:
         output_folder(args.out, "--out")
-    if a.get("device") is not None:
-        parse_device(args.device)
 
 COMMANDS = {"train": train, "eval": evaluate, "analyze": analyze, "data": make_data, "export": export_checkpoint}
 
