@@ -447,7 +447,7 @@ def export(student, tok: Tokenizer, path: Path, args, d: Dist) -> Path:
 def model_card(cfg: ModelConfig, args) -> str:
     """The exported folder's README.md: what the model is, how to decode it, how it was trained."""
     how = ("the naive ground-truth loss (an ablation)" if args.mode == "gt" else
-           f"self-distillation from a frozen copy of itself ({args.mode} targets)")
+           f"{args.mode}-target self-distillation from a frozen copy of itself")
     return f"""---
 library_name: transformers
 tags: [multi-token-prediction, self-distillation]
