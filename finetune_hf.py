@@ -476,8 +476,7 @@ def export_checkpoint(args):
     saved = argparse.Namespace(**read_checkpoint(ckpt / "trainer.pt", "training checkpoint", weights_only=True)["args"])
     input_path(saved.model, "the base model this checkpoint was tuned from", folder=True)
     student, _, tok, _ = load_student_and_teacher(saved, Dist(), with_teacher=False)
-    optimizer, scheduler = make_optimizer(student, saved)
-    load_checkpoint(ckpt, student, optimizer, scheduler, saved)
+    load_checkpoint(ckpt, student, *make_optimizer(student, saved), saved)  # optimizer, scheduler: unused
     return export(student, tok, Path(args.out), saved, Dist())
 
 # --- plumbing: processes, dtypes, loading and sharding, checkpoints, input checks, files, CLI ----
