@@ -1,22 +1,17 @@
-"""Fine-tune a Hugging Face Llama / Qwen / SmolLM2 checkpoint into a multi-token predictor; measure it.
+"""Fine-tune a Hugging Face Llama/Qwen/SmolLM2 checkpoint into a multi-token predictor; measure it.
 
-The recipe of "Multi-Token Prediction via Self-Distillation" (arXiv 2602.06019) at full scale,
-and the same code on a miniature a CPU runs in minutes. `train` loads the checkpoint, adds a <mask>
-token and trains the model against a frozen copy of itself with train_toy.py's loss (data.mtp_layout
-+ distill.mtp_loss), on one process or, under `torchrun --nproc_per_node N`, sharded with FSDP2, and
-exports a Hugging Face folder. `eval` scores GSM8K as lm-evaluation-harness's gsm8k_cot does, swept
-over static k and ConfAdapt thresholds; `analyze` estimates before tuning what ConfAdapt could reach
-on a domain; `data` writes the model's own answers as training rows; `export` turns a checkpoint
-into a folder. `python finetune_hf.py COMMAND --help` lists the options.
+`train`: add <mask> and self-distill against a frozen copy (data.mtp_layout + distill.mtp_loss), on
+one process or FSDP2-sharded under torchrun, then export a Hugging Face folder. `eval`: GSM8K scored
+as lm-evaluation-harness's gsm8k_cot, over static k and ConfAdapt thresholds. `analyze`: before
+tuning, what ConfAdapt could reach on a domain. `data`: own answers as rows. `export`: -> a folder.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
+import functools
 import json
 import math
-import operator
 import os
 import re
 import shutil
@@ -40,12 +35,9 @@ from model import (ModelConfig, Transformer, add_mask_token, atomic_save, parse_
                    read_json, read_model_config, rope_inv_freq, write_json)
 
 # === train: student + frozen teacher -> data rows -> AdamW -> the step loop -> export ==========
-#
-# A step sees a global batch of --batch-size rows, split over the processes and, in each, into
-# micro-batches of --micro-batch rows (gradient accumulation). Every process draws the same k and
-# region offset, seeded by the step number, and the data order is a seeded permutation per epoch:
-# a step is a function of its number, so a run resumed at step s continues bit for bit.
-
+# A step's --batch-size rows are split over the processes and, in each, into --micro-batch rows
+# (gradient accumulation). All processes draw the same k and offset, seeded by the step number, from
+# a seeded data order per epoch: a step is a function of its number, so a resumed run is bit-exact.
 def train(args, on_step=None) -> Path:
     """`train`: the whole run; returns the exported folder. on_step(step, stats) is a test hook."""
     check_train_args(args)
@@ -80,17 +72,16 @@ def train(args, on_step=None) -> Path:
     if d.main:
         out.mkdir(parents=True, exist_ok=True)
         write_json(out / "train_args.json", vars(args))
-    d.log(f"{args.mode} training: {len(pairs):,} rows, format {args.format}, {d.world} process(es) "
-          f"on {d.device}, {args.batch_size // d.world // args.micro_batch} micro-batch(es) of {args.micro_batch} "
-          f"per process and step, {student.config.n_layers} layers, mask id {mask_id}")
+    d.log(f"{args.mode} training: {len(pairs):,} rows, format {args.format}, {d.world} process(es) on "
+          f"{d.device}, {args.batch_size // d.world // args.micro_batch} micro-batch(es) of {args.micro_batch} each")
     # 4. The loop: rows of the step -> this process's micro-batches -> train_step -> log, save.
     region_len, per, t0, progress = args.seq_len // args.regions, args.micro_batch, time.perf_counter(), Progress()
     try:
         for step in range(start, args.steps):
-            g = torch.Generator().manual_seed(args.seed * 7_919 + step + 1)     # same on every process
+            g = torch.Generator().manual_seed(args.seed * 7_919 + step + 1)  # same on every process
             k, offset = sample_k_and_offset(args.k_max, region_len, generator=g)
             rows = rows_of_step(step, args.batch_size, len(seqs), args.seed)
-            micro = [seqs[rows[i * per:(i + 1) * per]].long()                   # micro-batch i: process i % world
+            micro = [seqs[rows[i * per:(i + 1) * per]].long()  # micro-batch i: process i % world
                      for i in range(d.rank, len(rows) // per, d.world)]
             stats = train_step(student, teacher, optimizer, scheduler, micro, k, offset, args, d, mask_id, pad)
             last, lr, elapsed = step + 1 == args.steps, scheduler.get_last_lr()[0], time.perf_counter() - t0
@@ -98,11 +89,10 @@ def train(args, on_step=None) -> Path:
                 with open(log, "a") as f:
                     f.write(json.dumps({"step": step + 1, **stats, "lr": lr}) + "\n")
             if d.main and progress.due(last):
-                done = step + 1 - start
                 d.log(f"step {step + 1}/{args.steps} | loss {stats['loss']:.4f} | agree {stats['agree']:.3f} "
                       f"| k {stats['k']:2d} | lr {lr:.2e} | grad {stats['grad_norm']:.3f} "
-                      f"| {done * args.batch_size * args.seq_len / elapsed:,.0f} tok/s "
-                      f"| ETA {format_seconds(elapsed / done * (args.steps - step - 1))}")
+                      f"| {(step + 1 - start) * args.batch_size * args.seq_len / elapsed:,.0f} tok/s "
+                      f"| ETA {format_seconds(elapsed / (step + 1 - start) * (args.steps - step - 1))}")
             if (step + 1) % args.save_every == 0 or last:
                 d.log(f"saved checkpoint {save_checkpoint(student, optimizer, scheduler, step + 1, args, d)}")
             if on_step is not None:
@@ -112,19 +102,14 @@ def train(args, on_step=None) -> Path:
         raise KeyboardInterrupt(f"{'the last checkpoint is ' + str(saved) if saved else 'no checkpoint yet'}; "
                                 f"run the same command with --resume to continue") from None
     # 5. Export: a Hugging Face folder, <mask> in tokenizer and config.
-    final = export(student, tok, out / "final", args, d)
-    d.log(f"exported {final}")
-    return final
-
+    return export(student, tok, out / "final", args, d)
 
 def train_step(student, teacher, optimizer, scheduler, micro: list[torch.Tensor], k: int, offset: int,
                args, d: Dist, mask_id, pad: int) -> dict:
-    """mtp_layout -> mtp_loss -> backward for each micro-batch (micro, seq_len), then clip and step;
-    returns the step's statistics over the global batch."""
-    # mtp_loss averages over the valid predictions of its micro-batch; weighting each by its share
-    # of the global batch's makes the gradient one mean over the global batch, however it is split
-    # (FSDP averages over processes, hence the factor world). Under FSDP2 each backward
-    # reduce-scatters at once: deferring it would hold a full float32 gradient on every GPU.
+    """mtp_layout -> mtp_loss -> backward per micro-batch (micro, seq_len), then clip and step; stats of the step."""
+    # mtp_loss averages over its micro-batch's valid predictions; weighted by their share of the
+    # global batch's, the gradient is one mean over it however it is split (FSDP averages over
+    # processes: hence * world). Each backward reduce-scatters at once: no full gradient is held.
     batches = [mtp_layout(s, k, offset, args.regions, mask_id=mask_id, eos_id=pad, pad_id=pad) for s in micro]
     counts = [int(b.valid.sum()) for b in batches]    # counted on the host, before moving
     batches = [b.to(d.device) for b in batches]
@@ -140,14 +125,12 @@ def train_step(student, teacher, optimizer, scheduler, micro: list[torch.Tensor]
         accs = [a for a in stats["acc"] if a == a]    # per position j: argmax == target (NaN: none)
         agree += n * (sum(accs) / len(accs) if accs else 0.0)
     grad_norm = torch.nn.utils.clip_grad_norm_(student.parameters(), args.clip)
-    if hasattr(grad_norm, "full_tensor"):             # a DTensor under FSDP2
-        grad_norm = grad_norm.full_tensor()
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm   # FSDP2: a DTensor
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return {"loss": d.all_sum(loss_sum) / n_global, "agree": d.all_sum(agree) / n_global,
             "grad_norm": float(grad_norm), "k": batches[0].k, "offset": batches[0].offset, "n_pred": int(n_global)}
-
 
 def rows_of_step(step: int, global_batch: int, n_rows: int, seed: int) -> list[int]:
     """Row indices of the global batch of step `step` (0-based): a seeded permutation per epoch."""
@@ -157,32 +140,22 @@ def rows_of_step(step: int, global_batch: int, n_rows: int, seed: int) -> list[i
                        for e in epochs])
     return order[first - epochs[0] * n_rows:][:global_batch].tolist()
 
-
 def default_format(tok: Tokenizer, cfg: ModelConfig) -> str:
-    """llama3-chat when the tokenizer has its header tokens, the paper's recipe for Qwen, ChatML
-    when the tokenizer has its turn tokens (SmolLM2), else plain (data.py, "Prompt formats")."""
-    if "<|start_header_id|>" in tok.special_tokens and "<|eot_id|>" in tok.special_tokens:
-        return "llama3-chat"
-    if cfg.model_type in ("qwen2", "qwen3") and "<|endoftext|>" in tok.special_tokens:
-        return "qwen"
-    if all(t in tok.special_tokens for t in ("<|im_start|>", "<|im_end|>", "<|endoftext|>")):
-        return "chatml"
-    return "plain"
-
+    """The prompt format this tokenizer was made for (data.py, "Prompt formats"); plain if none."""
+    has = set(tok.special_tokens).issuperset
+    return ("llama3-chat" if has({"<|start_header_id|>", "<|eot_id|>"}) else
+            "qwen" if cfg.model_type in ("qwen2", "qwen3") and has({"<|endoftext|>"}) else
+            "chatml" if has({"<|im_start|>", "<|im_end|>", "<|endoftext|>"}) else "plain")
 
 # === eval: GSM8K, scored as lm-evaluation-harness's `gsm8k_cot` task scores it ===============
-#
-# Prompt: the 8 chain-of-thought exemplars of Wei et al. (2022) as "Q: ...\nA: ... The answer
-# is N." joined by blank lines, then "Q: {question}\nA:". Greedy decoding stops at "Q:", "</s>",
-# "<|im_end|>" or a stop token; the completion is cut before the first stop string.
+# Prompt: the 8 chain-of-thought exemplars of Wei et al. (2022), "Q: ...\nA: ... The answer is N.",
+# then "Q: {question}\nA:". Decoding stops at "Q:", "</s>", "<|im_end|>" or a stop token.
 #   strict-match      the FIRST match of `The answer is (\-?[0-9\.\,]+).` -- the last "." is an
 #                     unescaped regex dot (ANY one character), so with nothing after the number
 #                     the group gives back its last digit: a final "The answer is 42" gives "4";
 #   flexible-extract  the LAST match of `(-?[$0-9.,]{2,})|(-?[0-9]+)`, the last number-like run.
-# Before comparing, both the extraction and the gold answer (the text after "####") lose every
-# ",", every "$", everything up to "#### " and one trailing ".", and are lower-cased. Accuracy
-# comes with its standard error, sqrt(sample variance / n), as the harness reports it.
-
+# Before comparing, extraction and gold answer (the text after "####") lose every "," and "$",
+# all up to "#### " and one trailing ".", and are lower-cased. Standard error: sqrt(sample var / n).
 GSM8K_EXEMPLARS = [
     ("There are 15 trees in the grove. Grove workers will plant trees in the grove today. After they are done, "
      "there will be 21 trees. How many trees did the grove workers plant today?",
@@ -217,82 +190,60 @@ STRICT_MATCH = re.compile(r"The answer is (\-?[0-9\.\,]+).")
 FLEXIBLE_EXTRACT = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
 IGNORED_BEFORE_COMPARING = (",", r"\$", r"(?s).*#### ", r"\.$")
 
-
 def fewshot_prompt(question: str, n_shot: int = 8) -> str:
     return "\n\n".join([f"Q: {q}\nA: {a}" for q, a in GSM8K_EXEMPLARS[:n_shot]] + [f"Q: {question}\nA:"])
-
 
 def score(completion: str, gold: str) -> dict:
     """Both extractions of one completion and whether each equals the gold answer."""
     def extract(regex: re.Pattern, select: int) -> str:       # match `select` (0: first, -1: last)
-        found = regex.findall(completion)
-        if not found:
-            return "[invalid]"
-        match = found[select]                         # with several groups: the non-empty one
-        return (next(m for m in match if m) if isinstance(match, tuple) else match).strip()
-
-    def normalize(answer: str) -> str:
-        for pattern in IGNORED_BEFORE_COMPARING:
-            answer = re.sub(pattern, "", answer)
-        return answer.lower()
+        found = [m if isinstance(m, str) else next(g for g in m if g) for m in regex.findall(completion)]
+        return found[select].strip() if found else "[invalid]"  # of groups: the non-empty one
+    def normalize(answer: str) -> str:  # each IGNORED_BEFORE_COMPARING pattern in turn
+        return functools.reduce(lambda a, pattern: re.sub(pattern, "", a), IGNORED_BEFORE_COMPARING, answer).lower()
     strict, flexible = extract(STRICT_MATCH, 0), extract(FLEXIBLE_EXTRACT, -1)
     return {"strict": strict, "flexible": flexible,
             "strict_ok": normalize(strict) == normalize(gold), "flexible_ok": normalize(flexible) == normalize(gold)}
 
-
 def cut_at_stop_strings(text: str, stops=GSM8K_STOP_STRINGS) -> str:
-    for s in stops:
-        text = text.split(s)[0]
-    return text
-
+    return min((text.split(s)[0] for s in stops), key=len)  # the text before the first stop string
 
 def mean_and_stderr(values) -> tuple[float, float]:
     values = [float(v) for v in values]
     return sum(values) / len(values), statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
 
-
 def completion_of(tok: Tokenizer, gen, stop_ids, stops=GSM8K_STOP_STRINGS) -> tuple[str, int, int]:
-    """(completion text, tokens, forward passes) as if decoding had stopped at the first stop string:
-    generate stops at stop TOKENS only, so a stop STRING ("Q:") ends the completion with the pass
-    whose tokens completed it, as a string-stopping decoder would; what follows is not counted."""
-    tokens = gen.tokens[:-1] if gen.tokens and gen.tokens[-1] in stop_ids else gen.tokens
-    text = tok.decode(tokens)
+    """(text, tokens, forward passes) as if decoding had stopped at the first stop string: generate
+    stops at stop TOKENS only, so a stop STRING ("Q:") ends the text with the pass that completed it."""
+    text = tok.decode(gen.tokens[:-1] if gen.tokens and gen.tokens[-1] in stop_ids else gen.tokens)
     cut = cut_at_stop_strings(text, stops)
-    if cut == text:
-        return text, len(gen.tokens), gen.forward_passes
-    for passes, end in enumerate(gen.boundaries, 1):
+    for passes, end in enumerate(gen.boundaries if cut != text else [], 1):  # the pass that made the cut
         if any(s in tok.decode(gen.tokens[:end]) for s in stops):
             return cut, end, passes
     return cut, len(gen.tokens), gen.forward_passes
 
-
 def evaluate(args) -> list[dict]:
-    """`eval`: every question decoded with every setting of the sweep (confadapt.decode_modes) and
-    scored; writes results.json, results.md, pareto.png and samples.jsonl to --out."""
+    """`eval`: every question, every setting; results.json/.md, pareto.png, samples.jsonl."""
     modes = decode_modes(args.static_k, args.taus, args.k_max, args.lossless_k)
     if not modes:
         raise ValueError("nothing to evaluate: give --static-k and/or --taus")
     model, tok, mask_id, fmt, stop_ids = load_for_inference(args)
     questions = read_gsm8k(args.data)[: args.limit or None]
-    golds = [gold for _, gold in questions]
-    if args.prompt_style == "fewshot":
-        prompts = [start_tokens(tok, fmt) + tok.encode(fewshot_prompt(q, args.n_shot)) for q, _ in questions]
-    else:
-        prompts = [prompt_tokens(tok, fmt, q) for q, _ in questions]
+    golds, fewshot, out = [gold for _, gold in questions], args.prompt_style == "fewshot", Path(args.out)
+    prompts = [start_tokens(tok, fmt) + tok.encode(fewshot_prompt(q, args.n_shot)) if fewshot
+               else prompt_tokens(tok, fmt, q) for q, _ in questions]
     reference = None
-    if args.reference:                                # an earlier eval's k=1 completions (the untuned model's)
+    if args.reference:  # an earlier eval's k=1 completions (the untuned model's)
         path = Path(args.reference) / "samples.jsonl"
         greedy = [r for r in read_rows(path) if r.get("decoding") == "k=1 (greedy)"]
         if len(greedy) < len(golds):
             raise ValueError(f"{path}: {len(greedy)} greedy (k=1) completions, {len(golds)} needed; run "
                              "that eval with --static-k 1")
         reference = [r["completion"] for r in sorted(greedy, key=lambda r: r["index"])][:len(golds)]
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))    # longest first
-    results = []
+    results, table, same = [], [], reference is not None        # table: the rows of results.md
     with open(out / "samples.jsonl", "w", encoding="utf-8") as f:
-        for mode in modes:                            # a finished row's place in the batch goes to the next prompt
+        for mode in modes:  # a finished row's place in the batch goes to the next prompt
             gens, stats = generate(model, [prompts[i] for i in order], args.max_new_tokens, mode, mask_id, stop_ids,
                                    batch_size=args.batch_size)
             samples = [None] * len(order)
@@ -312,28 +263,24 @@ def evaluate(args) -> list[dict]:
                    "effective_k_overall": tokens / max(1, sum(s["passes"] for s in samples)),
                    "tokens_per_second": tokens / max(stats.seconds - stats.prefill_seconds, 1e-9),
                    "batch_size": args.batch_size}
-            if reference is not None:                 # how often the answer is the reference's, word for word
+            if reference is not None:  # how often the answer is the reference's, word for word
                 row["same_as_reference"] = mean_and_stderr(s["completion"] == r for s, r in zip(samples, reference))[0]
             results.append(row)
-            print(f"{row['decoding']:<28} flexible {100 * flex:5.1f} ± {100 * flex_se:.1f}  strict {100 * strict:5.1f}"
-                  f"  effective k {row['effective_k_mean']:.2f} ± {row['effective_k_std']:.2f}  "
-                  f"{row['tokens_per_second']:,.1f} tok/s", flush=True)
-            for s in samples:
-                f.write(json.dumps({"decoding": row["decoding"], **s}) + "\n")
+            table.append(f"| {row['decoding']} | {100 * flex:.1f} ± {100 * flex_se:.1f} | {100 * strict:.1f} ± "
+                         f"{100 * strict_se:.1f} | {row['effective_k_mean']:.2f} ± {row['effective_k_std']:.2f} | "
+                         f"{row['tokens_per_second']:,.1f} |" + (f" {100 * row['same_as_reference']:.0f}% |" if same
+                                                                   else ""))
+            print(table[-1], flush=True)
+            f.writelines(json.dumps({"decoding": row["decoding"], **s}) + "\n" for s in samples)
     name = "/".join(Path(args.model).resolve().parts[-2:])
-    title = f"{name}: GSM8K chain of thought, {args.n_shot}-shot" if args.prompt_style == "fewshot" \
+    title = f"{name}: GSM8K chain of thought, {args.n_shot}-shot" if fewshot \
         else f"{name}: GSM-style questions, zero-shot ({fmt} format)"
     meta = {"model": args.model, "data": args.data, "prompt_style": args.prompt_style, "format": fmt,
-            "n_shot": args.n_shot if args.prompt_style == "fewshot" else 0, "max_new_tokens": args.max_new_tokens,
+            "n_shot": args.n_shot if fewshot else 0, "max_new_tokens": args.max_new_tokens,
             "device": str(next(model.parameters()).device)}
     write_json(out / "results.json", {"meta": meta, "results": results})
-    same = reference is not None
     md = [f"### {title}", "", "| decoding | flexible-extract acc. | strict-match acc. | effective k (mean ± std) "
-          "| tokens/s |" + (" same as reference |" if same else ""), "|---|---|---|---|---|" + "---|" * same]
-    md += [f"| {r['decoding']} | {100 * r['flexible_acc']:.1f} ± {100 * r['flexible_se']:.1f} | "
-           f"{100 * r['strict_acc']:.1f} ± {100 * r['strict_se']:.1f} | {r['effective_k_mean']:.2f} ± "
-           f"{r['effective_k_std']:.2f} | {r['tokens_per_second']:,.1f} |"
-           + (f" {100 * r['same_as_reference']:.0f}% |" if same else "") for r in results]
+          "| tokens/s |" + (" same as reference |" if same else ""), "|---|---|---|---|---|" + "---|" * same, *table]
     md += ["", f"n = {len(golds)} questions; accuracy in % ± standard error; effective k = tokens / forward passes "
            "per completion (not a wall-clock speed-up); tokens/s = decoding throughput at batch size "
            f"{args.batch_size}, prefill excluded"
@@ -343,33 +290,25 @@ def evaluate(args) -> list[dict]:
     print(f"wrote {out / 'results.md'}, results.json, pareto.png, samples.jsonl")
     return results
 
-
 def pareto_plot(rows: list[dict], path, title: str):
-    """Accuracy (flexible-extract) against effective k, one series per decoding rule, and the front
-    of the settings no other beats on both."""
+    """Flexible-extract accuracy against effective k, a series per rule, and the Pareto front."""
     from matplotlib.figure import Figure
-
+    def xy(rs):
+        return [r["effective_k_mean"] for r in rs], [100 * r["flexible_acc"] for r in rs]
     fig = Figure(figsize=(6.4, 4.4))
     ax = fig.add_subplot()
     for name, kinds, marker in [("static k", ("greedy", "static"), "o"), ("ConfAdapt", ("confadapt",), "s"),
                                 ("lossless", ("lossless",), "D")]:
         pts = sorted((r for r in rows if r["kind"] in kinds), key=lambda r: r["effective_k_mean"])
         if pts:
-            ax.errorbar([r["effective_k_mean"] for r in pts], [100 * r["flexible_acc"] for r in pts],
-                        yerr=[100 * r["flexible_se"] for r in pts], marker=marker, capsize=3, label=name)
-        for r in pts:
+            ax.errorbar(*xy(pts), yerr=[100 * r["flexible_se"] for r in pts], marker=marker, capsize=3, label=name)
+        for r, x, y in zip(pts, *xy(pts)):
             label = f"τ={r['tau']:g}" if r["kind"] == "confadapt" else f"k≤{r['k']}" if r["kind"] == "lossless" \
                 else f"k={r['k']}"
-            ax.annotate(label, (r["effective_k_mean"], 100 * r["flexible_acc"]), textcoords="offset points",
-                        xytext=(4, 4), fontsize=7)
-
-    def beaten(r):                                    # by one at least as accurate and as fast
-        return any(o["flexible_acc"] >= r["flexible_acc"] and o["effective_k_mean"] >= r["effective_k_mean"]
-                   and (o["flexible_acc"], o["effective_k_mean"]) != (r["flexible_acc"], r["effective_k_mean"])
-                   for o in rows)
-    front = sorted((r for r in rows if not beaten(r)), key=lambda r: r["effective_k_mean"])
-    ax.plot([r["effective_k_mean"] for r in front], [100 * r["flexible_acc"] for r in front], "k--", lw=0.8,
-            alpha=0.5, label="Pareto front")
+            ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    points = list(zip(*xy(rows)))  # a setting is on the front unless one is as good on both
+    front = sorted(p for p in set(points) if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in points))
+    ax.plot([x for x, _ in front], [y for _, y in front], "k--", lw=0.8, alpha=0.5, label="Pareto front")
     ax.set(xlabel="effective k (tokens per forward pass)", ylabel="accuracy, flexible-extract (%)")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
@@ -377,48 +316,35 @@ def pareto_plot(rows: list[dict], path, title: str):
     fig.tight_layout()
     fig.savefig(path, dpi=130)
 
-
 def load_for_inference(args) -> tuple[Transformer, Tokenizer, int | None, str, set]:
-    """Model (eval mode, on --device), tokenizer, mask id, prompt format and stop ids (the model's
-    and the tokenizer's, plus the token that ends a response in this format)."""
+    """Model (eval mode, on --device), tokenizer, mask id, format, stop ids (stop_ids_for)."""
     device = parse_device(args.device)
     model, tok, mask_id, stop_ids = load_model(args.model, device, compute_dtype(device.type, args.dtype))
     fmt = args.format if args.format != "auto" else default_format(tok, model.config)
     return model, tok, mask_id, fmt, stop_ids | {end_token(tok, fmt)}
 
-
 def stop_ids_for(model: Transformer, tok: Tokenizer, fmt: str) -> set:
-    """The stop ids load_for_inference gives, for a model loaded some other way."""
-    eos = model.config.eos_token_id
-    return {i for i in (eos if isinstance(eos, list) else [eos]) if i is not None} | set(tok.stop_ids) \
-        | {end_token(tok, fmt)}
-
+    """The model's and tokenizer's stop ids and the token that ends a response in this format."""
+    eos = model.config.eos_token_id if isinstance(model.config.eos_token_id, list) else [model.config.eos_token_id]
+    return {i for i in eos if i is not None} | {*tok.stop_ids, end_token(tok, fmt)}
 
 # === analyze: is this domain predictable enough to be worth tuning? ==========================
-#
-# Before any training, let the model answer the domain's prompts greedily and record for each
-# answer token its top-1 probability c_t given the true prefix. ConfAdapt will accept a mask
-# prediction when the TUNED model is at least tau sure of it, without seeing the tokens just
-# before it. Two bounds on that from the base model's c_t, each run through ConfAdapt's rule:
-#   per-token (optimistic)  position j of a pass is accepted while every c it covers is >= tau
-#                           (the student as sure as the teacher was with the true prefix);
-#   joint (conservative)    accepted while c_t * c_{t+1} * ... * c_{t+j} >= tau: the probability
-#                           of the whole greedy run, a lower bound on the marginal probability
-#                           of its last token, which is what the mask position has to predict.
-# Both assume a student that learns all the teacher knows: read them as ceilings (on the
-# word-problem miniature: 10.9-11.2 at tau = 0.9, 6.7 reached after 1,000 steps).
-
+# The base model answers the domain's prompts greedily; c_t is each answer token's top-1 probability
+# given the true prefix. ConfAdapt accepts a mask prediction when the TUNED model is at least tau
+# sure of it without seeing the tokens just before. Two bounds on that:
+#   per-token (optimistic)  position j of a pass is accepted while every c it covers is >= tau;
+#   joint (conservative)    accepted while c_t * c_{t+1} * ... * c_{t+j} >= tau: the probability of
+#                           the whole greedy run, a lower bound on the marginal of its last token.
+# Both assume a student that learns all the teacher knows: read them as ceilings.
 def simulated_passes(conf: list[float], tau: float, k_max: int, joint: bool) -> int:
-    """Forward passes ConfAdapt(tau, k_max) needs for an answer with these confidences: its accept
-    rule (accept_confadapt) applied to each pass's window, per token or joint."""
+    """Forward passes ConfAdapt(tau, k_max) needs for an answer with these confidences (per token or joint)."""
     t, passes = 0, 0
     while t < len(conf):
         window = conf[t:t + k_max]
         if joint:                                    # c_t, c_t c_{t+1}, c_t c_{t+1} c_{t+2}, ...
-            window = list(itertools.accumulate(window, operator.mul))
+            window = [math.prod(window[:j + 1]) for j in range(len(window))]
         t, passes = t + accept_confadapt(window, tau), passes + 1
     return passes
-
 
 def greedy_answers(model, tok, fmt, stop_ids, questions: list[str], args):
     """The model's greedy answers to the questions in the prompt format: (prompts, gens, stats)."""
@@ -426,7 +352,6 @@ def greedy_answers(model, tok, fmt, stop_ids, questions: list[str], args):
     gens, stats = generate(model, prompts, args.max_new_tokens, DecodeConfig("greedy"), stop_ids=stop_ids,
                            batch_size=args.batch_size)
     return prompts, gens, stats
-
 
 def analyze(args) -> dict:
     """`analyze`: confidence profile and ConfAdapt estimates per domain; prints a verdict, writes JSON + MD."""
@@ -444,17 +369,14 @@ def analyze(args) -> dict:
             with torch.inference_mode():              # one teacher-forced pass over prompt + answer
                 ids = torch.tensor([prompt + gen.tokens], device=next(model.parameters()).device)   # (1, P + A)
                 index = torch.arange(len(prompt) - 1, ids.shape[1] - 1, device=ids.device)[None]   # (1, A)
-                probs = model(ids, output_index=index).float().softmax(-1)                         # (1, A, V)
+                probs = model(ids, output_index=index).float().softmax(-1)  # (1, A, V)
                 confs.append(probs.max(-1).values[0].tolist())
         flat = [c for cs in confs for c in cs]
         if not flat:
             raise ValueError("the model produced no answer tokens")
-        rows = []
-        for tau in args.taus:
-            est = {key: len(flat) / sum(simulated_passes(cs, tau, args.k_max, joint) for cs in confs)
-                   for key, joint in (("per_token", False), ("joint", True))}
-            rows.append({"tau": tau, "share_confident": sum(c >= tau for c in flat) / len(flat),
-                         "effective_k_per_token": est["per_token"], "effective_k_joint": est["joint"]})
+        rows = [{"tau": tau, "share_confident": sum(c >= tau for c in flat) / len(flat),
+                 **{f"effective_k_{key}": len(flat) / sum(simulated_passes(cs, tau, args.k_max, joint) for cs in confs)
+                    for key, joint in (("per_token", False), ("joint", True))}} for tau in args.taus]
         ref = min(rows, key=lambda r: abs(r["tau"] - 0.9))
         worth = ref["effective_k_per_token"] >= 2.0
         verdict = (f"at tau={ref['tau']:g}, ConfAdapt could reach an effective k of about "
@@ -481,13 +403,9 @@ def analyze(args) -> dict:
         (Path(args.out) / "analysis.md").write_text("\n".join(md), encoding="utf-8")
     return report
 
-
 # === data: training rows from the model itself ===============================================
-#
-# The hard teacher only uses the data as prefixes: its targets are its own predictions along
-# them. With no data set at hand, the model's own greedy answers to prompts of the target
-# domains make such prefixes, from the very distribution ConfAdapt will decode.
-
+# The hard teacher uses data only as prefixes (its targets are its own predictions), so the model's
+# greedy answers to prompts of the target domains serve, from the distribution ConfAdapt decodes.
 def make_data(args):
     """`data`: write the model's greedy answers to each domain's training prompts as JSONL rows."""
     model, tok, _, fmt, stop_ids = load_for_inference(args)
@@ -501,22 +419,15 @@ def make_data(args):
                          "finished": finished})
         print(f"{domain}: {len(questions)} answers, {sum(len(g.tokens) for g in gens):,} tokens, "
               f"{stats.seconds:.0f} s", flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_save(lambda p: Path(p).write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8"), out)
-    print(f"wrote {len(rows)} rows to {out}")
-
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    atomic_save(lambda p: Path(p).write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8"), args.out)
+    print(f"wrote {len(rows)} rows to {args.out}")
 
 # === export: a Hugging Face folder any transformers-based stack loads ========================
 
 def export(student, tok: Tokenizer, path: Path, args, d: Dist) -> Path:
-    """config.json (with mask_token_id) + safetensors + tokenizer (with <mask>) + README.md.
-
-    Under FSDP2 the shards are gathered into one full state dict on rank 0 (in CPU memory). The
-    weights are written in the base checkpoint's dtype (its config.json's; float32 when unstated),
-    whichever device trained them, so a tuned model ships like its base."""
+    """config.json, safetensors, tokenizer (<mask> in each), README.md; the base model's dtype."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     state = get_model_state_dict(student, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if d.main:
         with torch.device("meta"):
@@ -530,82 +441,43 @@ def export(student, tok: Tokenizer, path: Path, args, d: Dist) -> Path:
         tok.save_pretrained(path)
         (Path(path) / "README.md").write_text(model_card(model.config, args), encoding="utf-8")
     d.barrier()
+    d.log(f"exported {path}")
     return Path(path)
 
-
 def model_card(cfg: ModelConfig, args) -> str:
-    """A short README.md: what the model is and how to decode it."""
-    how = {"hard": "student-forced self-distillation from a frozen copy of itself (hard teacher targets)",
-           "soft": "student-forced self-distillation from a frozen copy of itself (soft teacher targets)",
-           "gt": "the naive ground-truth multi-token loss (an ablation)"}[args.mode]
-    fmt = {"llama3-chat": " (Llama-3 chat template)", "chatml": " (ChatML, as the model's chat template)",
-           "qwen": ' (prompt + "\\n\\n" + response, `<|endoftext|>` first)'}.get(
-        args.format, ' (BOS + prompt + "\\n\\n" + response)')
+    """The exported folder's README.md: what the model is, how to decode it, how it was trained."""
+    how = ("the naive ground-truth loss (an ablation)" if args.mode == "gt" else
+           f"{args.mode}-target self-distillation from a frozen copy of itself")
     return f"""---
 library_name: transformers
 tags: [multi-token-prediction, self-distillation]
 ---
-
 # Multi-token prediction by self-distillation
 
-Tuned from `{args.model}` on {', '.join(f'`{d}`' for d in args.data)} with {how}, following Kirchenbauer \
-et al., "Multi-Token Prediction via Self-Distillation" (arXiv 2602.06019).
+`{args.model}` tuned on {', '.join(f'`{d}`' for d in args.data)} with {how} (Kirchenbauer et al., \
+"Multi-Token Prediction via Self-Distillation", arXiv 2602.06019). The architecture is unchanged; the \
+vocabulary has one extra token, `<mask>` (id {cfg.mask_token_id}, `mask_token_id` in config.json). \
+Fed the text so far and k-1 `<mask>` tokens, it predicts the next k tokens in one forward pass; \
+ConfAdapt keeps the leading ones whose top-1 probability is at least tau. Prompt format: `{args.format}`.
+Decode it with `python confadapt.py --model THIS_FOLDER --prompt "..." --tau 0.9 --k-max 16` (or \
+`--lossless --k-max 8`: exactly the greedy output, in fewer passes). With plain transformers \
+(`AutoModelForCausalLM`), append k-1 `mask_token_id`s to the prompt's ids: `logits[0, -k:]` are the next k tokens.
 
-The architecture is unchanged; the vocabulary has one extra token, `<mask>` (id {cfg.mask_token_id}, \
-also `mask_token_id` in config.json). Decoded normally (one token per forward pass) it is an ordinary \
-causal LM and loads with `AutoModelForCausalLM`.
-
-## Decoding several tokens per forward pass
-
-Feed the text so far followed by k-1 `<mask>` tokens; the logits at the last real token and at the \
-k-1 masks are the next k tokens. Keep only the longest leading run whose top-1 probability is at \
-least tau (ConfAdapt; always keep the first), drop the masks from the KV cache, repeat:
-
-```bash
-python confadapt.py --model THIS_FOLDER --prompt "..." --tau 0.9 --k-max 16   # ConfAdapt (paper: ~3x fewer passes)
-python confadapt.py --model THIS_FOLDER --prompt "..." --lossless --k-max 8    # exactly greedy, fewer passes
-python finetune_hf.py eval --model THIS_FOLDER --data gsm8k_test.jsonl          # accuracy vs effective k
-```
-
-One multi-token pass with plain transformers (positions default to 0..T-1, which is what the masks need):
-
-```python
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-model, tok = AutoModelForCausalLM.from_pretrained(FOLDER), AutoTokenizer.from_pretrained(FOLDER)
-ids = tok(prompt, return_tensors="pt").input_ids                       # formatted as in training
-k = 4
-x = torch.cat([ids, torch.full((1, k - 1), model.config.mask_token_id)], dim=1)
-confidence, next_k = model(x).logits[0, -k:].softmax(-1).max(-1)       # k proposals and their confidences
-```
-
-Prompt format used in training: `{args.format}`{fmt}.
-
-## Training
-
-seq len {args.seq_len}, k uniform in [2, {args.k_max}], {args.regions} regions per sequence, global \
+Training: seq len {args.seq_len}, k uniform in [2, {args.k_max}], {args.regions} regions per sequence, global \
 batch {args.batch_size}, AdamW lr {args.lr:g} (warm-up {args.warmup} steps, then constant), betas \
 ({args.beta1}, {args.beta2}), weight decay {args.weight_decay}, clip {args.clip}, {args.steps} steps.
 """
 
-
 def export_checkpoint(args):
-    """`export`: a training checkpoint (a run's --out, or a step_N folder) -> Hugging Face folder."""
-    ckpt = Path(args.checkpoint)
-    if (ckpt / "checkpoints").is_dir():
-        ckpt = latest_checkpoint(ckpt) or ckpt
+    """`export`: a training checkpoint (a run's --out or a step_N folder) -> Hugging Face folder."""
+    ckpt = latest_checkpoint(args.checkpoint) or Path(args.checkpoint)  # a run: its latest
     if not (ckpt / "trainer.pt").is_file():
         raise FileNotFoundError(f"no training checkpoint (trainer.pt) in {args.checkpoint}")
-    output_folder(args.out, "--out")
     saved = argparse.Namespace(**read_checkpoint(ckpt / "trainer.pt", "training checkpoint", weights_only=True)["args"])
-    saved.device = "cpu"
     input_path(saved.model, "the base model this checkpoint was tuned from", folder=True)
-    d = Dist()
-    student, _, tok, _ = load_student_and_teacher(saved, d, with_teacher=False)
-    optimizer, scheduler = make_optimizer(student, saved)
-    load_checkpoint(ckpt, student, optimizer, scheduler, saved)
-    return export(student, tok, Path(args.out), saved, d)
-
+    student, _, tok, _ = load_student_and_teacher(saved, Dist(), with_teacher=False)
+    load_checkpoint(ckpt, student, *make_optimizer(student, saved), saved)  # optimizer, scheduler: unused
+    return export(student, tok, Path(args.out), saved, Dist())
 
 # --- plumbing: processes, dtypes, loading and sharding, checkpoints, input checks, files, CLI ----
 
@@ -616,81 +488,57 @@ class Dist:
     device: torch.device = torch.device("cpu")
     dtype: torch.dtype = torch.float32               # what the matrix multiplications compute in
     sharded: bool = False                            # under torchrun: FSDP2, at any world size
-
     @property
     def main(self) -> bool:
         return self.rank == 0
-
     def log(self, message: str):
         if self.main:
             print(message, flush=True)
-
     def all_sum(self, x: float) -> float:
-        if not self.sharded:
-            return x
         t = torch.tensor([float(x)], dtype=torch.float64, device=self.device)
-        torch.distributed.all_reduce(t)
+        if self.sharded:
+            torch.distributed.all_reduce(t)
         return float(t)
-
     def barrier(self):
         if self.sharded:
             torch.distributed.barrier()
 
-
 def setup_processes(device: str, dtype: str = "auto") -> Dist:
     """Join the torchrun process group if there is one (nccl on GPU, gloo on CPU)."""
-    device = parse_device(device)
-    compute = compute_dtype(device.type, dtype)
-    if "WORLD_SIZE" not in os.environ:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        return Dist(device=device, dtype=compute)
     import datetime
-
-    if device.type == "cuda":                 # one GPU per process, whatever index --device named
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    device, torchrun = parse_device(device), "WORLD_SIZE" in os.environ
+    compute = compute_dtype(device.type, dtype)
+    if device.type == "cuda":  # under torchrun: one GPU per process, whatever --device named
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torchrun else device
         torch.cuda.set_device(device)
-    elif dtype == "auto":                     # several CPU processes (gloo, tests): float32
-        compute = torch.float32
-    # Rank 0 alone reads the checkpoint and writes the export while the others wait in a
-    # collective; for an 8B model on a slow disk that can outlast NCCL's default 10 minutes.
+    if not torchrun:
+        return Dist(device=device, dtype=compute)
+    # Rank 0 alone loads and exports while the others wait: on a slow disk, over NCCL's default 10 min.
     torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                          timeout=datetime.timedelta(hours=1))
+    compute = torch.float32 if device.type == "cpu" and dtype == "auto" else compute  # gloo: float32
     return Dist(torch.distributed.get_rank(), torch.distributed.get_world_size(), device, compute, sharded=True)
 
-
 def compute_dtype(device_type: str, dtype: str = "auto") -> torch.dtype:
-    """--dtype auto: bfloat16 on GPUs that have it (Ampere and later) and on CPUs with native
-    bfloat16 arithmetic (AVX-512 BF16 or AMX; elsewhere torch emulates it, slowly), else float32."""
+    """--dtype auto: bfloat16 on GPUs and CPUs with native bfloat16 arithmetic (elsewhere slow), else float32."""
     if dtype != "auto":
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+        return getattr(torch, dtype)
     if device_type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    try:
-        flags = Path("/proc/cpuinfo").read_text() if device_type == "cpu" else ""
-    except OSError:
-        flags = ""
+    flags = Path("/proc/cpuinfo").read_text() if os.path.isfile("/proc/cpuinfo") else ""   # Linux lists them
     return torch.bfloat16 if "avx512_bf16" in flags or "amx_bf16" in flags else torch.float32
 
-
-# Precision (--dtype). The student keeps float32 master weights (AdamW's lr 1e-5 updates vanish in
-# bfloat16's 8-bit mantissa) and computes in bfloat16 where the hardware has it (a training step
-# 1.5-1.8x faster on such CPUs): FSDP2's MixedPrecisionPolicy when sharded, torch.autocast
-# otherwise. The teacher never changes, so it is stored in the compute dtype. Elsewhere float32,
-# also on GPUs before Ampere: float16 would need loss scaling, and its range overflows.
-#
-# Sharding. Every rank builds student and teacher on the meta device (no memory), shards each
-# block (one all-gather unit) and then the root (embeddings, final norm, head) with fully_shard,
-# and only rank 0 reads the checkpoint: its weights are broadcast straight into the shards, so an
-# 8B model is never held in full by more than one process.
-
+# Precision. The student keeps float32 master weights (lr 1e-5 updates vanish in bfloat16's 8-bit
+# mantissa) and computes in --dtype: FSDP2's MixedPrecisionPolicy when sharded, torch.autocast
+# otherwise. The teacher never changes: it is stored in the compute dtype (float16: loss scaling).
+# Sharding. Every rank builds student and teacher on the meta device (no memory) and shards each
+# block (one all-gather unit), then the root, with fully_shard; only rank 0 reads the checkpoint and
+# broadcasts its weights straight into the shards, so no other process ever holds the full model.
 def load_student_and_teacher(args, d: Dist, with_teacher: bool = True):
     """(student, teacher or None, tokenizer, mask id) on d.device, sharded when d.sharded."""
     tok = load_tokenizer(args.model)
-    full, meta = None, [None]
-    if d.main:
-        full = Transformer.from_pretrained(args.model, dtype=torch.float32)
-        meta = [(full.config, add_mask_token(full, tok))]
+    full = Transformer.from_pretrained(args.model, dtype=torch.float32) if d.main else None
+    meta = [(full.config, add_mask_token(full, tok))] if d.main else [None]
     if d.sharded:                                     # rank 0's config and mask id, on every rank
         torch.distributed.broadcast_object_list(meta, src=0)
     cfg, mask_id = meta[0]
@@ -705,12 +553,10 @@ def load_student_and_teacher(args, d: Dist, with_teacher: bool = True):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     with torch.device("meta"):
         student = Transformer(cfg)
     teacher = frozen_teacher(student).to(d.dtype) if with_teacher else None
-    # The mesh is built for d.device: fully_shard's default follows the machine's accelerator,
-    # which would put a `--device cpu` run's shards on a GPU.
+    # A mesh for d.device: fully_shard's default would put a `--device cpu` run's shards on a GPU.
     mesh = init_device_mesh(d.device.type, (d.world,))
     mp = MixedPrecisionPolicy(param_dtype=d.dtype, reduce_dtype=torch.float32)
     for model in [student] + ([teacher] if teacher is not None else []):
@@ -721,39 +567,30 @@ def load_student_and_teacher(args, d: Dist, with_teacher: bool = True):
         model.inv_freq = rope_inv_freq(cfg).to(d.device)          # non-persistent buffer: recompute
         set_model_state_dict(model, full.state_dict() if d.main else {},
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    del full
     return student.train(), teacher, tok, mask_id
-
 
 def make_optimizer(model, args):
     """AdamW (model.configure_optimizer: no decay on the norms), linear warm-up, then constant."""
     optimizer = model.configure_optimizer(args.lr, args.weight_decay, (args.beta1, args.beta2))
-    warmup = max(1, args.warmup)
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup)))
 
-
-# A checkpoint is a folder checkpoints/step_000123/ written by torch.distributed.checkpoint (each
-# process writes its shards of model and optimizer state) plus trainer.pt (step, scheduler, CPU
-# RNG state, arguments). It is written under a temporary name and renamed when complete, then
-# `latest` is atomically pointed at it: a crash at any moment leaves the previous one intact.
-
+# A checkpoint is checkpoints/step_000123/: torch.distributed.checkpoint's files (each process its
+# shards of model and optimizer state) and trainer.pt (step, scheduler, CPU RNG, arguments), renamed
+# from a temporary name when complete, then named in `latest`: a crash leaves the last one whole.
 RESUME_MUST_MATCH = ("model", "data", "format", "seq_len", "mode", "prefix_ntp_weight", "k_max", "regions",
                      "batch_size", "lr", "warmup", "weight_decay", "beta1", "beta2", "seed")
-
 
 def save_checkpoint(student, optimizer, scheduler, step: int, args, d: Dist) -> Path:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
-
     root = Path(args.out) / "checkpoints"
     final, tmp = root / f"step_{step:06d}", root / f".step_{step:06d}.tmp"
     if d.main:
-        root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        tmp.mkdir(parents=True)
     d.barrier()
     model_state, optim_state = get_state_dict(student, optimizer)
-    with warnings.catch_warnings():                   # one process: DCP warns it has no group
+    with warnings.catch_warnings():  # one process: DCP warns that torch.distributed is disabled
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
     d.barrier()
@@ -769,45 +606,37 @@ def save_checkpoint(student, optimizer, scheduler, step: int, args, d: Dist) -> 
     d.barrier()
     return final
 
-
 def latest_checkpoint(out) -> Path | None:
     pointer = Path(out) / "checkpoints" / "latest"
     path = pointer.parent / pointer.read_text().strip() if pointer.is_file() else None
     return path if path is not None and (path / "trainer.pt").is_file() else None
 
-
 def load_checkpoint(path: Path, student, optimizer, scheduler, args) -> int:
-    """Restore model, optimizer, scheduler and RNG from `path`; returns the step to continue from.
-    The settings that shape the run must be the saved run's (--model and --data compared as the
-    files they name, not as spelled)."""
+    """Restore model, optimizer, scheduler and RNG from `path` if the run's settings match; the next step."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
     trainer = read_checkpoint(path / "trainer.pt", "training checkpoint", weights_only=True)
-    saved = trainer["args"]
-
-    def same(name, a, b):
-        if name in ("model", "data") and a is not None and b is not None:
-            a, b = ([os.path.realpath(p) for p in ([x] if isinstance(x, str) else x)] for x in (a, b))
-        return a == b
-    changed = [f"--{k.replace('_', '-')} {saved.get(k)} -> {getattr(args, k)}" for k in RESUME_MUST_MATCH
-               if not same(k, saved.get(k), getattr(args, k))]
+    def setting(name, args):
+        value = args.get(name)
+        if name in ("model", "data") and value is not None:
+            return [os.path.realpath(p) for p in ([value] if isinstance(value, str) else value)]
+        return value
+    changed = [f"--{k.replace('_', '-')} {trainer['args'].get(k)} -> {getattr(args, k)}" for k in RESUME_MUST_MATCH
+               if setting(k, trainer["args"]) != setting(k, vars(args))]
     if changed:
         raise ValueError(f"cannot resume from {path}: settings differ from the interrupted run ({'; '.join(changed)})")
-    model_state, optim_state = get_state_dict(student, optimizer)
-    state = {"model": model_state, "optim": optim_state}
+    state = dict(zip(("model", "optim"), get_state_dict(student, optimizer)))   # as save_checkpoint names them
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
             dcp.load(state, checkpoint_id=str(path))
-        except Exception as e:                        # dcp wraps the reader's error in its own exception type
+        except Exception as e:  # dcp wraps the reader's error in its own exception type
             raise ValueError(f"cannot read the checkpoint {path}: truncated or corrupt ({type(e).__name__}); "
                              f"resume from an earlier one by pointing {path.parent}/latest at it") from None
     set_state_dict(student, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     scheduler.load_state_dict(trainer["scheduler"])
     torch.set_rng_state(trainer["rng_cpu"])           # per-GPU states, where saved, are unused
     return trainer["step"]
-
 
 def check_train_args(args):
     """What `train` checks before loading anything (check_paths saw the files): sizes, the state of --out."""
@@ -833,28 +662,21 @@ def check_train_args(args):
               f"{f'only reaches {100 * reached:.2g}% of' if reached < 1 else 'reaches'} --lr "
               f"{args.lr:g}{'' if reached < 1 else ' only at step ' + str(args.warmup)}", flush=True)
 
-
 def read_rows(path, choices=None) -> list:
-    """A JSON array or JSON-lines file -> its rows (dicts); with `choices` (tuples of field names),
-    each row's text fields of the first tuple that the first row has, as a tuple."""
+    """Rows (dicts) of a JSON array or JSONL file; with `choices`, the first field tuple they have."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no data file at {path}")
     try:
         text = Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
-    if text.lstrip().startswith("["):
+    array, rows = text.lstrip().startswith("["), []
+    for i, line in enumerate([text] if array else text.splitlines(), 1):
         try:
-            rows = json.loads(text)
+            rows += json.loads(line) if array else [json.loads(line)] if line.strip() else []
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: malformed JSON array: {e}") from None
-    else:
-        rows = []
-        for i, line in enumerate(text.splitlines(), 1):
-            try:
-                rows += [json.loads(line)] if line.strip() else []
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path} line {i}: malformed JSON: {e}") from None
+            raise ValueError(f"{path}: malformed JSON array: {e}" if array else
+                             f"{path} line {i}: malformed JSON: {e}") from None
     if not rows:
         raise ValueError(f"{path} holds no rows")
     if not all(isinstance(r, dict) for r in rows):
@@ -870,80 +692,58 @@ def read_rows(path, choices=None) -> list:
         raise ValueError(f"{path}: row {bad + 1} lacks a text field {' or '.join(repr(f) for f in fields)}")
     return [tuple(r[f] for f in fields) for r in rows]
 
-
-def read_pairs(path) -> list[tuple[str, str]]:
-    """(prompt, response) pairs: MetaMathQA rows as distributed (query, response) or (prompt, response)."""
+def read_pairs(path) -> list[tuple[str, str]]:  # MetaMathQA as distributed, or (prompt, response)
     return read_rows(path, [("query", "response"), ("prompt", "response")])
 
-
-def read_gsm8k(path) -> list[tuple[str, str]]:
-    """GSM8K test rows -> (question, gold answer); gold is the text after the last '####'."""
+def read_gsm8k(path) -> list[tuple[str, str]]:  # (question, gold): the text after the last '####'
     return [(q, a.split("####")[-1].strip()) for q, a in read_rows(path, [("question", "answer")])]
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="finetune_hf.py", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     taus, model = [0.99, 0.95, 0.9, 0.8, 0.7, 0.5], "Hugging Face layout folder"
 
-    def format_flag(c):
-        c.add_argument("--format", default="auto", choices=("auto",) + FORMATS, help="prompt format (auto: "
-                       "llama3-chat or chatml if the tokenizer has their tokens, qwen for Qwen, else plain)")
+    def common(c, max_new_tokens=None):  # train, eval, analyze, data; decoding: not train
+        c.add_argument("--format", default="auto", choices=("auto", *FORMATS), help="prompt format (auto: detect)")
+        if max_new_tokens:
+            c.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens, help="most tokens per answer")
+            c.add_argument("--batch-size", type=positive_int, default=16, help="prompts decoded at once")
+        c.add_argument("--device", default="auto", help="auto (cuda if any), cpu, cuda or cuda:N")
+        c.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"), help="compute dtype (auto: "
+                       "bfloat16 where the hardware computes in it, else float32)")
+        c.add_argument("--threads", type=positive_int, help="CPU threads (default: one per core)")
 
-    def device_flags(c, device=True):
-        if device:
-            c.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
-            c.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"), help="compute "
-                           "dtype (auto: bfloat16 on GPUs and on CPUs with bfloat16 arithmetic, else float32)")
-        c.add_argument("--threads", type=positive_int, help="CPU threads (default: torch's, one per core)")
-
-    def decoding_flags(c, max_new_tokens):            # what eval, analyze and data share
-        format_flag(c)
-        c.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens, help="most tokens per answer")
-        c.add_argument("--batch-size", type=positive_int, default=16,
-                       help="prompts decoded at once (a finished one hands its place to the next)")
-        device_flags(c)
-
-    t = sub.add_parser("train", help="MTP fine-tuning by self-distillation (torchrun for several GPUs)")
+    t = sub.add_parser("train", help="MTP fine-tuning by self-distillation (torchrun: several GPUs)")
     t.add_argument("--model", required=True, help=f"{model} (config.json, safetensors, tokenizer)")
     g = t.add_argument_group("data")
-    g.add_argument("--data", required=True, nargs="+", help="MetaMathQA JSON array / JSONL (query, response) "
-                   "or JSONL (prompt, response); several are joined")
-    format_flag(g)
-    g.add_argument("--seq-len", type=number(int, 2), default=160, help="tokens per training sequence")
+    g.add_argument("--data", required=True, nargs="+", help="rows (query or prompt, response): JSON array or JSONL")
+    g.add_argument("--seq-len", type=number(int, 2), default=160, help="tokens per sequence")
     g.add_argument("--limit-rows", type=count, default=0, help="use only the first N rows (0: all)")
     o = t.add_argument_group("optimization (defaults: the paper's full-scale recipe)")
     o.add_argument("--steps", type=positive_int, default=100_000, help="optimizer steps")
-    o.add_argument("--batch-size", type=positive_int, default=128, help="global batch (sequences per step)")
-    o.add_argument("--micro-batch", type=positive_int, default=8,
-                   help="sequences per forward pass and process; the rest is gradient accumulation")
+    o.add_argument("--batch-size", type=positive_int, default=128, help="sequences per step (global)")
+    o.add_argument("--micro-batch", type=positive_int, default=8, help="sequences per forward pass and process")
     o.add_argument("--lr", type=positive_float, default=1e-5, help="peak learning rate (AdamW)")
-    o.add_argument("--warmup", type=count, default=2000,
-                   help="linear warm-up steps, then constant (a warning when over half of --steps)")
+    o.add_argument("--warmup", type=count, default=2000, help="linear warm-up steps, then constant")
     o.add_argument("--weight-decay", type=number(float, 0), default=0.1, help="AdamW weight decay")
     o.add_argument("--beta1", type=number(float, 0, 0.9999), default=0.9, help="AdamW beta1")
     o.add_argument("--beta2", type=number(float, 0, 0.9999), default=0.95, help="AdamW beta2")
     o.add_argument("--clip", type=positive_float, default=1.0, help="gradient norm clipping")
     o.add_argument("--seed", type=count, default=0, help="data order and every step's k and offset")
     m = t.add_argument_group("multi-token prediction")
-    m.add_argument("--mode", default="hard", choices=MODES,
-                   help="hard / soft: self-distillation; gt: the naive ground-truth ablation")
+    m.add_argument("--mode", default="hard", choices=MODES, help="hard / soft: self-distillation; gt: naive ablation")
     m.add_argument("--k-max", type=number(int, 2), default=16, help="k is drawn uniformly from [2, k_max] every step")
-    m.add_argument("--regions", type=positive_int, default=None,
-                   help="MTP problems per sequence (default seq_len / (2 k_max))")
-    m.add_argument("--prefix-ntp-weight", type=number(float, 0), default=0.0,
-                   help="add this much plain next-token loss on the ground-truth tokens (an ablation; 0: off)")
+    m.add_argument("--regions", type=positive_int, help="MTP problems per sequence (default seq_len / (2 k_max))")
+    m.add_argument("--prefix-ntp-weight", type=number(float, 0), default=0.0, help="plus this much plain NTP loss")
     c = t.add_argument_group("checkpoints and system")
     c.add_argument("--out", required=True, help="output folder: checkpoints/, log.jsonl, final/ (the exported model)")
     c.add_argument("--save-every", type=positive_int, default=1000, help="checkpoint every N steps")
     c.add_argument("--keep", type=positive_int, default=2, help="checkpoints to keep")
-    c.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    c.add_argument("--resume", action="store_true", help="continue from --out's last checkpoint")
     c.add_argument("--overwrite", action="store_true", help="replace the run already in --out (checkpoints, log)")
     c.add_argument("--activation-checkpointing", action="store_true", help="recompute block activations in backward")
-    c.add_argument("--log-every", type=positive_int, default=1,
-                   help="a log.jsonl row every N steps (the terminal gets a progress line every few seconds)")
-    device_flags(c)
-
+    c.add_argument("--log-every", type=positive_int, default=1, help="a log.jsonl row every N steps")
+    common(c)
     e = sub.add_parser("eval", help="GSM8K sweep over static k and ConfAdapt thresholds")
     e.add_argument("--model", required=True, help=f"{model} (a tuned model, or any for k = 1)")
     e.add_argument("--data", required=True, help="GSM8K test JSONL (question, answer)")
@@ -951,69 +751,59 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--prompt-style", default="fewshot", choices=("fewshot", "zeroshot"),
                    help="fewshot: lm-eval gsm8k_cot; zeroshot: the question in the training format (small models)")
     e.add_argument("--n-shot", type=number(int, 0, 8), default=8, help="fewshot: exemplars before the question")
-    e.add_argument("--static-k", type=positive_int, nargs="*", default=[1, 2, 3, 4],
-                   help="static k values (1 = greedy)")
+    e.add_argument("--static-k", type=positive_int, nargs="*", default=[1, 2, 3, 4], help="static k values (1: greedy)")
     e.add_argument("--taus", type=probability, nargs="*", default=taus, help="ConfAdapt thresholds, each in (0, 1]")
     e.add_argument("--k-max", type=positive_int, default=16, help="ConfAdapt: most tokens per pass")
     e.add_argument("--lossless-k", type=count, default=0, help="also run the lossless mode with this k (0: no)")
     e.add_argument("--limit", type=count, default=0, help="first N questions only (0: all)")
-    e.add_argument("--reference", default=None,
-                   help="an earlier eval's --out folder: report how often each answer equals its k=1 answer")
-    decoding_flags(e, 256)
-
+    e.add_argument("--reference", help="an earlier eval's --out: report how often each answer equals its k=1 answer")
+    common(e, 256)
     a = sub.add_parser("analyze", help="before tuning: how predictable are the model's answers on this domain?")
     a.add_argument("--model", required=True, help=f"{model}: the base model, before tuning")
     src = a.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", help="the domain's prompts: rows with question, query or prompt")
     src.add_argument("--domains", nargs="+", choices=DOMAINS, help="held-out prompts generated in code, per domain")
     a.add_argument("--limit", type=count, default=64, help="first N prompts only (0: all)")
-    a.add_argument("--taus", type=probability, nargs="+", default=taus,
-                   help="ConfAdapt thresholds to estimate, each in (0, 1]")
+    a.add_argument("--taus", type=probability, nargs="+", default=taus, help="ConfAdapt thresholds, each in (0, 1]")
     a.add_argument("--k-max", type=number(int, 2), default=16, help="ConfAdapt: most tokens per pass")
-    a.add_argument("--out", default=None, help="also write analysis.json and analysis.md here")
-    decoding_flags(a, 256)
-
+    a.add_argument("--out", help="also write analysis.json and analysis.md here")
+    common(a, 256)
     r = sub.add_parser("data", help="training rows from the model itself: its greedy answers to domain prompts")
     r.add_argument("--model", required=True, help=model)
     r.add_argument("--out", required=True, help="JSONL file of {domain, prompt, response} rows (train --data takes it)")
-    r.add_argument("--domains", nargs="+", choices=DOMAINS, default=list(DOMAINS), help="prompt domains")
+    r.add_argument("--domains", nargs="+", choices=DOMAINS, default=list(DOMAINS), help="domains")
     r.add_argument("--per-domain", type=positive_int, default=100, help="prompts per domain (fewer if it has fewer)")
     r.add_argument("--split", default="train", choices=("train", "test"), help="which prompts of each domain")
-    decoding_flags(r, 128)
-
-    x = sub.add_parser("export", help="a training checkpoint -> Hugging Face folder with model card")
+    common(r, 128)
+    x = sub.add_parser("export", help="a training checkpoint -> a Hugging Face folder")
     x.add_argument("--checkpoint", required=True, help="a run's --out folder or one checkpoints/step_N folder")
     x.add_argument("--out", required=True, help="the Hugging Face folder to write")
-    device_flags(x, device=False)
+    x.add_argument("--threads", type=positive_int, help="CPU threads (default: one per core)")
     return p
 
-
 def check_paths(args):
-    """Before any work: what a command reads exists, and what it writes can be made."""
-    if getattr(args, "model", None) is not None:
+    """Before any work: what a command reads exists, and what it writes can be made (--device: on loading)."""
+    a = vars(args)                                    # export has no --model or --data
+    if a.get("model") is not None:
         input_path(args.model, "--model", folder=True)
         read_model_config(args.model)                 # the config says most about a wrong folder
-    for path in [args.data] if isinstance(getattr(args, "data", None), str) else getattr(args, "data", None) or []:
+    for path in [args.data] if isinstance(a.get("data"), str) else a.get("data") or []:
         input_path(path, "--data")
     for flag in ("checkpoint", "reference"):
-        if getattr(args, flag, None) is not None:
-            input_path(getattr(args, flag), f"--{flag}", folder=True)
+        if a.get(flag) is not None:
+            input_path(a[flag], f"--{flag}", folder=True)
     if args.command == "data":                        # --out is a file there
         if os.path.isdir(args.out):
             raise CliError(f"--out {args.out}: is a folder, expected a file name")
         output_folder(os.path.dirname(args.out) or ".", f"--out {args.out}: its folder")
-    elif getattr(args, "out", None) is not None:
+    elif a.get("out") is not None:
         output_folder(args.out, "--out")
-    if getattr(args, "device", None) is not None:
-        parse_device(args.device)
-
 
 COMMANDS = {"train": train, "eval": evaluate, "analyze": analyze, "data": make_data, "export": export_checkpoint}
 
-
 def command(argv):
     args = build_parser().parse_args(argv)
-    if getattr(args, "threads", None):
+    if args.threads:
         torch.set_num_threads(args.threads)
     try:
         check_paths(args)
@@ -1022,10 +812,8 @@ def command(argv):
         if "WORLD_SIZE" in os.environ and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
-
 def main(argv=None) -> int:
     return run_cli(command, sys.argv[1:] if argv is None else argv)
-
 
 if __name__ == "__main__":
     sys.exit(main())
