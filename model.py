@@ -129,7 +129,7 @@ class CachedPass:
 def plan_cached_pass(cache: KVCache, T: int, n_tokens=None) -> CachedPass:
     device = cache.lengths.device
     lengths = cache.lengths.tolist()                             # the pass's one read of the device
-    fed = [T] * len(lengths) if n_tokens is None else n_tokens.tolist() if torch.is_tensor(n_tokens) else list(n_tokens)
+    fed = [T] * len(lengths) if n_tokens is None else torch.as_tensor(n_tokens).tolist()
     S = max(n + f for n, f in zip(lengths, fed))
     if S > cache.max_len:
         raise ValueError(f"KV cache overflow: {S} slots needed, cache holds {cache.max_len}")
@@ -204,7 +204,6 @@ class SwiGLU(nn.Module):
         self.gate = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.up = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
-
     def forward(self, x):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
@@ -252,9 +251,8 @@ class Transformer(nn.Module):
         if cache is None and n_tokens is not None:
             raise ValueError("n_tokens needs a KV cache")
         plan = None if cache is None else plan_cached_pass(cache, T, n_tokens)   # every index it needs
-        mask = attn_mask[:, None] if attn_mask is not None and attn_mask.dim() == 3 else attn_mask  # None: causal
-        if plan is not None:
-            mask = plan.mask[:, None]                        # (B', 1, T, S): one mask for all heads
+        mask = plan.mask if plan is not None else attn_mask         # None: causal; cached: (B', T, S)
+        mask = mask[:, None] if mask is not None and mask.dim() == 3 else mask   # the same for all heads
         ragged = plan is not None and plan.grid is not None
         if ragged:
             # Only attention mixes tokens: pack the real ones into one row of N = sum(n_tokens).
@@ -291,11 +289,9 @@ class Transformer(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
-
     @classmethod
     def from_pretrained(cls, path, device="cpu", dtype=torch.float32) -> "Transformer":
         return load_hf(cls, path, device, dtype)
-
     def save_pretrained(self, path, max_shard_bytes: int = 5 * 2**30, dtype=None):
         save_hf(self, path, max_shard_bytes, dtype)
 
@@ -331,10 +327,9 @@ HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "q
 # Our module names -> HF's; layers.3.attn.wq.weight is model.layers.3.self_attn.q_proj.weight.
 HF_NAMES = {"tok_emb": "model.embed_tokens", "norm": "model.norm", "lm_head": "lm_head",
             "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
-            "attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj", "attn.wv": "self_attn.v_proj",
-            "attn.wo": "self_attn.o_proj", "attn.q_norm": "self_attn.q_norm",    # q/k norms: Qwen3
-            "attn.k_norm": "self_attn.k_norm", "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj",
-            "mlp.down": "mlp.down_proj"}
+            **{f"attn.w{x}": f"self_attn.{x}_proj" for x in "qkvo"},     # attn.wq: self_attn.q_proj, ...
+            **{f"attn.{x}_norm": f"self_attn.{x}_norm" for x in "qk"},   # q/k norms: Qwen3
+            **{f"mlp.{x}": f"mlp.{x}_proj" for x in ("gate", "up", "down")}}
 
 def hf_names(model: Transformer) -> dict:
     """{Hugging Face name: our name} of each tensor in a checkpoint (a tied lm_head is not)."""
@@ -362,9 +357,7 @@ def load_hf(cls, path, device, dtype) -> Transformer:
     if problems:
         raise ValueError(f"checkpoint {path} does not match its config: " + "; ".join(problems))
     ours = {names[h]: tensors.pop(h).to(device=device, dtype=dtype) for h in list(tensors)}  # one at a time
-    if cfg.tie_embeddings:
-        ours["lm_head.weight"] = ours["tok_emb.weight"]
-    model.load_state_dict(ours, assign=True, strict=True)
+    model.load_state_dict(ours, assign=True, strict=not cfg.tie_embeddings)   # tied: lm_head next
     if cfg.tie_embeddings:
         model.lm_head.weight = model.tok_emb.weight
     model.inv_freq = rope_inv_freq(cfg).to(device)
@@ -438,12 +431,9 @@ def parse_device(name: str) -> torch.device:
     """--device cpu, cuda, cuda:N or auto -> torch.device; a missing GPU is an error, not CPU."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
+    if not re.fullmatch(r"(cpu|cuda)(:\d+)?", name):
         raise ValueError(f"unknown device {name!r}: use cpu, cuda, cuda:N or auto")
+    device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {name}: CUDA is not available on this machine (this torch, {torch.__version__}, "
                          "sees no GPU); use --device cpu")
