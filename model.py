@@ -127,9 +127,8 @@ class CachedPass:
     index: torch.Tensor | None = None   # ragged: (N,) the same in the caller's (B, T) grid
 
 def plan_cached_pass(cache: KVCache, T: int, n_tokens=None) -> CachedPass:
-    device = cache.lengths.device
-    lengths = cache.lengths.tolist()                             # the pass's one read of the device
-    fed = [T] * len(lengths) if n_tokens is None else torch.as_tensor(n_tokens).tolist()
+    device, lengths = cache.lengths.device, cache.lengths.tolist()    # the pass's one device read
+    fed = [T] * len(lengths) if n_tokens is None else n_tokens.tolist() if torch.is_tensor(n_tokens) else list(n_tokens)
     S = max(n + f for n, f in zip(lengths, fed))
     if S > cache.max_len:
         raise ValueError(f"KV cache overflow: {S} slots needed, cache holds {cache.max_len}")
@@ -138,12 +137,11 @@ def plan_cached_pass(cache: KVCache, T: int, n_tokens=None) -> CachedPass:
     tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)
     positions = tensor([lengths[b] for b in live])[:, None] + torch.arange(T, device=device)  # (B', T)
     mask = torch.arange(S, device=device)[None, None, :] <= positions[:, :, None]       # (B', T, S)
-    p = CachedPass(tensor([b for _, b, _ in cells]), tensor([lengths[b] + t for _, b, t in cells]), mask, positions, S)
-    if n_tokens is not None:
-        p.index = tensor([b * T + t for _, b, t in cells])
-        p.grid = tensor([i * T + t for i, _, t in cells])
-        p.live = tensor(live) if len(live) < len(fed) else None
-    return p
+    ragged = n_tokens is not None
+    return CachedPass(tensor([b for _, b, _ in cells]), tensor([lengths[b] + t for _, b, t in cells]),
+                      mask, positions, S, live=tensor(live) if ragged and len(live) < len(fed) else None,
+                      grid=tensor([i * T + t for i, _, t in cells]) if ragged else None,
+                      index=tensor([b * T + t for _, b, t in cells]) if ragged else None)
 
 def to_grid(x, p: CachedPass, n_rows: int):
     """Packed (N, ...) -> (n_rows, T, ...) with zeros at the padding; n_rows is B' or B."""
@@ -251,8 +249,8 @@ class Transformer(nn.Module):
         if cache is None and n_tokens is not None:
             raise ValueError("n_tokens needs a KV cache")
         plan = None if cache is None else plan_cached_pass(cache, T, n_tokens)   # every index it needs
-        mask = plan.mask if plan is not None else attn_mask         # None: causal; cached: (B', T, S)
-        mask = mask[:, None] if mask is not None and mask.dim() == 3 else mask   # the same for all heads
+        mask = plan.mask if plan is not None else attn_mask       # None: causal; cached: (B', T, S)
+        mask = mask[:, None] if mask is not None and mask.dim() == 3 else mask      # same for all heads
         ragged = plan is not None and plan.grid is not None
         if ragged:
             # Only attention mixes tokens: pack the real ones into one row of N = sum(n_tokens).
@@ -268,14 +266,8 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, mask, cache, i, plan)
         if cache is not None:
             cache.lengths += T if n_tokens is None else torch.as_tensor(n_tokens, device=device)
-        if ragged and output_index is None:
+        if ragged:
             x = to_grid(x[0], plan, B)                                   # (B, T, dim), zeros at padding
-        elif ragged:
-            # Row b starts at first[b]; a row of no tokens reads another's logits (ignored).
-            n = torch.as_tensor(n_tokens, device=device)
-            first = torch.cumsum(n, 0) - n                                       # (B,)
-            index = (first[:, None] + output_index).clamp(max=x.shape[1] - 1)            # (B, N)
-            return self.lm_head(self.norm(x[0][index]))                      # (B, N, V)
         if output_index is not None:
             x = x.gather(1, output_index[..., None].expand(-1, -1, x.shape[-1]))   # (B, N, dim)
         return self.lm_head(self.norm(x))
@@ -341,7 +333,7 @@ def hf_names(model: Transformer) -> dict:
     return names
 
 def load_hf(cls, path, device, dtype) -> Transformer:
-    """Transformer.from_pretrained: names and shapes are checked first: a bad file fails loudly."""
+    """Transformer.from_pretrained; names and shapes are checked first: a bad file fails loudly."""
     cfg, tensors = read_model_config(path), read_safetensors(path)
     with torch.device("meta"):
         model = cls(cfg)
@@ -364,7 +356,6 @@ def load_hf(cls, path, device, dtype) -> Transformer:
     return model.eval()
 
 def save_hf(model: Transformer, path, max_shard_bytes: int, dtype=None):
-    """Transformer.save_pretrained: shards of at most max_shard_bytes, index if several, config."""
     from safetensors.torch import save_file
     os.makedirs(path, exist_ok=True)
     sd = model.state_dict()
