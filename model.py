@@ -139,9 +139,9 @@ def plan_cached_pass(cache: KVCache, T: int, n_tokens=None) -> CachedPass:
     mask = torch.arange(S, device=device)[None, None, :] <= positions[:, :, None]       # (B', T, S)
     ragged = n_tokens is not None
     return CachedPass(tensor([b for _, b, _ in cells]), tensor([lengths[b] + t for _, b, t in cells]),
-                      mask, positions, S, live=tensor(live) if ragged and len(live) < len(fed) else None,
-                      grid=tensor([i * T + t for i, _, t in cells]) if ragged else None,
-                      index=tensor([b * T + t for _, b, t in cells]) if ragged else None)
+                      mask, positions, S, tensor(live) if ragged and len(live) < len(fed) else None,
+                      tensor([i * T + t for i, _, t in cells]) if ragged else None,       # grid
+                      tensor([b * T + t for _, b, t in cells]) if ragged else None)       # index
 
 def to_grid(x, p: CachedPass, n_rows: int):
     """Packed (N, ...) -> (n_rows, T, ...) with zeros at the padding; n_rows is B' or B."""
@@ -250,7 +250,7 @@ class Transformer(nn.Module):
             raise ValueError("n_tokens needs a KV cache")
         plan = None if cache is None else plan_cached_pass(cache, T, n_tokens)   # every index it needs
         mask = plan.mask if plan is not None else attn_mask       # None: causal; cached: (B', T, S)
-        mask = mask[:, None] if mask is not None and mask.dim() == 3 else mask      # same for all heads
+        mask = mask[:, None] if mask is not None and mask.dim() == 3 else mask   # same for all heads
         ragged = plan is not None and plan.grid is not None
         if ragged:
             # Only attention mixes tokens: pack the real ones into one row of N = sum(n_tokens).
@@ -319,7 +319,7 @@ HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "q
 # Our module names -> HF's; layers.3.attn.wq.weight is model.layers.3.self_attn.q_proj.weight.
 HF_NAMES = {"tok_emb": "model.embed_tokens", "norm": "model.norm", "lm_head": "lm_head",
             "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
-            **{f"attn.w{x}": f"self_attn.{x}_proj" for x in "qkvo"},     # attn.wq: self_attn.q_proj, ...
+            **{f"attn.w{x}": f"self_attn.{x}_proj" for x in "qkvo"},  # attn.wq: self_attn.q_proj
             **{f"attn.{x}_norm": f"self_attn.{x}_norm" for x in "qk"},   # q/k norms: Qwen3
             **{f"mlp.{x}": f"mlp.{x}_proj" for x in ("gate", "up", "down")}}
 

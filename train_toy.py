@@ -432,10 +432,8 @@ def default_out(args, cfg: RunConfig) -> str:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    if args.word_problems:
-        preset, phases = {**WORD_PROBLEMS, **(WORD_PROBLEMS_QUICK if args.quick else {})}, ["base"]
-    else:
-        preset, phases = QUICK if args.quick else {}, PHASES
+    preset = ({**WORD_PROBLEMS, **(WORD_PROBLEMS_QUICK if args.quick else {})} if args.word_problems else
+              QUICK if args.quick else {})
     budget = ("teacher_steps", "mtp_steps", "n_eval")     # --word-problems: teacher_steps alone
     cfg = replace(RunConfig(seed=args.seed, **preset), **{n: getattr(args, n) for n in budget
                                                           if getattr(args, n) is not None})
@@ -446,6 +444,7 @@ def main(argv=None) -> dict:
     try:
         return word_problem_base_model(args, cfg, device) if args.word_problems else toy_run(args, cfg, folder, device)
     except KeyboardInterrupt:                          # one line: what is saved and how to go on
+        phases = ["base"] if args.word_problems else PHASES
         saved = [p for p in phases if os.path.exists(os.path.join(folder, "checkpoints", f"{p}.pt"))]
         raise KeyboardInterrupt(f"{folder}/checkpoints holds {', '.join(saved) or 'no finished phase yet'}; "
                                 f"run the same command again to continue from there") from None
