@@ -5,8 +5,7 @@
     python train_toy.py --export-hf hf_toy  a finished run's three models in Hugging Face layout
     python train_toy.py --word-problems runs/wp   the base model of finetune_hf.py's miniature
 
-1. teacher: a small Llama-style transformer learns data.py's four toy tasks (two with branch points)
-   by next-token prediction
+1. teacher: a small Llama-style transformer learns data.py's four toy tasks by next-token prediction
 2. students: two copies with a `<mask>` token learn multi-token prediction on the same batches and
    layouts: "naive" against the true next k tokens, "distill" by student-forced self-distillation
 3. evaluation: static k, ConfAdapt and lossless decoding -> OUT/results.json, a table, plots
@@ -432,8 +431,8 @@ def default_out(args, cfg: RunConfig) -> str:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    preset = ({**WORD_PROBLEMS, **(WORD_PROBLEMS_QUICK if args.quick else {})} if args.word_problems else
-              QUICK if args.quick else {})
+    quick = (WORD_PROBLEMS_QUICK if args.word_problems else QUICK) if args.quick else {}
+    preset = {**(WORD_PROBLEMS if args.word_problems else {}), **quick}
     budget = ("teacher_steps", "mtp_steps", "n_eval")     # --word-problems: teacher_steps alone
     cfg = replace(RunConfig(seed=args.seed, **preset), **{n: getattr(args, n) for n in budget
                                                           if getattr(args, n) is not None})
