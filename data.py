@@ -1,11 +1,5 @@
-"""Data for multi-token prediction (MTP): the packed training layout, and what fills it.
-
-MTP layout: one ground-truth row -> one packed row holding many MTP problems (mask slots, copies,
-positions, block-causal attention mask, targets). Toy tasks: counting and repetition (one right
-answer) and two branching tasks (several valid answers), with checkers and held-out prompts.
-Tokenizers: byte-level BPE over tiktoken, read from and written to Hugging Face files, and the
-vocabularies built in code. Prompt formats: (prompt, response) -> token ids. Word problems:
-synthetic arithmetic in MetaMathQA / GSM8K formats. Domain prompts: chat prompts from templates.
+"""Data for multi-token prediction (MTP): the packed training layout, and what fills it (toy tasks,
+byte-level BPE tokenizers in Hugging Face files, prompt formats, word problems, chat prompts).
 """
 import base64
 import json
@@ -21,21 +15,17 @@ import tiktoken
 import torch
 
 # ==================================== MTP training layout ====================================
-#
 # A row of N ground-truth tokens becomes ONE packed row holding M independent MTP problems
-# ("regions"). Region r's prefix ends at original index e_r = o + r R (R = N // M; one offset o in
-# [0, R) for all; the paper's M = N / (2 k_max) keeps each window clear of the next prefix end).
-# After token e_r come k-1 <mask> slots. Region r's prediction j, read at e_r for j = 0 (plain
-# next-token prediction) and at slot j after, is about original token e_r + 1 + j. The tokens the
-# slots stand in for follow the block as COPIES at their original positions, so every
-# ground-truth token sees exactly its ordinary causal context.
+# ("regions"). Region r's prefix ends at original index e_r = o + r R (R = N // M, one offset o in
+# [0, R)); k-1 <mask> slots follow it. Prediction j of region r (read at e_r for j = 0, at slot j
+# after) is about original token e_r + 1 + j. The tokens the slots stand in for follow the block
+# as COPIES at their original positions, so every ground-truth token sees its ordinary context.
 # The first EOS, at index E >= 1 (Qwen rows start with one), ends a row: region r is supervised
 # iff e_r < E, targets after E are EOS, and the rest is padding (pad id, no loss, seen by nobody,
 # seeing only itself so that every softmax row is defined). A target past N - 1 is unsupervised
 # unless the row has an EOS. Rows have length L = N + M (k - 1); positions reach N + k - 2.
 
 GT, MASK, COPY, PAD = 0, 1, 2, 3   # token kinds in the packed layout
-
 
 @dataclass
 class MTPBatch:
@@ -56,9 +46,8 @@ class MTPBatch:
     region_len: int
 
     def to(self, device) -> "MTPBatch":
-        moved = {f: getattr(self, f) for f in self.__dataclass_fields__}
-        return MTPBatch(**{f: v.to(device) if torch.is_tensor(v) else v for f, v in moved.items()})
-
+        return MTPBatch(**{f: v.to(device) if torch.is_tensor(v) else v
+                           for f, v in vars(self).items()})
 
 def mtp_layout(seqs: torch.Tensor, k: int, offset: int, n_regions: int, mask_id: int,
                eos_id=None, pad_id: int = 0, trained: torch.Tensor | None = None) -> MTPBatch:
@@ -79,8 +68,7 @@ def mtp_layout(seqs: torch.Tensor, k: int, offset: int, n_regions: int, mask_id:
     Slot 3 (position 3) sees a b c and itself; slot 4 sees a b c, slot 3 and itself; token d
     at index 5 sees a b c d only (it skips the block, as every ground-truth token does).
     """
-    B, N = seqs.shape
-    device = seqs.device
+    (B, N), device = seqs.shape, seqs.device
     S, M, R = k - 1, n_regions, N // n_regions                    # slots per region, regions, region length
     if not (M >= 1 and R >= 1 and 0 <= offset < R):
         raise ValueError(f"need 1 <= n_regions <= seq_len and 0 <= offset < {R}, "
@@ -101,7 +89,6 @@ def mtp_layout(seqs: torch.Tensor, k: int, offset: int, n_regions: int, mask_id:
     kind = torch.full((L,), GT, dtype=torch.long, device=device)
     kind[slot_pos] = MASK
     kind[gt_pos[copied[copied < N]]] = COPY
-
     # Attention before padding: a ground-truth query sees the ground truth up to its own original
     # index; a slot of region r sees the ground truth up to e_r and its own block up to itself.
     region = torch.full((L,), -1, dtype=torch.long, device=device)                # (L,) a slot's region, else -1
@@ -111,7 +98,6 @@ def mtp_layout(seqs: torch.Tensor, k: int, offset: int, n_regions: int, mask_id:
     sees_gt = ~is_slot[None, :] & (positions[None, :] <= sees_up_to[:, None])    # (L query, L key)
     causal = torch.ones(L, L, dtype=torch.bool, device=device).tril()
     own_block = is_slot[:, None] & (region[:, None] == region[None, :]) & causal
-
     # Targets: prediction j of region r is about original token e_r + 1 + j; E = first EOS or N.
     is_eos = torch.zeros(B, N, dtype=torch.bool, device=device) if eos_id is None else \
         (seqs[..., None] == torch.as_tensor(eos_id, device=device).reshape(-1)).any(-1)   # (B, N)
@@ -130,7 +116,6 @@ def mtp_layout(seqs: torch.Tensor, k: int, offset: int, n_regions: int, mask_id:
         at = torch.minimum(target_idx[None], E.clamp(max=N - 1)[:, None, None]).reshape(B, M * k)
         valid = valid & trained.gather(1, at).view(B, M, k)
         ntp_valid = ntp_valid & trained[:, 1:]
-
     # Padding: ground truth after the EOS and the blocks of unsupervised regions.
     is_pad = torch.zeros(B, L, dtype=torch.bool, device=device)
     is_pad[:, gt_pos] = steps[None, :] > E[:, None]
@@ -146,18 +131,15 @@ def mtp_layout(seqs: torch.Tensor, k: int, offset: int, n_regions: int, mask_id:
                     ntp_index=rows(gt_pos[:-1]), ntp_targets=seqs[:, 1:], ntp_valid=ntp_valid,
                     prefix_end=ends, k=k, offset=offset, region_len=R)
 
-
 def default_n_regions(seq_len: int, k_max: int) -> int:
-    """The paper's choice M = N / (2 k_max): regions twice as long as the longest window."""
+    """The paper's M = N / (2 k_max): each window stays clear of the next prefix end."""
     return max(1, seq_len // (2 * k_max))
-
 
 def sample_k_and_offset(k_max: int, region_len: int, generator: torch.Generator | None = None,
                         k_min: int = 2) -> tuple[int, int]:
     """k uniform in [k_min, k_max] and, INDEPENDENTLY, the offset uniform in [0, region_len)."""
     k = int(torch.randint(k_min, k_max + 1, (1,), generator=generator))
     return k, int(torch.randint(0, region_len, (1,), generator=generator))
-
 
 def random_mtp_layout(seqs: torch.Tensor, k_max: int, mask_id: int, eos_id=None, pad_id: int = 0,
                       n_regions: int | None = None, generator: torch.Generator | None = None,
@@ -167,12 +149,10 @@ def random_mtp_layout(seqs: torch.Tensor, k_max: int, mask_id: int, eos_id=None,
     k, offset = sample_k_and_offset(k_max, seqs.shape[1] // n_regions, generator)
     return mtp_layout(seqs, k, offset, n_regions, mask_id, eos_id, pad_id, trained)
 
-
 def token_labels(batch: MTPBatch, row: int, token_str) -> list[str]:
     """A label per packed token of one row: the token, or "M" for a mask slot, "P" for padding."""
     return ["M" if c == MASK else "P" if c == PAD else token_str(t)
             for t, c in zip(batch.input_ids[row].tolist(), batch.kind[row].tolist())]
-
 
 def layout_table(batch: MTPBatch, row: int = 0, token_str=str) -> str:
     """One packed row as a text table: token, position, kind, the prediction read there, its target."""
@@ -188,15 +168,13 @@ def layout_table(batch: MTPBatch, row: int = 0, token_str=str) -> str:
     width = max(len(c) for col in cells.values() for c in col) + 1
     return "\n".join(f"{name:<7}" + "".join(c.rjust(width) for c in col) for name, col in cells.items())
 
-
 def plot_attention_mask(batch: MTPBatch, path, row: int = 0, token_str=str):
     """Save the (L, L) attention mask of one row as a PNG, cells coloured by the key's kind."""
     from matplotlib.colors import ListedColormap
     from matplotlib.figure import Figure          # no pyplot: no global backend state
     from matplotlib.patches import Patch
-
-    # colours indexed by kind: GT, MASK, COPY, PAD
-    legend = {"ground truth": "#3b75af", "mask slot": "#ef8636", "copy": "#519e3e", "padding": "#b0b0b0"}
+    legend = {"ground truth": "#3b75af", "mask slot": "#ef8636", "copy": "#519e3e",   # in kind order
+              "padding": "#b0b0b0"}
     colours = list(legend.values())
     mask, kind = batch.attn_mask[row].cpu(), batch.kind[row].cpu()
     L = mask.shape[0]
@@ -217,33 +195,17 @@ def plot_attention_mask(batch: MTPBatch, path, row: int = 0, token_str=str):
     fig.tight_layout()
     fig.savefig(path, dpi=120, bbox_inches="tight")
 
-
 # ========================================= Toy tasks =========================================
-#
-# Four tasks, generated in code, small enough for a CPU transformer to learn in minutes. A
-# sequence is <|bos|> prompt answer <|eos|>; each answer item (a number, or a word with its
-# leading space) is one token.
-#
+# Four tasks a CPU transformer learns in minutes: <|bos|> prompt answer <|eos|>, one token per item.
 #   task        prompt                              answer (one valid continuation)
 #   count       count 17 18 19                      20 21 22 ... 32
 #   repeat      repeat cat red pie cat red pie      cat red pie cat red pie ...
 #   count_free  count from 17                       18 19 20 ...  or  16 15 14 ...          BRANCHING
 #   alternate   alternate the with cat red pie fox  the cat the cat ...  or  red the red ...  BRANCHING
-#
-# count and repeat answers carry on from the prompt: one rule (+1; the word 3 back) from the
-# first answer token on. A count prompt shows 3 to 5 numbers, so "start plus answer position" is
-# no shortcut. The branching tasks hold the two failures of naive MTP, on purpose:
-#   count_free  up or down, equally likely, then kept. Trained on ground truth, prediction j is a
-#               50/50 mixture of a+j and a-j, and each position's argmax picks its own branch:
-#               "18 15 20 13", an incoherent mixture.
-#   alternate   "the" alternates with ONE prompt word: 40% of answers start with "the", then the
-#               first word ("the cat the cat"); 60% with any of the four words (15% each), then
-#               "the". "the" is the most frequent item at EVERY position, so the ground-truth
-#               marginals' argmax is "the the the the": far-future collapse onto the most
-#               frequent token. Greedy decoding of the conditionals gives "the cat the cat".
-# A teacher decoding one token at a time never mixes branches. No alternate prompt repeats, so a
-# model must learn the rule, and it holds on held-out prompts, whose parameters ("key": start
-# numbers, or a hash of the word tuple) follow a fixed rule and are never trained on.
+# The branching tasks hold naive MTP's two failures. count_free: trained on ground truth, prediction
+# j is a 50/50 mixture of a+j and a-j, each position picking its own branch ("18 15 20 13").
+# alternate: "the" is the most frequent item at EVERY position (40% of answers start with it), so
+# the marginals' argmax is "the the the the". A one-token-at-a-time teacher never mixes branches.
 
 TOY_TASKS = ("count", "repeat", "count_free", "alternate")
 BRANCHING_TASKS = ("count_free", "alternate")
@@ -257,28 +219,19 @@ ALTERNATE_GLUE = "the"                       # alternate: the word every answer 
 ALTERNATE_WORDS = 4                          # alternate: prompt words, to pick the other one from
 ALTERNATE_GLUE_FIRST = 0.4                   # alternate: how often the glue comes first
 DEGENERATE_RUN = 3                           # "the the the": this many equal items in a row
-TOY_PROMPT_WORDS = ["count", "from", "by", "repeat", "then", "and", "step", "times", "alternate", "with"]
-TOY_WORDS = TOY_PROMPT_WORDS + [
-    "the", "a", "is", "to", "of", "in", "up", "down", "sum", "list", "add", "next",   # glue
-    "cat", "dog", "cow", "pig", "hen", "fox", "owl", "bee", "ant", "bat", "rat", "yak",  # animals
-    "eel", "ape", "duck", "frog", "bird", "fish", "goat", "lion",
-    "red", "blue", "green", "pink", "gray", "gold", "black", "white", "tan",            # colours
-    "pie", "jam", "egg", "tea", "rice", "corn", "bean", "fig", "nut", "pea", "ham",     # foods
-    "bun", "cake", "soup", "milk",
-    "box", "cup", "pen", "hat", "key", "bag", "map", "car", "bus", "bed", "pot", "jar",  # objects
-    "mug", "cap", "bell", "book", "ring", "lamp", "drum", "kite",
-]
+TOY_PROMPT_WORDS = "count from by repeat then and step times alternate with".split()
+TOY_WORDS = TOY_PROMPT_WORDS + """the a is to of in up down sum list add next
+    cat dog cow pig hen fox owl bee ant bat rat yak eel ape duck frog bird fish goat lion
+    red blue green pink gray gold black white tan
+    pie jam egg tea rice corn bean fig nut pea ham bun cake soup milk
+    box cup pen hat key bag map car bus bed pot jar mug cap bell book ring lamp drum kite""".split()
 TOY_CONTENT_WORDS = TOY_WORDS[TOY_WORDS.index("cat"):]   # animals, colours, foods, objects
 
-
 def is_heldout(task: str, key: tuple) -> bool:
-    """Whether a prompt's parameters belong to the evaluation split: one start number in five
-    (13, 18, ... for count, 15, 20, ... for count_free: every step a held-out prompt needs is
-    trained elsewhere), or one word tuple in eight (a fixed hash of its text)."""
+    """Held-out: count starts 13, 18, ...; count_free starts 15, 20, ...; one word tuple in eight."""
     if task in ("count", "count_free"):
         return key[0] % 5 == {"count": 3, "count_free": 0}[task]
     return zlib.crc32(" ".join(key).encode()) % 8 == 0
-
 
 def toy_prompt(task: str, key: tuple) -> str:
     if task == "count":
@@ -287,10 +240,7 @@ def toy_prompt(task: str, key: tuple) -> str:
         return f"count from {key[0]}"
     if task == "repeat":
         return "repeat " + " ".join(key + key)
-    if task == "alternate":
-        return f"alternate {ALTERNATE_GLUE} with " + " ".join(key)
-    raise ValueError(f"unknown toy task {task!r}")
-
+    return f"alternate {ALTERNATE_GLUE} with " + " ".join(key)
 
 def toy_answer(task: str, key: tuple, rng: random.Random) -> list[str]:
     """One valid answer, as items; for a branching task the branch is drawn with rng."""
@@ -301,12 +251,9 @@ def toy_answer(task: str, key: tuple, rng: random.Random) -> list[str]:
         return [str(key[0] + i * step) for i in range(1, NUM_ITEMS + 1)]
     if task == "repeat":
         return [key[i % len(key)] for i in range(NUM_ITEMS)]
-    if task == "alternate":
-        glue_first = rng.random() < ALTERNATE_GLUE_FIRST
-        pair = (ALTERNATE_GLUE, key[0]) if glue_first else (rng.choice(key), ALTERNATE_GLUE)
-        return [pair[i % 2] for i in range(NUM_ITEMS)]
-    raise ValueError(f"unknown toy task {task!r}")
-
+    glue_first = rng.random() < ALTERNATE_GLUE_FIRST                             # alternate
+    pair = (ALTERNATE_GLUE, key[0]) if glue_first else (rng.choice(key), ALTERNATE_GLUE)
+    return [pair[i % 2] for i in range(NUM_ITEMS)]
 
 @dataclass(frozen=True)
 class ToyExample:
@@ -315,29 +262,26 @@ class ToyExample:
     prompt: str         # e.g. "count 17 18 19"
     answer: str         # e.g. " 20 21 22 ..." (items with leading spaces)
 
-
 def toy_example(task: str, rng: random.Random, split: str = "train") -> ToyExample:
     """A random example whose key lies in `split` ("train" or "heldout")."""
+    if task not in TOY_TASKS:
+        raise ValueError(f"unknown toy task {task!r}; tasks: {', '.join(TOY_TASKS)}")
     want_heldout = {"train": False, "heldout": True}[split]
     while True:   # draw prompt parameters until they fall in the split
         if task == "count":
             key = rng.choice(COUNT_STARTS), rng.choice(COUNT_SHOWN)              # (start, numbers shown)
         elif task == "count_free":
             key = (rng.choice(COUNT_STARTS),)
-        elif task in ("repeat", "alternate"):
-            key = tuple(rng.sample(TOY_CONTENT_WORDS, REPEAT_GROUP if task == "repeat" else ALTERNATE_WORDS))
         else:
-            raise ValueError(f"unknown toy task {task!r}; tasks: {', '.join(TOY_TASKS)}")
+            key = tuple(rng.sample(TOY_CONTENT_WORDS, REPEAT_GROUP if task == "repeat" else ALTERNATE_WORDS))
         if is_heldout(task, key) == want_heldout:
             break
     answer = "".join(" " + item for item in toy_answer(task, key, rng))
     return ToyExample(task, key, toy_prompt(task, key), answer)
 
-
 def encode_example(tokenizer, ex: ToyExample) -> tuple[list[int], list[int]]:
     """(prompt ids with <|bos|> in front, answer ids with <|eos|> at the end)."""
     return [tokenizer.bos_id] + tokenizer.encode(ex.prompt), tokenizer.encode(ex.answer) + [tokenizer.eos_id]
-
 
 def toy_batch(tokenizer, rng: random.Random, batch_size: int, tasks=TOY_TASKS,
               seq_len: int | None = None, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
@@ -354,7 +298,6 @@ def toy_batch(tokenizer, rng: random.Random, batch_size: int, tasks=TOY_TASKS,
                            for (p, a), z in zip(pairs, pad)])
     return seqs, answer
 
-
 def heldout_examples(task: str, n: int, seed: int = 1234) -> list[ToyExample]:
     """n distinct held-out prompts of one task, the same for every run (fixed seed)."""
     rng, found = random.Random(seed), {}
@@ -365,18 +308,15 @@ def heldout_examples(task: str, n: int, seed: int = 1234) -> list[ToyExample]:
             break
     return list(found.values())
 
-
 @dataclass
 class ToyScore:
     accuracy: bool      # exactly right (branching: a valid answer of the right length)
     coherence: bool     # obeys the task's rule (length aside)
     degenerate: bool    # DEGENERATE_RUN equal items in a row, which no task allows
 
-
 def has_run(items: list[str], run: int = DEGENERATE_RUN) -> bool:
     """True if some item repeats `run` times in a row ("the the the", "20 20 20")."""
     return any(len(set(items[i:i + run])) == 1 for i in range(len(items) - run + 1))
-
 
 def follows_rule(task: str, key: tuple, items: list[str]) -> bool:
     """The task's rule, checked on the generated items (at least two of them)."""
@@ -391,34 +331,24 @@ def follows_rule(task: str, key: tuple, items: list[str]) -> bool:
         return step in DIRECTIONS.values() and all(b - a == step for a, b in zip([last] + nums, nums))
     if task == "repeat":
         return all(item == key[i % len(key)] for i, item in enumerate(items))
-    if task == "alternate":                            # a pair the generator can draw
-        pair = (items[0], items[1])
-        if pair != (ALTERNATE_GLUE, key[0]) and not (pair[0] in key and pair[1] == ALTERNATE_GLUE):
-            return False
-        return all(item == pair[i % 2] for i, item in enumerate(items))
-    raise ValueError(f"unknown toy task {task!r}")
-
+    pair = (items[0], items[1])                       # alternate: a pair the generator can draw
+    if pair != (ALTERNATE_GLUE, key[0]) and not (pair[0] in key and pair[1] == ALTERNATE_GLUE):
+        return False
+    return all(item == pair[i % 2] for i, item in enumerate(items))
 
 def check_toy(task: str, key: tuple, output: str, stopped: bool = True) -> ToyScore:
     """Score a generated answer (text without <|eos|>; `stopped`: the model did emit <|eos|>)."""
     items = output.split()
     coherent = follows_rule(task, key, items)
-    if task in BRANCHING_TASKS:
-        accurate = coherent and len(items) == NUM_ITEMS
-    else:
-        accurate = items == toy_answer(task, key, random.Random(0))
+    exact = items == toy_answer(task, key, random.Random(0))        # the one right answer
+    accurate = coherent and len(items) == NUM_ITEMS if task in BRANCHING_TASKS else exact
     return ToyScore(accuracy=accurate and stopped, coherence=coherent, degenerate=has_run(items))
 
-
 # ======================================== Tokenizers =========================================
-#
-# Byte-level BPE: text is UTF-8 bytes, so 256 single-byte tokens spell any text. A regex cuts the
-# text into pieces (a word with its leading space, a digit run, ...) that tokens never cross;
-# inside a piece, BPE starts from single bytes and keeps merging the adjacent pair that forms the
-# lowest-ranked token (in tiktoken the rank is the id; a piece that is a token is looked up whole).
-# We run tiktoken (Rust) and only translate Hugging Face's tokenizer.json (token strings -> ids,
-# plus merges). Special tokens are matched by id only: encode() never produces them, so a user
-# typing "<|im_start|>" gets ordinary text tokens.
+# Byte-level BPE: text is UTF-8 bytes, so 256 single-byte tokens spell any text. A regex cuts it
+# into pieces (a word with its leading space, a digit run, ...) that tokens never cross; inside a
+# piece, BPE merges the adjacent pair forming the lowest-ranked token until none is left (tiktoken:
+# rank = id; a piece that is a token is looked up whole). encode() never makes special tokens.
 
 # Split patterns. Llama-3 groups digits in runs of up to three; Qwen2/3 splits every digit.
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -426,16 +356,13 @@ LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{
 QWEN2_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
 # GPT-2's simpler pattern: a leading space attaches to a run of letters or of digits.
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-# SmolLM2 (and StarCoder) first cut every digit out as its own piece, then split the rest with
-# GPT-2's pattern. As ONE pattern: a digit alone; no " 123" piece; and a whitespace run may end
-# where a digit starts, as it would at the end of a piece.
+# SmolLM2 (and StarCoder) cut out every digit, then split the rest with GPT-2's pattern. As ONE
+# pattern: a digit alone, no " 123" piece, and a whitespace run may end where a digit starts.
 DIGITS_THEN_GPT2_PATTERN = (r"""\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+"""
                             r"""|\s+(?![^\s\p{N}])|\s+""")
 
-
 class Tokenizer:
     """Byte-level BPE backed by tiktoken; reads and writes Hugging Face tokenizer files."""
-
     def __init__(self, mergeable_ranks: dict[bytes, int], special_tokens: dict[str, int],
                  pattern: str, nfc: bool = False, bos_token: str | None = None,
                  eos_token: str | None = None, pad_token: str | None = None):
@@ -460,9 +387,7 @@ class Tokenizer:
         return tiktoken.Encoding("bpe", pat_str=self.pattern, mergeable_ranks=self.mergeable_ranks,
                                  special_tokens=specials)
 
-    @property
-    def n_vocab(self) -> int:
-        return self._enc.n_vocab   # max id + 1 (ids may have gaps)
+    n_vocab = property(lambda self: self._enc.n_vocab)   # max id + 1 (ids may have gaps)
 
     def token_id(self, text: str) -> int:
         if text not in self.special_tokens:
@@ -480,11 +405,9 @@ class Tokenizer:
             text = unicodedata.normalize("NFC", text)
         if not self.missing_bytes or len(text.encode().translate(None, self.missing_bytes)) == len(text.encode()):
             return self._enc.encode_ordinary(text)
-        ids = []   # rare: split, drop the bytes the vocab lacks from each piece, merge what is left
-        for piece in regex.findall(self.pattern, text):
-            kept = piece.encode().translate(None, self.missing_bytes)
-            ids += self._enc._encode_single_piece(kept) if kept else []
-        return ids
+        # rare: split, drop the bytes the vocab lacks from each piece, merge what is left
+        kept = [p.encode().translate(None, self.missing_bytes) for p in regex.findall(self.pattern, text)]
+        return [i for piece in kept if piece for i in self._enc._encode_single_piece(piece)]
 
     def decode_bytes(self, ids) -> bytes:
         return self._enc.decode_bytes([int(i) for i in ids])
@@ -504,10 +427,11 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, path) -> "Tokenizer":
-        """Load from a folder holding tokenizer.json or (Llama) original/tokenizer.model."""
+        """Load tokenizer.json or (Llama) original/tokenizer.model. Roles: tokenizer_config.json's (null:
+        none; Qwen has no BOS), else config / generation_config ids, whose every eos id stops."""
         folder = Path(path)
         json_file, llama_model = folder / "tokenizer.json", folder / "original" / "tokenizer.model"
-        spec = None
+        spec, roles = None, {}
         if json_file.is_file():
             spec = json.loads(json_file.read_text(encoding="utf-8"))
             ranks, specials, pattern, nfc = read_hf_tokenizer_json(spec, json_file)
@@ -515,13 +439,24 @@ class Tokenizer:
             lines = [line.split() for line in llama_model.read_text(encoding="ascii").splitlines() if line]
             ranks = {base64.b64decode(token): int(rank) for token, rank in lines}
             specials, pattern, nfc = llama3_special_tokens(max(ranks.values()) + 1), LLAMA3_PATTERN, False
+            roles = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}   # unless named
         else:
             raise FileNotFoundError(f"no tokenizer.json or original/tokenizer.model in {folder}")
-        roles, stop_ids, tok_config = read_token_roles(folder, specials)
-        if spec is None:
-            roles["bos_token"] = roles["bos_token"] or "<|begin_of_text|>"
-            roles["eos_token"] = roles["eos_token"] or "<|end_of_text|>"
+        files = [folder / f for f in ("tokenizer_config.json", "config.json", "generation_config.json")]
+        tok_config, *configs = [json.loads(f.read_text("utf-8")) if f.is_file() else {} for f in files]
+
+        def config_ids(key):   # each file may give an id, a list of ids or null
+            values = [c.get(key) for c in configs]
+            return [i for v in values for i in (v if isinstance(v, list) else [] if v is None else [v])]
+        text_of = {i: text for text, i in specials.items()}
+        for role in ("bos_token", "eos_token", "pad_token"):
+            if role in tok_config:
+                text = tok_config[role].get("content") if isinstance(tok_config[role], dict) else tok_config[role]
+            else:
+                text = text_of.get(next(iter(config_ids(f"{role}_id")), None))
+            roles[role] = text if text in specials else roles.get(role)
         tokenizer = cls(ranks, specials, pattern, nfc, **roles)
+        stop_ids = [i for i in config_ids("eos_token_id") if i in text_of]
         tokenizer.stop_ids = list(dict.fromkeys(tokenizer.stop_ids + stop_ids))
         tokenizer.hf_spec, tokenizer.chat_template = spec, tok_config.get("chat_template")
         return tokenizer
@@ -530,42 +465,35 @@ class Tokenizer:
         """Write tokenizer.json + tokenizer_config.json (loadable by `tokenizers`/AutoTokenizer)."""
         folder = Path(path)
         folder.mkdir(parents=True, exist_ok=True)
-        spec = json.dumps(hf_tokenizer_json(self), ensure_ascii=False)
-        (folder / "tokenizer.json").write_text(spec, encoding="utf-8")
         roles = {"bos_token": self.bos_token, "eos_token": self.eos_token, "pad_token": self.pad_token,
                  "mask_token": "<mask>" if self.mask_id is not None else None,
                  "chat_template": self.chat_template or None}
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
                   **{key: value for key, value in roles.items() if value is not None}}
-        config = json.dumps(config, indent=2, ensure_ascii=False)
-        (folder / "tokenizer_config.json").write_text(config, encoding="utf-8")
-
+        for name, obj, indent in [("tokenizer.json", hf_tokenizer_json(self), None),
+                                  ("tokenizer_config.json", config, 2)]:
+            (folder / name).write_text(json.dumps(obj, indent=indent, ensure_ascii=False), "utf-8")
 
 def whole_token_tokenizer(pieces) -> Tokenizer:
     """A byte-level BPE, built in code, in which every string of `pieces` is ONE token. Ranks: the
     256 bytes, then every prefix of every piece, shorter first: merges grow a piece byte by byte."""
-    ranks = {bytes([b]): b for b in range(256)}
     prefixes = {p.encode()[:n] for p in pieces for n in range(2, len(p.encode()) + 1)}
-    for token in sorted(prefixes, key=lambda t: (len(t), t)):
-        ranks[token] = len(ranks)
+    ranks = {token: i for i, token in enumerate([bytes([b]) for b in range(256)]
+                                                + sorted(prefixes, key=lambda t: (len(t), t)))}
     specials = {text: len(ranks) + i for i, text in enumerate(["<|bos|>", "<|eos|>", "<|pad|>"])}
     return Tokenizer(ranks, specials, GPT2_PATTERN, bos_token="<|bos|>", eos_token="<|eos|>",
                      pad_token="<|pad|>")
-
 
 def toy_whole_tokens() -> list[str]:
     """Every string the toy vocabulary holds as ONE token, besides the 256 single bytes."""
     numbers = [f"{n}" for n in range(1000)] + [f" {n}" for n in range(1000)]
     return numbers + [f" {w}" for w in TOY_WORDS] + TOY_PROMPT_WORDS + [" :", " |", " ."]
 
-
 def toy_tokenizer() -> Tokenizer:
     """The toy tasks' vocabulary: numbers below 1000 and the toy words as whole tokens (~2.5k)."""
     return whole_token_tokenizer(toy_whole_tokens())
 
-
 # ====================================== Prompt formats =======================================
-#
 # How finetune_hf.py turns a (prompt, response) pair into token ids, one format per model family:
 #   llama3-chat  <|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n{prompt}<|eot_id|>
 #                <|start_header_id|>assistant<|end_header_id|>\n\n{response}<|eot_id|>
@@ -573,28 +501,19 @@ def toy_tokenizer() -> Tokenizer:
 #                <|im_start|>assistant\n{response}<|im_end|>   (SmolLM2-Instruct, Qwen-Instruct)
 #   qwen         <|endoftext|>{prompt}\n\n{response}<eos>   (the paper's Qwen recipe)
 #   plain        <bos>{prompt}\n\n{response}<eos>             (small models with no chat tokens)
-# Prompt and response are tokenized apart, so a prompt formatted for generation is the prefix
-# seen in training, token for token, and equals transformers' apply_chat_template (which also
-# tokenizes the text between special tokens piece by piece). Rows are cut to seq_len and padded
-# with `padding_token`.
+# Prompt and response are tokenized apart, as transformers' apply_chat_template does.
 
 FORMATS = ("llama3-chat", "chatml", "qwen", "plain")
 # The system turn SmolLM2-Instruct's chat template writes when a conversation has none.
 CHATML_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
-
 def start_tokens(tok: Tokenizer, fmt: str) -> list[int]:
     """What every sequence of this format starts with (also put before few-shot eval prompts)."""
-    if fmt == "llama3-chat":
-        return [tok.token_id("<|begin_of_text|>")]
-    if fmt == "qwen":
-        return [tok.token_id("<|endoftext|>")]
-    if fmt == "plain":
-        return [tok.bos_id] if tok.bos_id is not None else []
-    if fmt == "chatml":
-        return []
-    raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
-
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if fmt in ("llama3-chat", "qwen"):
+        return [tok.token_id("<|begin_of_text|>" if fmt == "llama3-chat" else "<|endoftext|>")]
+    return [tok.bos_id] if fmt == "plain" and tok.bos_id is not None else []
 
 def prompt_tokens(tok: Tokenizer, fmt: str, prompt: str) -> list[int]:
     """A formatted prompt, up to where the response starts."""
@@ -610,21 +529,16 @@ def prompt_tokens(tok: Tokenizer, fmt: str, prompt: str) -> list[int]:
                 start, *tok.encode(f"user\n{prompt}"), end, *tok.encode("\n"), start, *tok.encode("assistant\n")]
     return start_tokens(tok, fmt) + tok.encode(prompt + "\n\n")
 
-
 def end_token(tok: Tokenizer, fmt: str) -> int:
     """The token that ends a response in this format."""
-    if fmt == "llama3-chat":
-        return tok.token_id("<|eot_id|>")
-    if fmt == "chatml":
-        return tok.token_id("<|im_end|>")
+    if fmt in ("llama3-chat", "chatml"):
+        return tok.token_id("<|eot_id|>" if fmt == "llama3-chat" else "<|im_end|>")
     if tok.eos_id is None:
         raise ValueError("the tokenizer has no EOS token; give it one (tokenizer_config.json eos_token)")
     return tok.eos_id
 
-
 def response_tokens(tok: Tokenizer, fmt: str, response: str) -> list[int]:
     return tok.encode(response.strip() if fmt == "llama3-chat" else response) + [end_token(tok, fmt)]
-
 
 def padding_token(tok: Tokenizer, fmt: str) -> int:
     """Fills a row after its response. The layout ends a row at its first one, so in the chat
@@ -632,7 +546,6 @@ def padding_token(tok: Tokenizer, fmt: str) -> int:
     if fmt in ("llama3-chat", "chatml"):
         return tok.token_id("<|end_of_text|>" if fmt == "llama3-chat" else "<|endoftext|>")
     return end_token(tok, fmt)
-
 
 def training_sequences(pairs, tok: Tokenizer, fmt: str, seq_len: int) -> torch.Tensor:
     """Formatted, cut and padded pairs -> (n_rows, seq_len) int32."""
@@ -642,20 +555,12 @@ def training_sequences(pairs, tok: Tokenizer, fmt: str, seq_len: int) -> torch.T
         out[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
     return out
 
-
 # ======================================= Word problems =======================================
-#
-# A miniature GSM8K that a CPU can learn: arithmetic word problems from five templates, with a
-# short chain of thought, as MetaMathQA training rows (the response ends "The answer is: N") and
-# GSM8K test rows (calculator notes "12 + 7 = <<12+7=19>>19", last line "#### N"), so that the
-# loaders, formats and scoring of finetune_hf.py serve them unchanged. One phrasing per template:
-# the teacher is sure of everything but the arithmetic, the part a small model gets wrong. Results
-# stay below 60 and factors have one digit, so a million parameters learn them in minutes.
+# A miniature GSM8K in MetaMathQA / GSM8K rows: one phrasing per template, so only sums are hard.
 
 WP_NAMES = ["Tom", "Ann", "Ben", "Sue", "Max", "Amy", "Sam", "Eva", "Leo", "Mia", "Joe", "Kim"]
 WP_ITEMS = ["apples", "pens", "books", "cards", "eggs", "cups", "toys", "coins", "shells", "stamps"]
 WP_TEMPLATES = ("gets_more", "gives_away", "boxes", "buys_then_gives", "money_left")
-
 
 @dataclass
 class WordProblem:
@@ -663,12 +568,10 @@ class WordProblem:
     solution: str     # the chain of thought, with GSM8K's calculator notes <<a+b=c>>
     answer: int
 
-
 def calc(a: int, op: str, b: int) -> tuple[int, str]:
     """The result of `a op b`, and the step as GSM8K writes it: "a op b = <<a op b=c>>c"."""
     c = {"+": a + b, "-": a - b, "*": a * b}[op]
     return c, f"{a} {op} {b} = <<{a}{op}{b}={c}>>{c}"
-
 
 def word_problem(rng: random.Random) -> WordProblem:
     """One problem from a random template (these draws, in this order, fix every data set)."""
@@ -712,16 +615,13 @@ def word_problem(rng: random.Random) -> WordProblem:
         solution = f"The {item} cost {step1} dollars. {name} has {step2} dollars left."
     return WordProblem(question, solution, answer)
 
-
 def metamath_row(problem: WordProblem) -> dict:
     solution = regex.sub(r"<<[^>]*>>", "", problem.solution)   # MetaMathQA has no calculator notes
     return {"query": problem.question, "response": f"{solution} The answer is: {problem.answer}",
             "type": "GSM_Synthetic", "original_question": problem.question}
 
-
 def gsm8k_row(problem: WordProblem) -> dict:
     return {"question": problem.question, "answer": f"{problem.solution}\n#### {problem.answer}"}
-
 
 def word_problem_split(n_train: int, n_test: int, seed: int = 0) -> tuple[list, list]:
     """Disjoint training and test problems (lists of WordProblem; no test question is in training)."""
@@ -731,7 +631,6 @@ def word_problem_split(n_train: int, n_test: int, seed: int = 0) -> tuple[list, 
         problems.setdefault(p.question, p)
     problems = list(problems.values())
     return problems[:n_train], problems[n_train:]
-
 
 def write_word_problems(folder, n_train=20000, n_test=500, seed=0) -> tuple[Path, Path]:
     """train.json (MetaMathQA: one JSON array, as distributed) and test.jsonl (GSM8K: JSON lines)."""
@@ -743,62 +642,49 @@ def write_word_problems(folder, n_train=20000, n_test=500, seed=0) -> tuple[Path
     test_file.write_text("".join(json.dumps(gsm8k_row(p)) + "\n" for p in test), encoding="utf-8")
     return train_file, test_file
 
-
 def word_problem_pairs(path) -> list[tuple[str, str]]:
     """(query, response) pairs of a train.json written by write_word_problems."""
     return [(row["query"], row["response"]) for row in json.loads(Path(path).read_text(encoding="utf-8"))]
 
-
 def word_problem_batch(tokenizer, pairs, rng: random.Random, batch_size: int, seq_len: int):
-    """A random batch for next-token pretraining in the "plain" format, cut to seq_len and padded
-    with <eos>. Returns (seqs, supervised), both (batch_size, seq_len): the ids, and the tokens
-    that are predicted (all after <bos> up to and including the first <eos>)."""
+    """Random "plain" rows (B, seq_len) and which tokens are trained: after <bos>, to the first <eos>."""
     rows = [pairs[rng.randrange(len(pairs))] for _ in range(batch_size)]
     seqs = training_sequences(rows, tokenizer, "plain", seq_len).long()               # (B, seq_len)
-    is_eos = seqs == tokenizer.eos_id
-    length = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, seq_len)   # (B,) to the first <eos>
-    supervised = torch.arange(seq_len)[None, :] < length[:, None]
+    is_eos = (seqs == tokenizer.eos_id).int()
+    supervised = is_eos.cumsum(1) - is_eos == 0                # up to the first <eos>
     supervised[:, 0] = False                                                    # <bos> is given
     return seqs, supervised
 
-
 def word_problem_tokenizer() -> Tokenizer:
-    """The word problems' vocabulary, built like `toy_tokenizer`: every piece the templates produce
-    (GPT-2 split) and every number below 1000, with and without a leading space, is one token:
-    about 2.5k tokens, so a problem with its solution takes 30-65 tokens."""
+    """Like `toy_tokenizer`: each piece the templates make and each number < 1000 is one token."""
     sample = word_problem_split(3000, 0, seed=12345)[0]
     text = "\n\n".join(f"{p.question}\n\n{metamath_row(p)['response']}" for p in sample)
-    words = WP_NAMES + WP_ITEMS
-    pieces = set(regex.findall(GPT2_PATTERN, text)) | set(words) | {f" {w}" for w in words}
-    return whole_token_tokenizer(pieces | {f"{n}" for n in range(1000)} | {f" {n}" for n in range(1000)})
-
+    words = WP_NAMES + WP_ITEMS + [f"{n}" for n in range(1000)]
+    return whole_token_tokenizer(set(regex.findall(GPT2_PATTERN, text)) | set(words) | {f" {w}" for w in words})
 
 # ====================================== Domain prompts =======================================
-# Chat prompts from templates (and the word problems' questions), for `finetune_hf.py data` (a
-# model's own answers as training rows) and `analyze` (how predictable is each kind of answer?).
+# Chat prompts from templates (or word problems) for `finetune_hf.py data` and `analyze`.
 
-DOMAIN_TEMPLATES = {
+DOMAIN_TEMPLATES = {   # domain: (templates, subjects separated by ", ")
     "lists": (["List {n} {x}.", "Name {n} {x}, one per line.", "Give me a numbered list of {n} {x}.",
                "What are {n} common {x}? Answer with a list."],
-              ["animals", "fruits", "vegetables", "colors", "countries in Europe", "musical instruments",
-               "sports", "birds", "flowers", "jobs", "kitchen tools", "board games", "programming languages",
-               "farm animals", "ocean animals", "types of trees", "desserts", "breakfast foods", "hobbies",
-               "school subjects", "car brands", "famous painters", "rivers", "things found in a park"]),
+              "animals, fruits, vegetables, colors, countries in Europe, musical instruments, sports, birds, "
+              "flowers, jobs, kitchen tools, board games, programming languages, farm animals, ocean animals, "
+              "types of trees, desserts, breakfast foods, hobbies, school subjects, car brands, "
+              "famous painters, rivers, things found in a park"),
     "explanations": (["Explain what {x} is in two sentences.", "What is {x}? Answer briefly.",
                       "Describe how {x} works, in simple words.", "Why is {x} important? Answer in a few sentences."],
-                     ["photosynthesis", "gravity", "a rainbow", "the internet", "a volcano", "democracy",
-                      "the water cycle", "electricity", "a computer", "the moon", "a vaccine", "an earthquake",
-                      "the heart", "a battery", "money", "a library", "recycling", "the weather", "sleep",
-                      "a bicycle", "the sun", "friendship", "a map", "music"]),
+                     "photosynthesis, gravity, a rainbow, the internet, a volcano, democracy, the water cycle, "
+                     "electricity, a computer, the moon, a vaccine, an earthquake, the heart, a battery, money, "
+                     "a library, recycling, the weather, sleep, a bicycle, the sun, friendship, a map, music"),
     "writing": (["Write a short story about {x}.", "Write a short poem about {x}.",
                  "Write a paragraph describing {x}.", "Write a short letter to a friend about {x}."],
-                ["a lost cat", "the ocean", "a rainy day", "a friendly robot", "a summer holiday", "a old tree",
-                 "a busy city", "the first snow", "a birthday party", "a small village", "a dragon", "the stars",
-                 "a train journey", "a garden", "a lighthouse", "a football match", "a new school", "the forest",
-                 "a mountain", "a kind stranger", "a long night", "a river", "a baker", "a storm"]),
+                "a lost cat, the ocean, a rainy day, a friendly robot, a summer holiday, a old tree, a busy city, "
+                "the first snow, a birthday party, a small village, a dragon, the stars, a train journey, "
+                "a garden, a lighthouse, a football match, a new school, the forest, a mountain, "
+                "a kind stranger, a long night, a river, a baker, a storm"),
 }
 DOMAINS = ("word_problems", *DOMAIN_TEMPLATES)
-
 
 def domain_prompts(domain: str, n: int, split: str = "train", seed: int = 0) -> list[str]:
     """Up to n prompts of one domain from its train or test part (a quarter of the subjects)."""
@@ -808,36 +694,30 @@ def domain_prompts(domain: str, n: int, split: str = "train", seed: int = 0) -> 
     if domain not in DOMAIN_TEMPLATES:
         raise ValueError(f"unknown domain {domain!r}; choose from {', '.join(DOMAINS)}")
     templates, subjects = DOMAIN_TEMPLATES[domain]
-    subjects = [x for i, x in enumerate(subjects) if (i % 4 == 3) == (split == "test")]
+    subjects = [x for i, x in enumerate(subjects.split(", ")) if (i % 4 == 3) == (split == "test")]
     rng = random.Random(f"{domain}/{split}/{seed}")
     prompts = [t.format(n=n_items, x=x) for t in templates for x in subjects for n_items in (3, 5, 7, 10)
                if "{n}" in t or n_items == 3]
     rng.shuffle(prompts)
     return prompts[:n]
 
-
 # --- plumbing: reading and writing Hugging Face tokenizer files ------------------------------
 
 @lru_cache(maxsize=1)
 def gpt2_byte_to_char() -> dict[int, str]:
-    """GPT-2's byte table, so that JSON can hold any token: printable bytes stand for themselves,
-    the 68 others (control bytes, space, ...) become chr(256 + i) in order; the space byte is "Ġ"."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
+    """GPT-2's byte table for JSON: printable bytes stand for themselves, the 68 others (control
+    bytes, space, ...) become chr(256 + i) in order; the space byte is "Ġ"."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]   # visible ASCII and Latin-1
     shifted = [b for b in range(256) if b not in printable]
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(shifted)}}
 
-
 GPT2_CHAR_TO_BYTE = {c: b for b, c in gpt2_byte_to_char().items()}
-
 
 def bytes_to_piece(token: bytes) -> str:
     return "".join(gpt2_byte_to_char()[b] for b in token)
 
-
 def piece_to_bytes(piece: str) -> bytes:
     return bytes(GPT2_CHAR_TO_BYTE[c] for c in piece)   # KeyError: not a byte-level string
-
 
 def read_hf_tokenizer_json(spec: dict, file: Path) -> tuple[dict, dict, str, bool]:
     """A parsed tokenizer.json -> (mergeable_ranks, special_tokens, split pattern, nfc)."""
@@ -874,51 +754,20 @@ def read_hf_tokenizer_json(spec: dict, file: Path) -> tuple[dict, dict, str, boo
         raise ValueError(f"unsupported normalizer in {file}: {normalizer.get('type')!r}")
     return ranks, specials, pattern, normalizer is not None
 
-
-def read_token_roles(folder: Path, specials: dict[str, int]) -> tuple[dict, list[int], dict]:
-    """(bos/eos/pad token texts, stop ids, tokenizer_config.json) from the files next to a tokenizer.
-    tokenizer_config.json decides when it names a role (null is "none": Qwen has no BOS, though its
-    config.json has a bos_token_id), then config.json, generation_config.json. Every eos id stops."""
-    def read(name):
-        file = folder / name
-        return json.loads(file.read_text(encoding="utf-8")) if file.is_file() else {}
-
-    def as_list(value):
-        return value if isinstance(value, list) else [] if value is None else [value]
-
-    tok_config, configs = read("tokenizer_config.json"), [read("config.json"), read("generation_config.json")]
-    text_of = {i: text for text, i in specials.items()}
-    roles = {}
-    for role in ("bos_token", "eos_token", "pad_token"):
-        if role in tok_config:
-            text = tok_config[role].get("content") if isinstance(tok_config[role], dict) else tok_config[role]
-        else:
-            ids = [i for c in configs for i in as_list(c.get(f"{role}_id"))]
-            text = text_of.get(ids[0]) if ids else None
-        roles[role] = text if text in specials else None
-    stop_ids = [i for c in configs for i in as_list(c.get("eos_token_id")) if i in text_of]
-    return roles, stop_ids, tok_config
-
-
 def llama3_special_tokens(first_id: int) -> dict[str, int]:
     """Llama 3.1's 256 special tokens: a few named ones, the rest <|reserved_special_token_i|>."""
     named = {0: "begin_of_text", 1: "end_of_text", 4: "finetune_right_pad_id", 6: "start_header_id",
              7: "end_header_id", 8: "eom_id", 9: "eot_id", 10: "python_tag"}
-    reserved = [i for i in range(256) if i not in named]
-    names = {**named, **{i: f"reserved_special_token_{n}" for n, i in enumerate(reserved)}}
-    return {f"<|{names[i]}|>": first_id + i for i in range(256)}
-
+    reserved = iter(f"reserved_special_token_{n}" for n in range(256))
+    return {f"<|{named[i] if i in named else next(reserved)}|>": first_id + i for i in range(256)}
 
 def hf_tokenizer_json(tok: Tokenizer) -> dict:
-    """The tokenizer.json dict: the file `tok` was read from plus its added special tokens, or (for a
-    tokenizer built in code) vocab + merges that make HF's BPE act exactly as ours."""
-    def added(text, i):
-        return {"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
-                "normalized": False, "special": True}
-
+    """tokenizer.json: the one `tok` was read from plus new special tokens, or vocab + merges that
+    make HF's BPE act exactly as ours."""
+    flags = {**dict.fromkeys(["single_word", "lstrip", "rstrip", "normalized"], False), "special": True}
     if tok.hf_spec is not None:
         known = {t["content"] for t in tok.hf_spec["added_tokens"]}
-        new = [added(text, i) for text, i in tok.special_tokens.items() if text not in known]
+        new = [{"id": i, "content": t, **flags} for t, i in tok.special_tokens.items() if t not in known]
         return {**tok.hf_spec, "added_tokens": tok.hf_spec["added_tokens"] + new}
     vocab = {bytes_to_piece(b): r for b, r in tok.mergeable_ranks.items()}
     merges = []
@@ -933,15 +782,14 @@ def hf_tokenizer_json(tok: Tokenizer) -> dict:
             parts[best:best + 2] = [parts[best] + parts[best + 1]]
         if len(parts) == 2:
             merges.append([bytes_to_piece(parts[0]), bytes_to_piece(parts[1])])
-    # HF numbers added tokens it does not find in the vocab len(vocab), len(vocab)+1, ...
-    # If ours are not exactly those ids, put them in the vocab too so their ids are kept.
+    # HF numbers added tokens missing from the vocab len(vocab), len(vocab)+1, ...: keep other ids.
     specials = sorted(tok.special_tokens.items(), key=lambda item: item[1])
     if [i for _, i in specials] != list(range(len(vocab), len(vocab) + len(specials))):
         vocab.update(specials)
     split = {"type": "Split", "pattern": {"Regex": tok.pattern}, "behavior": "Isolated", "invert": False}
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
     return {"version": "1.0", "truncation": None, "padding": None,
-            "added_tokens": [added(text, i) for text, i in specials],
+            "added_tokens": [{"id": i, "content": text, **flags} for text, i in specials],
             "normalizer": {"type": "NFC"} if tok.nfc else None,
             "pre_tokenizer": {"type": "Sequence", "pretokenizers": [split, byte_level]},
             "post_processor": None, "decoder": {**byte_level, "add_prefix_space": True, "use_regex": True},
