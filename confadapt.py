@@ -84,15 +84,13 @@ def accept(mode: DecodeConfig, preds: list[int], confs: list[float] | None, draf
     kept token is the argmax given greedy text, i.e. what greedy emits. The mask predictions become
     the next drafts only if every draft held. A stop token ends the chunk and is kept.
     """
-    verified, next_drafts = 0, []
+    tokens, verified, next_drafts = preds, 0, []                     # greedy, static k: keep all
     if mode.kind == "confadapt":
         tokens = preds[: accept_confadapt(confs, mode.tau)]
     elif mode.kind == "lossless":
         verified = verify_drafts(drafts, preds[: len(drafts)])
         tokens = preds[: verified + 1]
         next_drafts = preds[len(drafts) + 1:] if verified == len(drafts) else []
-    else:                                                            # greedy, static k: keep all
-        tokens = preds
     stop = next((i for i, t in enumerate(tokens) if t in stop_ids), None)
     return (tokens if stop is None else tokens[: stop + 1]), verified, next_drafts
 
@@ -204,9 +202,8 @@ def decode_pass(model, cache, inputs: list[list[int]], firsts: list[int], n_pred
     return model(tokens, cache=cache, output_index=index, n_tokens=n_tokens)                 # (B, N, V)
 
 @torch.inference_mode()
-def generate(model, prompts: list[list[int]], max_new_tokens: int, mode: DecodeConfig | None = None,
-             mask_id: int | None = None, stop_ids=(), batch_size: int | None = None,
-             ) -> tuple[list[Generation], DecodeStats]:
+def generate(model, prompts: list[list[int]], max_new_tokens: int, mode: DecodeConfig | None = None, mask_id=None,
+             stop_ids=(), batch_size: int | None = None) -> tuple[list[Generation], DecodeStats]:
     """Continue every prompt (token ids) by up to max_new_tokens tokens; one Generation per prompt.
     A row ends at its first stop token (kept). At most batch_size prompts decode at once (default:
     all); a finished row's place goes to the next waiting prompt, so the batch stays full."""
