@@ -41,7 +41,7 @@ MODES = ("greedy", "static", "confadapt", "lossless")
 class DecodeConfig:
     """Which decoding rule to use and how many predictions one pass may make."""
     kind: str = "confadapt"   # "greedy" | "static" | "confadapt" | "lossless"
-    k: int = 4                # static: tokens per pass; lossless: most tokens per pass (1 + k-1 drafts)
+    k: int = 4                # static: tokens per pass; lossless: most per pass (1 + k-1 drafts)
     tau: float = 0.9          # confadapt: confidence threshold, in (0, 1]
     k_max: int = 16           # confadapt: most tokens per pass
 
@@ -184,8 +184,8 @@ def prefill(model, cache, prompts: dict[int, list[int]], pad_id: int) -> float:
     lengths, heads = cache.lengths.clone(), [[] for _ in range(len(cache.lengths))]
     for b, prompt in prompts.items():
         lengths[b], heads[b] = 0, prompt[:-1]
-    cache.rollback(lengths)                                      # a row's previous sequence is forgotten
-    if any(heads):                                               # only the cache is wanted: no logits
+    cache.rollback(lengths)                                  # a row's previous sequence is forgotten
+    if any(heads):                                           # only the cache is wanted: no logits
         decode_pass(model, cache, heads, [0] * len(heads), [0] * len(heads), pad_id)
     _sync(cache.lengths.device)
     return time.perf_counter() - start
@@ -238,10 +238,9 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, mode: DecodeC
             inputs.append(r.pending + tail)
         n_preds = [len(x) - len(r.pending) + 1 for x, r in zip(inputs, batch)]
         fed += sum(len(x) for x in inputs)
-        logits = decode_pass(model, cache, inputs, [len(r.pending) - 1 for r in batch], n_preds,
-                             pad_id).float()                                          # (B, N, V)
+        logits = decode_pass(model, cache, inputs, [len(r.pending) - 1 for r in batch], n_preds, pad_id).float()
         passes += 1
-        preds, confs = top1(mode, logits)                                             # (B, N) each
+        preds, confs = top1(mode, logits)                          # logits (B, N, V) -> (B, N) each
         # 3) each row keeps what the accept rule allows. Verified drafts were fed as themselves,
         # so their K/V stays; the other kept tokens become pending; masks and rejected drafts go.
         for b, (r, n) in enumerate(zip(batch, n_preds)):
@@ -470,7 +469,7 @@ def encode_prompt(tokenizer, model, text: str, no_bos: bool) -> list[int]:
     return ([] if no_bos or bos is None else [bos]) + tokenizer.encode(text)
 
 def decode_modes(static_ks=(), taus=(), k_max: int = 16, lossless_k: int | None = None) -> list[DecodeConfig]:
-    """The settings of a decoding sweep: static k per k (k=1 is greedy), ConfAdapt per tau, lossless."""
+    """A decoding sweep: static k per k (k=1 is greedy), ConfAdapt per tau, lossless."""
     modes = [DecodeConfig("greedy") if k == 1 else DecodeConfig("static", k=k) for k in static_ks]
     modes += [DecodeConfig("confadapt", tau=t, k_max=k_max) for t in taus]
     modes += [DecodeConfig("lossless", k=lossless_k)] if lossless_k else []
