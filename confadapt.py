@@ -10,10 +10,9 @@ k-1 masks are k predictions. How many of them to keep is the decoding rule:
     lossless          mask predictions are only drafts, checked by the model's own next-token
                       predictions in the next pass: exactly plain greedy output, in fewer passes.
 
-`generate_uncached` is this for one prompt without a cache; `generate` is the same with a KV cache
-and batching (tests/test_confadapt.py checks that they agree). "Effective k" = tokens / forward
-passes is not a wall-clock speed-up: a pass that reads 2k-1 tokens costs more than one that
-reads 1 (benchmarks/bench_modes.py measures both).
+`generate_uncached` defines the rules for one prompt, no cache; `generate` adds a KV cache and
+batching, same output (tests/test_confadapt.py). Effective k = tokens / passes is not a speed-up: a
+pass reading 2k-1 tokens costs more than one reading 1 (benchmarks/bench_modes.py measures both).
 
 Run:  python confadapt.py --model DIR --prompt "1 2 3" [--tau 0.9 --k-max 16 | --static-k 4 | --lossless]
 References: Multi-Token Prediction via Self-Distillation (arXiv 2602.06019); blockwise parallel
@@ -33,14 +32,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-MODES = ("greedy", "static", "confadapt", "lossless")
+from data import Tokenizer
+from model import Transformer, parse_device
 
+MODES = ("greedy", "static", "confadapt", "lossless")
 
 @dataclass
 class DecodeConfig:
     """Which decoding rule to use and how many predictions one pass may make."""
     kind: str = "confadapt"   # "greedy" | "static" | "confadapt" | "lossless"
-    k: int = 4                # static: tokens per pass; lossless: most tokens per pass (1 + k-1 drafts)
+    k: int = 4                # static: tokens per pass; lossless: most per pass (1 + k-1 drafts)
     tau: float = 0.9          # confadapt: confidence threshold, in (0, 1]
     k_max: int = 16           # confadapt: most tokens per pass
 
@@ -60,18 +61,15 @@ class DecodeConfig:
         return {"greedy": "greedy", "static": f"static k={self.k}", "lossless": f"lossless k={self.k}",
                 "confadapt": f"confadapt tau={self.tau:g} k_max={self.k_max}"}[self.kind]
 
-
 # --- The definition: the accept rules, and one prompt decoded without a cache -------------------
 
 def accept_confadapt(confidences: list[float], tau: float) -> int:
-    """ConfAdapt: the longest leading run of predictions with top-1 probability >= tau, at least 1
-    (the first, at the last real token, is the ordinary next-token prediction). tau = 1.0 keeps only
-    the first: a float32 softmax rounds anything within ~6e-8 of 1 to 1.0, and `>= 1.0` read
-    literally would accept such mask guesses, which greedy decoding need not produce."""
+    """ConfAdapt: the longest leading run of predictions with top-1 probability >= tau, at least 1.
+    tau = 1.0 keeps only the first (the ordinary next token): float32 softmax rounds anything within
+    ~6e-8 of 1 to 1.0, so `>= 1.0` read literally would accept mask guesses greedy need not make."""
     if tau >= 1.0:
         return 1
     return max(1, next((i for i, c in enumerate(confidences) if c < tau), len(confidences)))
-
 
 def verify_drafts(drafts: list[int], predictions: list[int]) -> int:
     """Lossless: how many leading drafts equal the model's own greedy prediction at their place.
@@ -79,27 +77,22 @@ def verify_drafts(drafts: list[int], predictions: list[int]) -> int:
     before it was (so its context is greedy text) and it equals predictions[i]."""
     return next((i for i, (d, p) in enumerate(zip(drafts, predictions)) if d != p), len(drafts))
 
-
 def accept(mode: DecodeConfig, preds: list[int], confs: list[float] | None, drafts: list[int], stop_ids):
     """One pass's accept rule -> (accepted tokens, how many of them were fed as drafts, next drafts).
-
     preds/confs: argmax and its probability at the last real token, then at each draft and mask.
     Lossless keeps the `a` verified drafts plus preds[a], the model's own token after them: each
     kept token is the argmax given greedy text, i.e. what greedy emits. The mask predictions become
     the next drafts only if every draft held. A stop token ends the chunk and is kept.
     """
-    verified, next_drafts = 0, []
+    tokens, verified, next_drafts = preds, 0, []                     # greedy, static k: keep all
     if mode.kind == "confadapt":
         tokens = preds[: accept_confadapt(confs, mode.tau)]
     elif mode.kind == "lossless":
         verified = verify_drafts(drafts, preds[: len(drafts)])
         tokens = preds[: verified + 1]
         next_drafts = preds[len(drafts) + 1:] if verified == len(drafts) else []
-    else:                                                            # greedy, static k: keep all
-        tokens = preds
     stop = next((i for i, t in enumerate(tokens) if t in stop_ids), None)
     return (tokens if stop is None else tokens[: stop + 1]), verified, next_drafts
-
 
 def top1(mode: DecodeConfig, logits: torch.Tensor) -> tuple[list, list | None]:
     """Argmax of logits (..., V), and for ConfAdapt its probability (else None), as lists."""
@@ -108,12 +101,10 @@ def top1(mode: DecodeConfig, logits: torch.Tensor) -> tuple[list, list | None]:
     confs, preds = logits.softmax(-1).max(-1)
     return preds.tolist(), confs.tolist()
 
-
 def pass_tail(mode: DecodeConfig, drafts: list[int], wanted: int, mask_id) -> tuple[list[int], list[int]]:
     """(drafts, drafts + masks) to feed after the last real token: at most `wanted` predictions."""
     drafts = drafts[: wanted - 1]
     return drafts, drafts + [mask_id] * min(mode.block - 1, wanted - 1 - len(drafts))
-
 
 @torch.no_grad()
 def generate_uncached(model, prompt: list[int], max_new_tokens: int, mode: DecodeConfig, mask_id=None,
@@ -124,28 +115,24 @@ def generate_uncached(model, prompt: list[int], max_new_tokens: int, mode: Decod
     budget = min(max_new_tokens, model.config.max_seq_len - len(prompt))
     out, chunks, drafts = [], [], []
     while len(out) < budget and not (out and out[-1] in stop_ids):
-        seq = prompt + out
         drafts, tail = pass_tail(mode, drafts, budget - len(out), mask_id)
-        x = torch.tensor([seq + tail], device=next(model.parameters()).device)
-        logits = model(x)[0, len(seq) - 1:].float()                  # (1 + len(tail), V): the predictions
+        x = torch.tensor([prompt + out + tail], device=next(model.parameters()).device)
+        logits = model(x)[0, len(prompt) + len(out) - 1:].float()    # (1 + len(tail), V): the predictions
         preds, confs = top1(mode, logits)
         new, _, drafts = accept(mode, preds, confs, drafts, stop_ids)
         out += new
         chunks.append(len(new))
     return out, chunks
 
-
 # --- The same with a KV cache, ragged passes and continuous batching ---------------------------
 # The cache (model.KVCache) holds the K/V of every accepted token except the `pending` ones, which
 # the next pass feeds: input = pending + (lossless: drafts) + masks, predictions from the last
-# pending token on, then a rollback drops masks and rejected drafts. Each row keeps its own cache
-# length and feeds its own number of tokens (a ragged pass); a finished row hands its place to the
-# next waiting prompt (continuous batching). A row's output is the one it gets alone, up to float
-# rounding in the last bit (which could flip an argmax between logits tied to ~1e-6).
+# pending token on, then a rollback drops masks and rejected drafts. Each row has its own cache
+# length and input length (a ragged pass); a finished row's place goes to the next waiting prompt
+# (continuous batching). A row's output is the one it gets alone, up to float rounding.
 
 @dataclass
 class Generation:
-    """What one prompt produced."""
     tokens: list[int]          # the new tokens (prompt excluded), cut after the first stop token
     chunk_sizes: list[int]     # tokens emitted by each forward pass of this row; sum == len(tokens)
     stopped: bool              # True: ended on a stop token; False: max_new_tokens or context end
@@ -153,16 +140,13 @@ class Generation:
     @property
     def forward_passes(self) -> int:
         return len(self.chunk_sizes)
-
     @property
     def effective_k(self) -> float:
         return len(self.tokens) / max(1, self.forward_passes)
-
     @property
     def boundaries(self) -> list[int]:
         """End index (into `tokens`) of each chunk: [3, 4, 9] means tokens[0:3], [3:4], [4:9]."""
         return list(itertools.accumulate(self.chunk_sizes))
-
 
 @dataclass
 class DecodeStats:
@@ -179,7 +163,6 @@ class DecodeStats:
     prefill_seconds: float
     tokens_per_second: float    # tokens / decoding seconds (prefill excluded, like effective_k)
 
-
 @dataclass
 class Row:
     """Decoding state of one prompt. The cache holds all of prompt + tokens except `pending`."""
@@ -191,25 +174,21 @@ class Row:
     drafts: list[int] = field(default_factory=list)     # lossless: guesses for the tokens after `pending`
     done: bool = False
 
-
 def _sync(device):                        # a timer must read finished GPU work (no-op on the CPU)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
-
 def prefill(model, cache, prompts: dict[int, list[int]], pad_id: int) -> float:
-    """Start cache rows afresh: row b gets prompts[b] but its last token (its first pending one);
-    other rows feed nothing. Returns the seconds it took."""
+    """Cache row b starts afresh with prompts[b] but its last token (its first pending one); seconds."""
     start = time.perf_counter()
     lengths, heads = cache.lengths.clone(), [[] for _ in range(len(cache.lengths))]
     for b, prompt in prompts.items():
         lengths[b], heads[b] = 0, prompt[:-1]
-    cache.rollback(lengths)                                      # a row's previous sequence is forgotten
-    if any(heads):                                               # only the cache is wanted: no logits
+    cache.rollback(lengths)                                  # a row's previous sequence is forgotten
+    if any(heads):                                           # only the cache is wanted: no logits
         decode_pass(model, cache, heads, [0] * len(heads), [0] * len(heads), pad_id)
     _sync(cache.lengths.device)
     return time.perf_counter() - start
-
 
 def decode_pass(model, cache, inputs: list[list[int]], firsts: list[int], n_preds: list[int], pad_id: int):
     """One pass of every row -> logits (B, N, V) at input index firsts[b] .. firsts[b] + n_preds[b] - 1
@@ -222,17 +201,12 @@ def decode_pass(model, cache, inputs: list[list[int]], firsts: list[int], n_pred
                          dtype=torch.long, device=device)                                     # (B, N)
     return model(tokens, cache=cache, output_index=index, n_tokens=n_tokens)                 # (B, N, V)
 
-
 @torch.inference_mode()
-def generate(model, prompts: list[list[int]], max_new_tokens: int, mode: DecodeConfig | None = None,
-             mask_id: int | None = None, stop_ids=(), batch_size: int | None = None,
-             ) -> tuple[list[Generation], DecodeStats]:
+def generate(model, prompts: list[list[int]], max_new_tokens: int, mode: DecodeConfig | None = None, mask_id=None,
+             stop_ids=(), batch_size: int | None = None) -> tuple[list[Generation], DecodeStats]:
     """Continue every prompt (token ids) by up to max_new_tokens tokens; one Generation per prompt.
-
-    mask_id defaults to model.config.mask_token_id (every mode but greedy needs one). A row ends at
-    its first stop token (kept). batch_size: most prompts decoded at once (default: all); a finished
-    row's place goes to the next waiting prompt, so the batch stays full (as a server does).
-    """
+    A row ends at its first stop token (kept). At most batch_size prompts decode at once (default:
+    all); a finished row's place goes to the next waiting prompt, so the batch stays full."""
     mode = mode or DecodeConfig()
     mode.validate()
     mask_id = model.config.mask_token_id if mask_id is None else mask_id
@@ -264,10 +238,9 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, mode: DecodeC
             inputs.append(r.pending + tail)
         n_preds = [len(x) - len(r.pending) + 1 for x, r in zip(inputs, batch)]
         fed += sum(len(x) for x in inputs)
-        logits = decode_pass(model, cache, inputs, [len(r.pending) - 1 for r in batch], n_preds,
-                             pad_id).float()                                          # (B, N, V)
+        logits = decode_pass(model, cache, inputs, [len(r.pending) - 1 for r in batch], n_preds, pad_id).float()
         passes += 1
-        preds, confs = top1(mode, logits)                                             # (B, N) each
+        preds, confs = top1(mode, logits)                          # logits (B, N, V) -> (B, N) each
         # 3) each row keeps what the accept rule allows. Verified drafts were fed as themselves,
         # so their K/V stays; the other kept tokens become pending; masks and rejected drafts go.
         for b, (r, n) in enumerate(zip(batch, n_preds)):
@@ -278,7 +251,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, mode: DecodeC
             r.done = tokens[-1] in stop_ids or len(r.tokens) >= r.budget
         cache.rollback(torch.tensor([len(r.prompt) + len(r.tokens) - len(r.pending) for r in batch],
                                     device=cache.lengths.device))
-        # 4) a finished row hands its cache row to the next waiting prompt; with none left, it leaves
+        # 4) a finished row hands its cache row to the next waiting prompt, or with none left leaves
         joining = {}
         for b, r in enumerate(batch):
             if r.done and waiting:
@@ -291,35 +264,29 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, mode: DecodeC
             cache.keep_rows(still)
         active = [active[b] for b in still]
     seconds = time.perf_counter() - start
-
     gens = [Generation(r.tokens, r.chunk_sizes, stopped=r.tokens[-1] in stop_ids) for r in rows]
-    n_tokens = sum(len(g.tokens) for g in gens)
-    row_passes = sum(g.forward_passes for g in gens)
+    n_tokens, row_passes = sum(len(g.tokens) for g in gens), sum(g.forward_passes for g in gens)
     hist = Counter(n for g in gens for n in g.chunk_sizes)
     return gens, DecodeStats(mode=mode.describe(), batch_size=width, forward_passes=passes, row_passes=row_passes,
                              tokens=n_tokens, effective_k=n_tokens / max(1, row_passes), fed_tokens=fed,
                              accept_hist=dict(sorted(hist.items())), seconds=seconds, prefill_seconds=prefill_seconds,
                              tokens_per_second=n_tokens / max(seconds - prefill_seconds, 1e-9))
 
-
 # --- Showing the chunks (the paper's Figure 1): one colour run per forward pass ----------------
 
 def chunk_texts(tokenizer, tokens: list[int], chunk_sizes: list[int]) -> list[str]:
-    """The text of each chunk. Decoded as prefixes, so a character split across chunks lands whole
-    in the chunk that completes it."""
-    texts, done, end = [], "", 0
-    for n in chunk_sizes:
-        end += n
+    """The text of each chunk, decoded as prefixes: a character split across chunks lands whole in
+    the chunk that completes it."""
+    texts, done = [], ""
+    for n, end in zip(chunk_sizes, itertools.accumulate(chunk_sizes)):
         full = tokenizer.decode(tokens[:end])
         texts.append(full[len(done):] if full.startswith(done) else tokenizer.decode(tokens[end - n:end]))
         done = full
     return texts
 
-
 SUBSCRIPT = str.maketrans("0123456789", "₀₁₂₃₄₅₆₇₈₉")
 BACKGROUNDS = ("\x1b[30;48;5;153m", "\x1b[30;48;5;223m")          # light blue, light orange
 PNG_COLOURS = ("#b9d9f5", "#fbd8a8")
-
 
 def render_chunks(prompt_text: str, texts: list[str], sizes: list[int], colour: bool = True) -> str:
     """Prompt, then each chunk on an alternating background followed by its size as a dim
@@ -327,81 +294,49 @@ def render_chunks(prompt_text: str, texts: list[str], sizes: list[int], colour: 
     out = [prompt_text]
     for i, (text, n) in enumerate(zip(texts, sizes)):
         sub = str(n).translate(SUBSCRIPT)
-        if colour:
-            on = BACKGROUNDS[i % 2]
-            body = "\n".join(f"{on}{line}\x1b[0m" if line else "" for line in text.split("\n"))
-            out.append(f"{body}\x1b[2m{sub}\x1b[0m")
-        else:
-            out.append(f"[{text}]{sub}")
+        body = "\n".join(f"{BACKGROUNDS[i % 2]}{line}\x1b[0m" if line else "" for line in text.split("\n"))
+        out.append(f"{body}\x1b[2m{sub}\x1b[0m" if colour else f"[{text}]{sub}")
     return "".join(out)
 
-
-def save_chunks_png(path: str, prompt_text: str, texts: list[str], sizes: list[int], title: str = "",
-                    width: int = 80):
+def save_chunks_png(path: str, prompt_text: str, texts: list[str], sizes: list[int], title: str = "", width=80):
     """The same picture as a PNG: monospace text on a character grid, wrapped at spaces, each chunk
     on its alternating background, its size written small above its first character."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Rectangle
     chars = [(ch, chunk) for chunk, text in [(-1, prompt_text)] + list(enumerate(texts))
              for ch in text.replace("\t", "    ")]
     cells, row, col, wrapped = [], 0, 0, False    # cells: (row, col, char, chunk index or -1 for prompt)
     for i, (ch, chunk) in enumerate(chars):
-        if ch not in " \n" and col > 0 and chars[i - 1][0] == " ":               # a word starts here
+        word = 0                                 # a word starting here: wrap before it unless it fits
+        if ch not in " \n" and col > 0 and chars[i - 1][0] == " ":
             word = next((j for j in range(i, len(chars)) if chars[j][0] in " \n"), len(chars)) - i
-            if col + min(word, width) > width:     # wrap before it (a word longer than a line is cut)
-                row, col, wrapped = row + 1, 0, True
-        if ch == "\n" or col >= width:
+        if ch == "\n" or col >= width or col + min(word, width) > width:   # a longer word is cut
             row, col, wrapped = row + 1, 0, ch != "\n"
-            if ch == "\n":
-                continue
-        if ch == " " and col == 0 and wrapped:     # a wrapped line starts with its word, not a space
+        if ch == "\n" or (ch == " " and col == 0 and wrapped):     # a wrapped line starts with a word
             continue
         cells.append((row, col, ch, chunk))
         col += 1
     n_cols, line_h, starts = max((c for _, c, _, _ in cells), default=0) + 1, 1.6, {}
-    fig, ax = plt.subplots(figsize=(n_cols * 0.11 + 0.4, (row + 1) * 0.26 + 0.6))
+    ax = Figure(figsize=(n_cols * 0.11 + 0.4, (row + 1) * 0.26 + 0.6)).subplots()
     for r, c, ch, chunk in cells:
         if chunk >= 0:
-            ax.add_patch(plt.Rectangle((c, -r * line_h - 0.55), 1, 1.3, color=PNG_COLOURS[chunk % 2], lw=0))
+            ax.add_patch(Rectangle((c, -r * line_h - 0.55), 1, 1.3, color=PNG_COLOURS[chunk % 2], lw=0))
             starts.setdefault(chunk, (r, c))
         ax.text(c + 0.5, -r * line_h, ch, ha="center", va="center", family="monospace", fontsize=9,
                 parse_math=False, color="#666666" if chunk < 0 else "black")
     for chunk, (r, c) in starts.items():
         ax.text(c + 0.1, -r * line_h + 0.75, str(sizes[chunk]), fontsize=4.5, color="#444444", va="bottom")
-    ax.set_xlim(-0.5, n_cols + 0.5)
-    ax.set_ylim(-row * line_h - 1.2, 1.4)
+    ax.set(xlim=(-0.5, n_cols + 0.5), ylim=(-row * line_h - 1.2, 1.4))
     ax.axis("off")
-    if title:
-        ax.set_title(title, fontsize=9, loc="left")
-    fig.savefig(path, dpi=150, bbox_inches="tight")
-    plt.close(fig)
-
-
-def format_stats(stats: DecodeStats, gen: Generation | None = None) -> str:
-    hist = " ".join(f"{n}:{c}" for n, c in stats.accept_hist.items())
-    lines = [f"mode            {stats.mode}",
-             f"tokens          {stats.tokens}",
-             f"forward passes  {stats.forward_passes} (the prefill not counted)",
-             f"effective k     {stats.effective_k:.2f} tokens/pass",
-             f"positions fed   {stats.fed_tokens} ({stats.fed_tokens / max(1, stats.tokens):.2f} per token)",
-             f"accepted/pass   {hist}",
-             f"wall time       {stats.seconds:.3f} s (prefill {stats.prefill_seconds:.3f} s)",
-             f"tokens/second   {stats.tokens_per_second:.1f} (decoding)"]
-    if gen is not None:
-        lines.append(f"chunk ends      {gen.boundaries}")
-    return "\n".join(lines)
-
+    ax.set_title(title, fontsize=9, loc="left")
+    ax.figure.savefig(path, dpi=150, bbox_inches="tight")
 
 # --- plumbing: the command line, shared by confadapt.py, train_toy.py and finetune_hf.py ---------
-# Numbers are range-checked where argparse parses them, paths before any work starts; a mistake a
-# user can make ends in one line `error: ...` on stderr and exit status 2, never a traceback, and
-# Ctrl-C in one line saying what is saved and how to go on (exit status 130).
+# A user's mistake (a bad number, a missing file) is found before any work and ends in one line
+# `error: ...` and exit status 2, never a traceback; Ctrl-C in one line saying what is saved (130).
 
 class CliError(Exception):
-    pass
-
+    """A bad command line: run_cli prints it as one line and exits 2."""
 
 class Help(argparse.HelpFormatter):
     """--help shows a flag's default where it has a real one, never "(default: None)"."""
@@ -412,7 +347,6 @@ class Help(argparse.HelpFormatter):
         default = " ".join(map(str, action.default)) if isinstance(action.default, list) else action.default
         return f"{action.help or ''} (default: {default})".strip().replace("%", "%%")
 
-
 class Parser(argparse.ArgumentParser):
     def __init__(self, *args, formatter_class=Help, **kwargs):
         super().__init__(*args, formatter_class=formatter_class, **kwargs)
@@ -420,43 +354,36 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):             # one line, no usage dump; run_cli prints it and exits 2
         raise CliError(message)
 
-
 def number(kind, low, high=None, low_open=False):
     """An argparse type: `kind` (int or float) within [low, high] ((low, high] if low_open)."""
-    where = (f"in ({low:g}, {high:g}]" if low_open else f"in [{low:g}, {high:g}]") if high is not None \
+    where = f"in {'(' if low_open else '['}{low:g}, {high:g}]" if high is not None \
         else f"{'above' if low_open else 'at least'} {low:g}"
 
     def parse(text):
         try:
             x = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {'a whole number' if kind is int else 'a number'}, "
-                                             f"got {text!r}") from None
+            what = "a whole number" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
         if (x <= low if low_open else x < low) or (high is not None and x > high) or x != x:
             raise argparse.ArgumentTypeError(f"must be {where}, got {text}")
         return x
-    parse.__name__ = kind.__name__
     return parse
-
 
 positive_int = number(int, 1)                          # sizes, steps, counts
 count = number(int, 0)                                 # 0 allowed (usually: "all" or "off")
 positive_float = number(float, 0, low_open=True)       # learning rates, clipping norms, seconds
 probability = number(float, 0, 1, low_open=True)       # thresholds tau
 
-
 def input_path(path, flag: str, folder: bool = False) -> str:
-    """A path the command reads: it must exist, and be a folder (folder=True) or a file."""
+    kind, other = ("folder", "a file") if folder else ("file", "a folder")
     if not os.path.exists(path):
-        raise CliError(f"{flag} {path}: no such {'folder' if folder else 'file'}")
+        raise CliError(f"{flag} {path}: no such {kind}")
     if folder != os.path.isdir(path):
-        raise CliError(f"{flag} {path}: is {'a file' if folder else 'a folder'}, expected a {'folder' if folder else 'file'}")
+        raise CliError(f"{flag} {path}: is {other}, expected a {kind}")
     return path
 
-
 def output_folder(path, flag: str) -> str:
-    """A folder the command writes: not a file, and the nearest existing folder on the way to it
-    writable (checked before any work)."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise CliError(f"{flag} {path}: is a file, expected a folder")
     parent = os.path.abspath(path)
@@ -467,7 +394,6 @@ def output_folder(path, flag: str) -> str:
     if not os.access(parent, os.W_OK | os.X_OK):
         raise CliError(f"{flag} {path}: {parent} is not writable")
     return path
-
 
 class Progress:
     """When to print a progress line: the first and the last always, else at most one every `seconds`."""
@@ -480,17 +406,14 @@ class Progress:
         self.last = now if due else self.last
         return due
 
-
 def format_seconds(s: float) -> str:
     """2m05s, or 1h02m05s."""
     s = int(max(0, s))
     h, m = divmod(s // 60, 60)
     return f"{h}h{m:02d}m{s % 60:02d}s" if h else f"{m}m{s % 60:02d}s"
 
-
 def run_cli(body, argv) -> int:
-    """body(argv), with what a user can cause as one line on stderr: bad flags and files (exit 2),
-    Ctrl-C (exit 130, its message saying what is saved and how to continue)."""
+    """body(argv), with bad flags and files (exit 2) and Ctrl-C (exit 130) as one line on stderr."""
     try:
         body(argv)
         return 0
@@ -500,7 +423,6 @@ def run_cli(body, argv) -> int:
     except KeyboardInterrupt as e:
         print(f"interrupted{': ' + str(e) if e.args else ''}", file=sys.stderr)
         return 130
-
 
 def add_model_args(p):
     g = p.add_argument_group("model")
@@ -512,11 +434,8 @@ def add_model_args(p):
     g.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch (default: torch's "
                    "choice; small models on a busy machine: 1 is fastest and steadiest)")
 
-
 def load_tokenizer(path):
     """data.Tokenizer.from_pretrained, with a malformed tokenizer file named in the error."""
-    from data import Tokenizer
-
     try:
         return Tokenizer.from_pretrained(path)
     except (KeyError, TypeError, AttributeError, ValueError) as e:   # JSON syntax, UTF-8, a missing field
@@ -524,13 +443,9 @@ def load_tokenizer(path):
             raise
         raise ValueError(f"cannot read the tokenizer in {path} (tokenizer.json): {type(e).__name__}: {e}") from None
 
-
 def load_model(path, device="cpu", dtype=torch.float32):
     """Model (eval mode), tokenizer, mask id (None without one) and stop ids of a model folder."""
-    from model import Transformer
-
-    model = Transformer.from_pretrained(path, device=device, dtype=dtype)
-    tokenizer = load_tokenizer(path)
+    model, tokenizer = Transformer.from_pretrained(path, device=device, dtype=dtype), load_tokenizer(path)
     cfg = model.config
     mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else tokenizer.mask_id
     if mask_id is not None and not 0 <= mask_id < cfg.vocab_size:
@@ -538,11 +453,8 @@ def load_model(path, device="cpu", dtype=torch.float32):
     eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
     return model, tokenizer, mask_id, {t for t in eos if t is not None} | set(tokenizer.stop_ids)
 
-
 def load(args, mode: DecodeConfig):
     """load_model for the --model/--device/--dtype/--threads flags, checking that `mode` has a mask."""
-    from model import parse_device
-
     input_path(args.model, "--model", folder=True)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -552,22 +464,18 @@ def load(args, mode: DecodeConfig):
                          f"tokenizer): only --greedy works; add one with model.add_mask_token and fine-tune")
     return model, tokenizer, mask_id, stop_ids
 
-
 def encode_prompt(tokenizer, model, text: str, no_bos: bool) -> list[int]:
     bos = model.config.bos_token_id
     return ([] if no_bos or bos is None else [bos]) + tokenizer.encode(text)
 
-
 def decode_modes(static_ks=(), taus=(), k_max: int = 16, lossless_k: int | None = None) -> list[DecodeConfig]:
-    """The settings of a decoding sweep: static k per k (k=1 is greedy), ConfAdapt per tau, lossless."""
+    """A decoding sweep: static k per k (k=1 is greedy), ConfAdapt per tau, lossless."""
     modes = [DecodeConfig("greedy") if k == 1 else DecodeConfig("static", k=k) for k in static_ks]
     modes += [DecodeConfig("confadapt", tau=t, k_max=k_max) for t in taus]
-    if lossless_k:
-        modes.append(DecodeConfig("lossless", k=lossless_k))
+    modes += [DecodeConfig("lossless", k=lossless_k)] if lossless_k else []
     for m in modes:
         m.validate()
     return modes
-
 
 def generate_main(argv):
     p = Parser(prog="confadapt.py", description="Multi-token decoding of an MTP model with a KV cache.")
@@ -575,11 +483,10 @@ def generate_main(argv):
     d = p.add_argument_group("decoding (default: ConfAdapt tau=0.9, k_max=16)")
     d.add_argument("--prompt", required=True, help="the text to continue")
     d.add_argument("--max-new-tokens", type=positive_int, default=128, help="most tokens to generate")
-    d.add_argument("--tau", type=probability, default=None, help="ConfAdapt confidence threshold in (0, 1] (default 0.9)")
-    d.add_argument("--k-max", type=positive_int, default=None,
-                   help="ConfAdapt / lossless: most tokens per pass (default 16)")
+    d.add_argument("--tau", type=probability, help="ConfAdapt confidence threshold in (0, 1] (default 0.9)")
+    d.add_argument("--k-max", type=positive_int, help="ConfAdapt / lossless: most tokens per pass (default 16)")
     one = d.add_mutually_exclusive_group()
-    one.add_argument("--static-k", type=positive_int, default=None, help="static k: keep all k predictions of every pass")
+    one.add_argument("--static-k", type=positive_int, help="static k: keep all k predictions of every pass")
     one.add_argument("--lossless", action="store_true", help="verify mask drafts: output == plain greedy")
     one.add_argument("--greedy", action="store_true", help="plain greedy, one token per pass")
     o = p.add_argument_group("output")
@@ -589,46 +496,41 @@ def generate_main(argv):
     args = p.parse_args(argv)
     if args.png:
         output_folder(os.path.dirname(args.png) or ".", f"--png {args.png}: its folder")
-    if args.static_k is not None or args.greedy or args.lossless:
-        if args.tau is not None:
-            raise CliError("--tau applies to ConfAdapt only (not with --static-k, --lossless or --greedy)")
-        if args.k_max is not None and not args.lossless:
-            raise CliError("--k-max applies to ConfAdapt and --lossless only")
+    kind = ("greedy" if args.greedy else "static" if args.static_k is not None
+            else "lossless" if args.lossless else "confadapt")
+    if kind != "confadapt" and args.tau is not None:
+        raise CliError("--tau applies to ConfAdapt only (not with --static-k, --lossless or --greedy)")
+    if kind in ("greedy", "static") and args.k_max is not None:
+        raise CliError("--k-max applies to ConfAdapt and --lossless only")
     k_max = 16 if args.k_max is None else args.k_max
-    if args.greedy:
-        mode = DecodeConfig("greedy")
-    elif args.static_k is not None:
-        mode = DecodeConfig("static", k=args.static_k)
-    elif args.lossless:
-        mode = DecodeConfig("lossless", k=k_max)
-    else:
-        mode = DecodeConfig("confadapt", tau=0.9 if args.tau is None else args.tau, k_max=k_max)
-    mode.validate()                                              # bad tau / k before loading anything
-
+    mode = DecodeConfig(kind, k=args.static_k or k_max, tau=0.9 if args.tau is None else args.tau, k_max=k_max)
+    mode.validate()                                          # bad tau / k before loading anything
     model, tokenizer, mask_id, stop_ids = load(args, mode)
     prompt = encode_prompt(tokenizer, model, args.prompt, args.no_bos)
-    generate(model, [prompt[-8:]], 2, mode, mask_id)            # untimed warm-up: first calls are slow
-    [gen], stats = generate(model, [prompt], args.max_new_tokens, mode, mask_id, stop_ids)
+    generate(model, [prompt[-8:]], 2, mode, mask_id)         # untimed warm-up: first calls are slow
+    [gen], s = generate(model, [prompt], args.max_new_tokens, mode, mask_id, stop_ids)
     texts = chunk_texts(tokenizer, gen.tokens, gen.chunk_sizes)
     if args.json:
-        keys = ("mode", "forward_passes", "effective_k", "seconds", "prefill_seconds", "tokens_per_second",
-                "accept_hist")
+        keys = "mode forward_passes effective_k seconds prefill_seconds tokens_per_second accept_hist".split()
         print(json.dumps({"text": "".join(texts), "tokens": gen.tokens, "prompt_tokens": len(prompt),
-                          **{key: getattr(stats, key) for key in keys}, "chunk_sizes": gen.chunk_sizes,
+                          **{key: getattr(s, key) for key in keys}, "chunk_sizes": gen.chunk_sizes,
                           "chunk_ends": gen.boundaries, "chunks": texts, "stopped": gen.stopped}))
     else:
         colour = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
-        print(render_chunks(args.prompt, texts, gen.chunk_sizes, colour) + "\n")
-        print(format_stats(stats, gen))
+        print(render_chunks(args.prompt, texts, gen.chunk_sizes, colour), "",
+              f"mode            {s.mode}\ntokens          {s.tokens}\n"
+              f"forward passes  {s.forward_passes} (the prefill not counted)\n"
+              f"effective k     {s.effective_k:.2f} tokens/pass\n"
+              f"positions fed   {s.fed_tokens} ({s.fed_tokens / max(1, s.tokens):.2f} per token)\n"
+              f"accepted/pass   {' '.join(f'{n}:{c}' for n, c in s.accept_hist.items())}\n"
+              f"wall time       {s.seconds:.3f} s (prefill {s.prefill_seconds:.3f} s)\n"
+              f"tokens/second   {s.tokens_per_second:.1f} (decoding)\nchunk ends      {gen.boundaries}", sep="\n")
     if args.png:
-        save_chunks_png(args.png, args.prompt, texts, gen.chunk_sizes,
-                        title=f"{stats.mode}: {stats.tokens} tokens in {stats.forward_passes} passes "
-                              f"(effective k {stats.effective_k:.2f})")
-
+        save_chunks_png(args.png, args.prompt, texts, gen.chunk_sizes, title=f"{s.mode}: {s.tokens} tokens in "
+                        f"{s.forward_passes} passes (effective k {s.effective_k:.2f})")
 
 def main(argv=None) -> int:
     return run_cli(generate_main, sys.argv[1:] if argv is None else list(argv))
-
 
 if __name__ == "__main__":
     sys.exit(main())

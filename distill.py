@@ -35,13 +35,11 @@ from data import PAD, MTPBatch
 
 MODES = ("hard", "soft", "gt")
 
-
 def frozen_teacher(model: torch.nn.Module) -> torch.nn.Module:
     """A deep copy of `model` in eval mode with every parameter frozen: the teacher."""
     teacher = copy.deepcopy(model).eval()
     teacher.requires_grad_(False)
     return teacher
-
 
 def teacher_input(batch: MTPBatch, proposals: torch.Tensor) -> torch.Tensor:
     """The student input with each region's mask slots holding the student's guesses -> (B, L).
@@ -55,7 +53,6 @@ def teacher_input(batch: MTPBatch, proposals: torch.Tensor) -> torch.Tensor:
     filled = batch.input_ids.scatter(1, slots, proposals[:, :, :-1].reshape(B, M * (k - 1)))
     return torch.where(batch.kind == PAD, batch.input_ids, filled)
 
-
 def teacher_logits(teacher, batch: MTPBatch, proposals: torch.Tensor) -> torch.Tensor:
     """Teacher logits (float32) at the k prediction indices, student-forced -> (B, M, k, V)."""
     B, M, k = proposals.shape
@@ -64,7 +61,6 @@ def teacher_logits(teacher, batch: MTPBatch, proposals: torch.Tensor) -> torch.T
                          output_index=batch.pred_index.reshape(B, M * k))
     return logits.float().view(B, M, k, -1)
 
-
 def cross_entropy(target: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """Per-prediction cross-entropy against target ids (...) or a target distribution (..., V)."""
     logp = F.log_softmax(logits, dim=-1)
@@ -72,10 +68,8 @@ def cross_entropy(target: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         return -logp.gather(-1, target[..., None]).squeeze(-1)
     return -(target * logp).sum(-1)
 
-
 def masked_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return (values * valid).sum() / valid.sum().clamp(min=1)
-
 
 def mtp_loss(student, teacher, batch: MTPBatch, mode: str = "hard",
              prefix_ntp_weight: float = 0.0) -> tuple[torch.Tensor, dict]:

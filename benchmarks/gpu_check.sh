@@ -77,7 +77,7 @@ step fsdp_diff 30 "$PY" benchmarks/gpu_figures.py compare "$W/full/final" "$W/fs
 # 5. decoding on the tuned miniature in bfloat16: confadapt.py and its bench
 step confadapt 60 bash -c '"$0" confadapt.py --model "$1" --device "$2" --dtype "$3" --json --prompt "$4" > "$5"' \
   "$PY" "$W/full/final" "$DEV" "$DT" "$Q" "$FIG/confadapt.json"
-step bench 90 bash -c '"$0" confadapt.py bench --model "$1" --device "$2" --dtype "$3" --json --prompt "$4" \
+step bench 90 bash -c '"$0" benchmarks/bench_modes.py --model "$1" --device "$2" --dtype "$3" --json --prompt "$4" \
   --max-new-tokens 48 --batch-sizes 1 16 --taus 0.9 --repeats 2 --latency-max 16 > "$5"' \
   "$PY" "$W/full/final" "$DEV" "$DT" "$Q" "$FIG/bench.json"
 step bf16 60 "$PY" benchmarks/gpu_figures.py bf16 --device "$DEV" --dtype "$DT" --json "$FIG/bf16.json"
