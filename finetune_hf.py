@@ -257,8 +257,8 @@ def evaluate(args) -> list[dict]:
             results.append(row)
             table.append(f"| {row['decoding']} | {100 * flex:.1f} ± {100 * flex_se:.1f} | {100 * strict:.1f} ± "
                          f"{100 * strict_se:.1f} | {row['effective_k_mean']:.2f} ± {row['effective_k_std']:.2f} | "
-                         f"{row['tokens_per_second']:,.1f} |" + (f" {100 * row['same_as_reference']:.0f}% |" if same
-                                                                   else ""))
+                         f"{row['tokens_per_second']:,.1f} |"
+                         + (f" {100 * row['same_as_reference']:.0f}% |" if same else ""))
             print(table[-1], flush=True)
             f.writelines(json.dumps({"decoding": row["decoding"], **s}) + "\n" for s in samples)
     name = "/".join(Path(args.model).resolve().parts[-2:])
@@ -280,7 +280,6 @@ def evaluate(args) -> list[dict]:
     return results
 
 def pareto_plot(rows: list[dict], path, title: str):
-    """Flexible-extract accuracy against effective k, a series per rule, and the Pareto front."""
     from matplotlib.figure import Figure
     def xy(rs):
         return [r["effective_k_mean"] for r in rs], [100 * r["flexible_acc"] for r in rs]
