@@ -19,7 +19,6 @@ import statistics
 import sys
 import time
 import warnings
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,9 +37,8 @@ from model import (ModelConfig, Transformer, add_mask_token, atomic_save, parse_
 # A step's --batch-size rows are split over the processes and, in each, into --micro-batch rows
 # (gradient accumulation). All processes draw the same k and offset, seeded by the step number, from
 # a seeded data order per epoch: a step is a function of its number, so a resumed run is bit-exact.
-def train(args, on_step=None) -> Path:
-    """`train`: the whole run; returns the exported folder. on_step(step, stats) is a test hook."""
-    check_train_args(args)
+def train(args) -> Path:
+    """`train`, after check_args: the whole run; returns the exported folder."""
     d = setup_processes(args.device, args.dtype)
     # 1. The student (with <mask>) and a frozen copy of it as teacher; the gt ablation needs none.
     student, teacher, tok, mask_id = load_student_and_teacher(args, d, args.mode != "gt")
@@ -48,7 +46,8 @@ def train(args, on_step=None) -> Path:
     args.format = args.format if args.format != "auto" else default_format(tok, student.config)
     pad = padding_token(tok, args.format)             # also a row's end for the layout's EOS rule
     args.regions = args.regions or default_n_regions(args.seq_len, args.k_max)
-    pairs = [pair for path in args.data for pair in read_pairs(path)][: args.limit_rows or None]
+    fields = [("query", "response"), ("prompt", "response")]     # MetaMathQA, or generic
+    pairs = [p for path in args.data for p in read_rows(path, fields)][: args.limit_rows or None]
     seqs = training_sequences(pairs, tok, args.format, args.seq_len)
     if args.activation_checkpointing:                 # recompute blocks in backward (same names)
         from torch.distributed._composable import checkpoint
@@ -57,7 +56,7 @@ def train(args, on_step=None) -> Path:
     # 3. AdamW (no decay on the norms), linear warm-up then constant; --overwrite or --resume.
     optimizer, scheduler = make_optimizer(student, args)
     out, log, start = Path(args.out), Path(args.out) / "log.jsonl", 0
-    if args.overwrite and d.main:                     # check_train_args made sure it was asked for
+    if args.overwrite and d.main:                     # check_args made sure it was asked for
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
         shutil.rmtree(out / "final", ignore_errors=True)
         log.unlink(missing_ok=True)
@@ -95,14 +94,11 @@ def train(args, on_step=None) -> Path:
                       f"| ETA {format_seconds(elapsed / (step + 1 - start) * (args.steps - step - 1))}")
             if (step + 1) % args.save_every == 0 or last:
                 d.log(f"saved checkpoint {save_checkpoint(student, optimizer, scheduler, step + 1, args, d)}")
-            if on_step is not None:
-                on_step(step + 1, stats)
     except KeyboardInterrupt:                         # checkpoints are atomic: the last is whole
         saved = latest_checkpoint(out)
         raise KeyboardInterrupt(f"{'the last checkpoint is ' + str(saved) if saved else 'no checkpoint yet'}; "
                                 f"run the same command with --resume to continue") from None
-    # 5. Export: a Hugging Face folder, <mask> in tokenizer and config.
-    return export(student, tok, out / "final", args, d)
+    return export(student, tok, out / "final", args, d)   # 5. a Hugging Face folder, <mask> in it
 
 def train_step(student, teacher, optimizer, scheduler, micro: list[torch.Tensor], k: int, offset: int,
                args, d: Dist, mask_id, pad: int) -> dict:
@@ -114,8 +110,8 @@ def train_step(student, teacher, optimizer, scheduler, micro: list[torch.Tensor]
     counts = [int(b.valid.sum()) for b in batches]    # counted on the host, before moving
     batches = [b.to(d.device) for b in batches]
     n_global = max(1.0, d.all_sum(sum(counts)))
-    autocast = (torch.autocast(d.device.type, dtype=d.dtype) if d.dtype != torch.float32 and not d.sharded
-                else nullcontext())                   # sharded, FSDP2's MixedPrecisionPolicy casts
+    # Sharded, FSDP2's MixedPrecisionPolicy casts; else autocast computes in d.dtype.
+    autocast = torch.autocast(d.device.type, dtype=d.dtype, enabled=d.dtype != torch.float32 and not d.sharded)
     loss_sum, agree = 0.0, 0.0
     for batch, n in zip(batches, counts):
         with autocast:
@@ -156,34 +152,30 @@ def default_format(tok: Tokenizer, cfg: ModelConfig) -> str:
 #   flexible-extract  the LAST match of `(-?[$0-9.,]{2,})|(-?[0-9]+)`, the last number-like run.
 # Before comparing, extraction and gold answer (the text after "####") lose every "," and "$",
 # all up to "#### " and one trailing ".", and are lower-cased. Standard error: sqrt(sample var / n).
-GSM8K_EXEMPLARS = [
-    ("There are 15 trees in the grove. Grove workers will plant trees in the grove today. After they are done, "
-     "there will be 21 trees. How many trees did the grove workers plant today?",
-     "There are 15 trees originally. Then there were 21 trees after some more were planted. So there must have "
-     "been 21 - 15 = 6. The answer is 6."),
-    ("If there are 3 cars in the parking lot and 2 more cars arrive, how many cars are in the parking lot?",
-     "There are originally 3 cars. 2 more cars arrive. 3 + 2 = 5. The answer is 5."),
-    ("Leah had 32 chocolates and her sister had 42. If they ate 35, how many pieces do they have left in total?",
-     "Originally, Leah had 32 chocolates. Her sister had 42. So in total they had 32 + 42 = 74. After eating 35, "
-     "they had 74 - 35 = 39. The answer is 39."),
-    ("Jason had 20 lollipops. He gave Denny some lollipops. Now Jason has 12 lollipops. How many lollipops did "
-     "Jason give to Denny?",
-     "Jason started with 20 lollipops. Then he had 12 after giving some to Denny. So he gave Denny 20 - 12 = 8. "
-     "The answer is 8."),
-    ("Shawn has five toys. For Christmas, he got two toys each from his mom and dad. How many toys does he have now?",
-     "Shawn started with 5 toys. If he got 2 toys each from his mom and dad, then that is 4 more toys. 5 + 4 = 9. "
-     "The answer is 9."),
-    ("There were nine computers in the server room. Five more computers were installed each day, from monday to "
-     "thursday. How many computers are now in the server room?",
-     "There were originally 9 computers. For each of 4 days, 5 more computers were added. So 5 * 4 = 20 computers "
-     "were added. 9 + 20 is 29. The answer is 29."),
-    ("Michael had 58 golf balls. On tuesday, he lost 23 golf balls. On wednesday, he lost 2 more. How many golf "
-     "balls did he have at the end of wednesday?",
-     "Michael started with 58 golf balls. After losing 23 on tuesday, he had 58 - 23 = 35. After losing 2 more, "
-     "he had 35 - 2 = 33 golf balls. The answer is 33."),
-    ("Olivia has $23. She bought five bagels for $3 each. How much money does she have left?",
-     "Olivia had 23 dollars. 5 bagels for 3 dollars each will be 5 x 3 = 15 dollars. So she has 23 - 15 dollars "
-     "left. 23 - 15 is 8. The answer is 8."),
+GSM8K_EXEMPLARS = [   # each one as the prompt shows it
+    "Q: There are 15 trees in the grove. Grove workers will plant trees in the grove today. After they are done, "
+    "there will be 21 trees. How many trees did the grove workers plant today?\nA: There are 15 trees originally. "
+    "Then there were 21 trees after some more were planted. So there must have been 21 - 15 = 6. The answer is 6.",
+    "Q: If there are 3 cars in the parking lot and 2 more cars arrive, how many cars are in the parking lot?\nA: "
+    "There are originally 3 cars. 2 more cars arrive. 3 + 2 = 5. The answer is 5.",
+    "Q: Leah had 32 chocolates and her sister had 42. If they ate 35, how many pieces do they have left in "
+    "total?\nA: Originally, Leah had 32 chocolates. Her sister had 42. So in total they had 32 + 42 = 74. After "
+    "eating 35, they had 74 - 35 = 39. The answer is 39.",
+    "Q: Jason had 20 lollipops. He gave Denny some lollipops. Now Jason has 12 lollipops. How many lollipops did "
+    "Jason give to Denny?\nA: Jason started with 20 lollipops. Then he had 12 after giving some to Denny. So he "
+    "gave Denny 20 - 12 = 8. The answer is 8.",
+    "Q: Shawn has five toys. For Christmas, he got two toys each from his mom and dad. How many toys does he have "
+    "now?\nA: Shawn started with 5 toys. If he got 2 toys each from his mom and dad, then that is 4 more toys. "
+    "5 + 4 = 9. The answer is 9.",
+    "Q: There were nine computers in the server room. Five more computers were installed each day, from monday to "
+    "thursday. How many computers are now in the server room?\nA: There were originally 9 computers. For each of 4 "
+    "days, 5 more computers were added. So 5 * 4 = 20 computers were added. 9 + 20 is 29. The answer is 29.",
+    "Q: Michael had 58 golf balls. On tuesday, he lost 23 golf balls. On wednesday, he lost 2 more. How many golf "
+    "balls did he have at the end of wednesday?\nA: Michael started with 58 golf balls. After losing 23 on "
+    "tuesday, he had 58 - 23 = 35. After losing 2 more, he had 35 - 2 = 33 golf balls. The answer is 33.",
+    "Q: Olivia has $23. She bought five bagels for $3 each. How much money does she have left?\nA: Olivia had 23 "
+    "dollars. 5 bagels for 3 dollars each will be 5 x 3 = 15 dollars. So she has 23 - 15 dollars left. "
+    "23 - 15 is 8. The answer is 8.",
 ]
 GSM8K_STOP_STRINGS = ("Q:", "</s>", "<|im_end|>")
 STRICT_MATCH = re.compile(r"The answer is (\-?[0-9\.\,]+).")
@@ -191,7 +183,7 @@ FLEXIBLE_EXTRACT = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
 IGNORED_BEFORE_COMPARING = (",", r"\$", r"(?s).*#### ", r"\.$")
 
 def fewshot_prompt(question: str, n_shot: int = 8) -> str:
-    return "\n\n".join([f"Q: {q}\nA: {a}" for q, a in GSM8K_EXEMPLARS[:n_shot]] + [f"Q: {question}\nA:"])
+    return "\n\n".join(GSM8K_EXEMPLARS[:n_shot] + [f"Q: {question}\nA:"])
 
 def score(completion: str, gold: str) -> dict:
     """Both extractions of one completion and whether each equals the gold answer."""
@@ -204,31 +196,28 @@ def score(completion: str, gold: str) -> dict:
     return {"strict": strict, "flexible": flexible,
             "strict_ok": normalize(strict) == normalize(gold), "flexible_ok": normalize(flexible) == normalize(gold)}
 
-def cut_at_stop_strings(text: str, stops=GSM8K_STOP_STRINGS) -> str:
-    return min((text.split(s)[0] for s in stops), key=len)  # the text before the first stop string
-
 def mean_and_stderr(values) -> tuple[float, float]:
     values = [float(v) for v in values]
     return sum(values) / len(values), statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
 
-def completion_of(tok: Tokenizer, gen, stop_ids, stops=GSM8K_STOP_STRINGS) -> tuple[str, int, int]:
+def completion_of(tok: Tokenizer, gen, stop_ids) -> tuple[str, int, int]:
     """(text, tokens, forward passes) as if decoding had stopped at the first stop string: generate
     stops at stop TOKENS only, so a stop STRING ("Q:") ends the text with the pass that completed it."""
     text = tok.decode(gen.tokens[:-1] if gen.tokens and gen.tokens[-1] in stop_ids else gen.tokens)
-    cut = cut_at_stop_strings(text, stops)
+    cut = min((text.split(s)[0] for s in GSM8K_STOP_STRINGS), key=len)   # up to the first one
     for passes, end in enumerate(gen.boundaries if cut != text else [], 1):  # the pass that made the cut
-        if any(s in tok.decode(gen.tokens[:end]) for s in stops):
+        if any(s in tok.decode(gen.tokens[:end]) for s in GSM8K_STOP_STRINGS):
             return cut, end, passes
     return cut, len(gen.tokens), gen.forward_passes
 
 def evaluate(args) -> list[dict]:
-    """`eval`: every question, every setting; results.json/.md, pareto.png, samples.jsonl."""
     modes = decode_modes(args.static_k, args.taus, args.k_max, args.lossless_k)
     if not modes:
         raise ValueError("nothing to evaluate: give --static-k and/or --taus")
     model, tok, mask_id, fmt, stop_ids = load_for_inference(args)
-    questions = read_gsm8k(args.data)[: args.limit or None]
-    golds, fewshot, out = [gold for _, gold in questions], args.prompt_style == "fewshot", Path(args.out)
+    questions = read_rows(args.data, [("question", "answer")])[: args.limit or None]
+    golds = [answer.split("####")[-1].strip() for _, answer in questions]    # after the last '####'
+    fewshot, out = args.prompt_style == "fewshot", Path(args.out)
     prompts = [start_tokens(tok, fmt) + tok.encode(fewshot_prompt(q, args.n_shot)) if fewshot
                else prompt_tokens(tok, fmt, q) for q, _ in questions]
     reference = None
@@ -268,8 +257,8 @@ def evaluate(args) -> list[dict]:
             results.append(row)
             table.append(f"| {row['decoding']} | {100 * flex:.1f} ± {100 * flex_se:.1f} | {100 * strict:.1f} ± "
                          f"{100 * strict_se:.1f} | {row['effective_k_mean']:.2f} ± {row['effective_k_std']:.2f} | "
-                         f"{row['tokens_per_second']:,.1f} |" + (f" {100 * row['same_as_reference']:.0f}% |" if same
-                                                                   else ""))
+                         f"{row['tokens_per_second']:,.1f} |"
+                         + (f" {100 * row['same_as_reference']:.0f}% |" if same else ""))
             print(table[-1], flush=True)
             f.writelines(json.dumps({"decoding": row["decoding"], **s}) + "\n" for s in samples)
     name = "/".join(Path(args.model).resolve().parts[-2:])
@@ -291,21 +280,19 @@ def evaluate(args) -> list[dict]:
     return results
 
 def pareto_plot(rows: list[dict], path, title: str):
-    """Flexible-extract accuracy against effective k, a series per rule, and the Pareto front."""
     from matplotlib.figure import Figure
     def xy(rs):
         return [r["effective_k_mean"] for r in rs], [100 * r["flexible_acc"] for r in rs]
     fig = Figure(figsize=(6.4, 4.4))
     ax = fig.add_subplot()
-    for name, kinds, marker in [("static k", ("greedy", "static"), "o"), ("ConfAdapt", ("confadapt",), "s"),
-                                ("lossless", ("lossless",), "D")]:
+    for name, kinds, marker, label in [("static k", ("greedy", "static"), "o", "k={k}"),
+                                       ("ConfAdapt", ("confadapt",), "s", "τ={tau:g}"),
+                                       ("lossless", ("lossless",), "D", "k≤{k}")]:
         pts = sorted((r for r in rows if r["kind"] in kinds), key=lambda r: r["effective_k_mean"])
         if pts:
             ax.errorbar(*xy(pts), yerr=[100 * r["flexible_se"] for r in pts], marker=marker, capsize=3, label=name)
         for r, x, y in zip(pts, *xy(pts)):
-            label = f"τ={r['tau']:g}" if r["kind"] == "confadapt" else f"k≤{r['k']}" if r["kind"] == "lossless" \
-                else f"k={r['k']}"
-            ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            ax.annotate(label.format(**r), (x, y), xytext=(4, 4), textcoords="offset points", fontsize=7)
     points = list(zip(*xy(rows)))  # a setting is on the front unless one is as good on both
     front = sorted(p for p in set(points) if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in points))
     ax.plot([x for x, _ in front], [y for _, y in front], "k--", lw=0.8, alpha=0.5, label="Pareto front")
@@ -346,15 +333,7 @@ def simulated_passes(conf: list[float], tau: float, k_max: int, joint: bool) -> 
         t, passes = t + accept_confadapt(window, tau), passes + 1
     return passes
 
-def greedy_answers(model, tok, fmt, stop_ids, questions: list[str], args):
-    """The model's greedy answers to the questions in the prompt format: (prompts, gens, stats)."""
-    prompts = [prompt_tokens(tok, fmt, q) for q in questions]
-    gens, stats = generate(model, prompts, args.max_new_tokens, DecodeConfig("greedy"), stop_ids=stop_ids,
-                           batch_size=args.batch_size)
-    return prompts, gens, stats
-
 def analyze(args) -> dict:
-    """`analyze`: confidence profile and ConfAdapt estimates per domain; prints a verdict, writes JSON + MD."""
     model, tok, _, fmt, stop_ids = load_for_inference(args)
     if args.domains:                                  # held-out prompts generated in code
         groups = {d: domain_prompts(d, args.limit, "test") for d in args.domains}
@@ -363,7 +342,9 @@ def analyze(args) -> dict:
         groups = {Path(args.data).name: [q for (q,) in questions][: args.limit or None]}
     reports = {}
     for name, questions in groups.items():
-        prompts, gens, _ = greedy_answers(model, tok, fmt, stop_ids, questions, args)
+        prompts = [prompt_tokens(tok, fmt, q) for q in questions]
+        gens, _ = generate(model, prompts, args.max_new_tokens, DecodeConfig("greedy"),
+                           stop_ids=stop_ids, batch_size=args.batch_size)
         confs = []                                    # per answer: top-1 probability at each token
         for prompt, gen in ((p, g) for p, g in zip(prompts, gens) if g.tokens):
             with torch.inference_mode():              # one teacher-forced pass over prompt + answer
@@ -407,12 +388,13 @@ def analyze(args) -> dict:
 # The hard teacher uses data only as prefixes (its targets are its own predictions), so the model's
 # greedy answers to prompts of the target domains serve, from the distribution ConfAdapt decodes.
 def make_data(args):
-    """`data`: write the model's greedy answers to each domain's training prompts as JSONL rows."""
     model, tok, _, fmt, stop_ids = load_for_inference(args)
     rows = []
     for domain in args.domains:
         questions = domain_prompts(domain, args.per_domain, args.split)
-        _, gens, stats = greedy_answers(model, tok, fmt, stop_ids, questions, args)
+        prompts = [prompt_tokens(tok, fmt, q) for q in questions]
+        gens, stats = generate(model, prompts, args.max_new_tokens, DecodeConfig("greedy"),
+                               stop_ids=stop_ids, batch_size=args.batch_size)
         for q, g in zip(questions, gens):
             finished = bool(g.tokens) and g.tokens[-1] in stop_ids
             rows.append({"domain": domain, "prompt": q, "response": tok.decode(g.tokens[:-1] if finished else g.tokens),
@@ -424,7 +406,6 @@ def make_data(args):
     print(f"wrote {len(rows)} rows to {args.out}")
 
 # === export: a Hugging Face folder any transformers-based stack loads ========================
-
 def export(student, tok: Tokenizer, path: Path, args, d: Dist) -> Path:
     """config.json, safetensors, tokenizer (<mask> in each), README.md; the base model's dtype."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -432,9 +413,7 @@ def export(student, tok: Tokenizer, path: Path, args, d: Dist) -> Path:
     if d.main:
         with torch.device("meta"):
             model = Transformer(student.config)
-        model.load_state_dict(state, assign=True, strict=True)
-        if model.config.tie_embeddings:
-            model.lm_head.weight = model.tok_emb.weight
+        model.load_state_dict(state, assign=True, strict=True)   # a tied lm_head is not saved
         base = read_json(os.path.join(args.model, "config.json"), "model config")
         dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(base.get("dtype") or base.get("torch_dtype"))
         model.save_pretrained(path, dtype=dtype or torch.float32)
@@ -445,7 +424,6 @@ def export(student, tok: Tokenizer, path: Path, args, d: Dist) -> Path:
     return Path(path)
 
 def model_card(cfg: ModelConfig, args) -> str:
-    """The exported folder's README.md: what the model is, how to decode it, how it was trained."""
     how = ("the naive ground-truth loss (an ablation)" if args.mode == "gt" else
            f"{args.mode}-target self-distillation from a frozen copy of itself")
     return f"""---
@@ -455,13 +433,11 @@ tags: [multi-token-prediction, self-distillation]
 # Multi-token prediction by self-distillation
 
 `{args.model}` tuned on {', '.join(f'`{d}`' for d in args.data)} with {how} (Kirchenbauer et al., \
-"Multi-Token Prediction via Self-Distillation", arXiv 2602.06019). The architecture is unchanged; the \
-vocabulary has one extra token, `<mask>` (id {cfg.mask_token_id}, `mask_token_id` in config.json). \
-Fed the text so far and k-1 `<mask>` tokens, it predicts the next k tokens in one forward pass; \
-ConfAdapt keeps the leading ones whose top-1 probability is at least tau. Prompt format: `{args.format}`.
-Decode it with `python confadapt.py --model THIS_FOLDER --prompt "..." --tau 0.9 --k-max 16` (or \
-`--lossless --k-max 8`: exactly the greedy output, in fewer passes). With plain transformers \
-(`AutoModelForCausalLM`), append k-1 `mask_token_id`s to the prompt's ids: `logits[0, -k:]` are the next k tokens.
+"Multi-Token Prediction via Self-Distillation", arXiv 2602.06019), with one token added: `<mask>` \
+(id {cfg.mask_token_id}, `mask_token_id` in config.json). After the text so far and k-1 `<mask>` \
+tokens, `logits[0, -k:]` predict the next k tokens in one pass. Prompt format: `{args.format}`. \
+Decode: `python confadapt.py --model THIS_FOLDER --prompt "..." --tau 0.9 --k-max 16` (ConfAdapt: \
+keep the leading predictions of top-1 probability >= tau; `--lossless --k-max 8`: the greedy output).
 
 Training: seq len {args.seq_len}, k uniform in [2, {args.k_max}], {args.regions} regions per sequence, global \
 batch {args.batch_size}, AdamW lr {args.lr:g} (warm-up {args.warmup} steps, then constant), betas \
@@ -469,7 +445,6 @@ batch {args.batch_size}, AdamW lr {args.lr:g} (warm-up {args.warmup} steps, then
 """
 
 def export_checkpoint(args):
-    """`export`: a training checkpoint (a run's --out or a step_N folder) -> Hugging Face folder."""
     ckpt = latest_checkpoint(args.checkpoint) or Path(args.checkpoint)  # a run: its latest
     if not (ckpt / "trainer.pt").is_file():
         raise FileNotFoundError(f"no training checkpoint (trainer.pt) in {args.checkpoint}")
@@ -542,8 +517,7 @@ def load_student_and_teacher(args, d: Dist, with_teacher: bool = True):
     if d.sharded:                                     # rank 0's config and mask id, on every rank
         torch.distributed.broadcast_object_list(meta, src=0)
     cfg, mask_id = meta[0]
-    if mask_id is not None:
-        tok.add_special_token("<mask>", mask_id)
+    tok.add_special_token("<mask>", mask_id)        # rank 0's has it already
     if not d.sharded:
         teacher = None
         if with_teacher:                                          # copied on the CPU, then moved
@@ -570,7 +544,6 @@ def load_student_and_teacher(args, d: Dist, with_teacher: bool = True):
     return student.train(), teacher, tok, mask_id
 
 def make_optimizer(model, args):
-    """AdamW (model.configure_optimizer: no decay on the norms), linear warm-up, then constant."""
     optimizer = model.configure_optimizer(args.lr, args.weight_decay, (args.beta1, args.beta2))
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup)))
 
@@ -589,10 +562,7 @@ def save_checkpoint(student, optimizer, scheduler, step: int, args, d: Dist) -> 
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     d.barrier()
-    model_state, optim_state = get_state_dict(student, optimizer)
-    with warnings.catch_warnings():  # one process: DCP warns that torch.distributed is disabled
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
+    dcp.save(dict(zip(("model", "optim"), get_state_dict(student, optimizer))), checkpoint_id=tmp)
     d.barrier()
     if d.main:                                        # no GPU RNG state: nothing draws on it
         torch.save({"step": step, "scheduler": scheduler.state_dict(), "args": vars(args),
@@ -626,46 +596,18 @@ def load_checkpoint(path: Path, student, optimizer, scheduler, args) -> int:
     if changed:
         raise ValueError(f"cannot resume from {path}: settings differ from the interrupted run ({'; '.join(changed)})")
     state = dict(zip(("model", "optim"), get_state_dict(student, optimizer)))   # as save_checkpoint names them
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        try:
-            dcp.load(state, checkpoint_id=str(path))
-        except Exception as e:  # dcp wraps the reader's error in its own exception type
-            raise ValueError(f"cannot read the checkpoint {path}: truncated or corrupt ({type(e).__name__}); "
-                             f"resume from an earlier one by pointing {path.parent}/latest at it") from None
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except Exception as e:  # dcp wraps the reader's error in its own exception type
+        raise ValueError(f"cannot read the checkpoint {path}: truncated or corrupt ({type(e).__name__}); "
+                         f"resume from an earlier one by pointing {path.parent}/latest at it") from None
     set_state_dict(student, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     scheduler.load_state_dict(trainer["scheduler"])
     torch.set_rng_state(trainer["rng_cpu"])           # per-GPU states, where saved, are unused
     return trainer["step"]
 
-def check_train_args(args):
-    """What `train` checks before loading anything (check_paths saw the files): sizes, the state of --out."""
-    cfg, out = read_model_config(args.model), Path(args.out)
-    used = [p for p in (out / "checkpoints", out / "log.jsonl", out / "final") if p.exists()]
-    if args.resume and args.overwrite:
-        raise CliError("--resume continues the run in --out, --overwrite replaces it: give one of them")
-    if used and not (args.resume or args.overwrite):
-        raise CliError(f"--out {args.out} already holds a training run ({used[0].name}): add --resume to "
-                       f"continue it, or --overwrite to replace it")
-    if args.seq_len + args.k_max - 2 >= cfg.max_seq_len:
-        raise CliError(f"--seq-len {args.seq_len} with --k-max {args.k_max} needs positions up to "
-                       f"{args.seq_len + args.k_max - 2}; the model supports {cfg.max_seq_len}")
-    if args.regions is not None and args.regions > args.seq_len:
-        raise CliError(f"--regions {args.regions}: at most --seq-len ({args.seq_len}) regions fit in a sequence")
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    if args.batch_size % (world * args.micro_batch):
-        raise CliError(f"--batch-size {args.batch_size} must be a multiple of --micro-batch {args.micro_batch} "
-                       f"x {world} processes")
-    if args.warmup > args.steps // 2:
-        reached = min(1.0, args.steps / max(1, args.warmup))
-        print(f"warning: --warmup {args.warmup} is over half of --steps {args.steps}: the learning rate "
-              f"{f'only reaches {100 * reached:.2g}% of' if reached < 1 else 'reaches'} --lr "
-              f"{args.lr:g}{'' if reached < 1 else ' only at step ' + str(args.warmup)}", flush=True)
-
 def read_rows(path, choices=None) -> list:
     """Rows (dicts) of a JSON array or JSONL file; with `choices`, the first field tuple they have."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no data file at {path}")
     try:
         text = Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -692,18 +634,13 @@ def read_rows(path, choices=None) -> list:
         raise ValueError(f"{path}: row {bad + 1} lacks a text field {' or '.join(repr(f) for f in fields)}")
     return [tuple(r[f] for f in fields) for r in rows]
 
-def read_pairs(path) -> list[tuple[str, str]]:  # MetaMathQA as distributed, or (prompt, response)
-    return read_rows(path, [("query", "response"), ("prompt", "response")])
-
-def read_gsm8k(path) -> list[tuple[str, str]]:  # (question, gold): the text after the last '####'
-    return [(q, a.split("####")[-1].strip()) for q, a in read_rows(path, [("question", "answer")])]
-
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="finetune_hf.py", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    taus, model = [0.99, 0.95, 0.9, 0.8, 0.7, 0.5], "Hugging Face layout folder"
+    taus = [0.99, 0.95, 0.9, 0.8, 0.7, 0.5]
 
-    def common(c, max_new_tokens=None):  # train, eval, analyze, data; decoding: not train
+    def common(c, model_help, max_new_tokens=None):  # train, eval, analyze, data; decoding: not train
+        c.add_argument("--model", required=True, help=f"Hugging Face layout folder{model_help}")
         c.add_argument("--format", default="auto", choices=("auto", *FORMATS), help="prompt format (auto: detect)")
         if max_new_tokens:
             c.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens, help="most tokens per answer")
@@ -714,7 +651,7 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--threads", type=positive_int, help="CPU threads (default: one per core)")
 
     t = sub.add_parser("train", help="MTP fine-tuning by self-distillation (torchrun: several GPUs)")
-    t.add_argument("--model", required=True, help=f"{model} (config.json, safetensors, tokenizer)")
+    common(t, " (config.json, safetensors, tokenizer)")
     g = t.add_argument_group("data")
     g.add_argument("--data", required=True, nargs="+", help="rows (query or prompt, response): JSON array or JSONL")
     g.add_argument("--seq-len", type=number(int, 2), default=160, help="tokens per sequence")
@@ -735,7 +672,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--k-max", type=number(int, 2), default=16, help="k is drawn uniformly from [2, k_max] every step")
     m.add_argument("--regions", type=positive_int, help="MTP problems per sequence (default seq_len / (2 k_max))")
     m.add_argument("--prefix-ntp-weight", type=number(float, 0), default=0.0, help="plus this much plain NTP loss")
-    c = t.add_argument_group("checkpoints and system")
+    c = t.add_argument_group("checkpoints")
     c.add_argument("--out", required=True, help="output folder: checkpoints/, log.jsonl, final/ (the exported model)")
     c.add_argument("--save-every", type=positive_int, default=1000, help="checkpoint every N steps")
     c.add_argument("--keep", type=positive_int, default=2, help="checkpoints to keep")
@@ -743,9 +680,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--overwrite", action="store_true", help="replace the run already in --out (checkpoints, log)")
     c.add_argument("--activation-checkpointing", action="store_true", help="recompute block activations in backward")
     c.add_argument("--log-every", type=positive_int, default=1, help="a log.jsonl row every N steps")
-    common(c)
     e = sub.add_parser("eval", help="GSM8K sweep over static k and ConfAdapt thresholds")
-    e.add_argument("--model", required=True, help=f"{model} (a tuned model, or any for k = 1)")
+    common(e, " (a tuned model, or any for k = 1)", 256)
     e.add_argument("--data", required=True, help="GSM8K test JSONL (question, answer)")
     e.add_argument("--out", default="gsm8k_eval", help="folder for results.json/.md, pareto.png, samples.jsonl")
     e.add_argument("--prompt-style", default="fewshot", choices=("fewshot", "zeroshot"),
@@ -757,9 +693,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--lossless-k", type=count, default=0, help="also run the lossless mode with this k (0: no)")
     e.add_argument("--limit", type=count, default=0, help="first N questions only (0: all)")
     e.add_argument("--reference", help="an earlier eval's --out: report how often each answer equals its k=1 answer")
-    common(e, 256)
     a = sub.add_parser("analyze", help="before tuning: how predictable are the model's answers on this domain?")
-    a.add_argument("--model", required=True, help=f"{model}: the base model, before tuning")
+    common(a, ": the base model, before tuning", 256)
     src = a.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", help="the domain's prompts: rows with question, query or prompt")
     src.add_argument("--domains", nargs="+", choices=DOMAINS, help="held-out prompts generated in code, per domain")
@@ -767,46 +702,68 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--taus", type=probability, nargs="+", default=taus, help="ConfAdapt thresholds, each in (0, 1]")
     a.add_argument("--k-max", type=number(int, 2), default=16, help="ConfAdapt: most tokens per pass")
     a.add_argument("--out", help="also write analysis.json and analysis.md here")
-    common(a, 256)
     r = sub.add_parser("data", help="training rows from the model itself: its greedy answers to domain prompts")
-    r.add_argument("--model", required=True, help=model)
+    common(r, "", 128)
     r.add_argument("--out", required=True, help="JSONL file of {domain, prompt, response} rows (train --data takes it)")
     r.add_argument("--domains", nargs="+", choices=DOMAINS, default=list(DOMAINS), help="domains")
     r.add_argument("--per-domain", type=positive_int, default=100, help="prompts per domain (fewer if it has fewer)")
     r.add_argument("--split", default="train", choices=("train", "test"), help="which prompts of each domain")
-    common(r, 128)
     x = sub.add_parser("export", help="a training checkpoint -> a Hugging Face folder")
     x.add_argument("--checkpoint", required=True, help="a run's --out folder or one checkpoints/step_N folder")
     x.add_argument("--out", required=True, help="the Hugging Face folder to write")
     x.add_argument("--threads", type=positive_int, help="CPU threads (default: one per core)")
     return p
 
-def check_paths(args):
-    """Before any work: what a command reads exists, and what it writes can be made (--device: on loading)."""
+def check_args(args):
+    """Before any work: what a command reads exists, what it writes can be made; train's sizes."""
     a = vars(args)                                    # export has no --model or --data
     if a.get("model") is not None:
         input_path(args.model, "--model", folder=True)
-        read_model_config(args.model)                 # the config says most about a wrong folder
+        cfg = read_model_config(args.model)           # the config says most about a wrong folder
     for path in [args.data] if isinstance(a.get("data"), str) else a.get("data") or []:
         input_path(path, "--data")
-    for flag in ("checkpoint", "reference"):
-        if a.get(flag) is not None:
-            input_path(a[flag], f"--{flag}", folder=True)
+    if a.get("checkpoint") is not None:
+        input_path(args.checkpoint, "--checkpoint", folder=True)
+    if a.get("reference") is not None:                # an earlier eval's --out
+        input_path(os.path.join(args.reference, "samples.jsonl"), "--reference")
     if args.command == "data":                        # --out is a file there
         if os.path.isdir(args.out):
             raise CliError(f"--out {args.out}: is a folder, expected a file name")
         output_folder(os.path.dirname(args.out) or ".", f"--out {args.out}: its folder")
     elif a.get("out") is not None:
         output_folder(args.out, "--out")
+    if args.command != "train":
+        return
+    used = [f for f in ("checkpoints", "log.jsonl", "final") if (Path(args.out) / f).exists()]
+    if args.resume and args.overwrite:
+        raise CliError("--resume continues the run in --out, --overwrite replaces it: give one of them")
+    if used and not (args.resume or args.overwrite):
+        raise CliError(f"--out {args.out} already holds a training run ({used[0]}): add --resume to "
+                       f"continue it, or --overwrite to replace it")
+    if args.seq_len + args.k_max - 2 >= cfg.max_seq_len:
+        raise CliError(f"--seq-len {args.seq_len} with --k-max {args.k_max} needs positions up to "
+                       f"{args.seq_len + args.k_max - 2}; the model supports {cfg.max_seq_len}")
+    if args.regions is not None and args.regions > args.seq_len:
+        raise CliError(f"--regions {args.regions}: at most --seq-len ({args.seq_len}) regions fit in a sequence")
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if args.batch_size % (world * args.micro_batch):
+        raise CliError(f"--batch-size {args.batch_size} must be a multiple of --micro-batch {args.micro_batch} "
+                       f"x {world} processes")
+    if args.warmup > args.steps // 2:
+        reached = min(1.0, args.steps / max(1, args.warmup))
+        print(f"warning: --warmup {args.warmup} is over half of --steps {args.steps}: the learning rate "
+              f"{f'only reaches {100 * reached:.2g}% of' if reached < 1 else 'reaches'} --lr "
+              f"{args.lr:g}{'' if reached < 1 else ' only at step ' + str(args.warmup)}", flush=True)
 
 COMMANDS = {"train": train, "eval": evaluate, "analyze": analyze, "data": make_data, "export": export_checkpoint}
 
 def command(argv):
     args = build_parser().parse_args(argv)
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")   # DCP: one process
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        check_paths(args)
+        check_args(args)
         COMMANDS[args.command](args)
     finally:
         if "WORLD_SIZE" in os.environ and torch.distributed.is_initialized():

@@ -98,11 +98,11 @@ def test_gsm8k_prompt_and_stop_strings(tiny):
     assert prompt.startswith("Q: There are 15 trees in the grove.")
     assert prompt.endswith("The answer is 8.\n\nQ: How many?\nA:")
     assert prompt.count("Q: ") == 9 and prompt.count("\n\n") == 8
-    assert F.read_gsm8k(tiny / "wp" / "test.jsonl")[0][1].isdigit()          # gold after '####'
-    assert F.cut_at_stop_strings("x. The answer is 3.\n\nQ: next</s>") == "x. The answer is 3.\n\n"
 
     # Stopping at a stop STRING: count tokens and passes up to the end of the pass that completed it.
     tok = word_problem_tokenizer()
+    first = tok.encode("x. The answer is 3.\n\nQ: next</s>")                # the first stop string cuts
+    assert F.completion_of(tok, Generation(first, [len(first)], False), set())[0] == "x. The answer is 3.\n\n"
     ids = tok.encode("Tom has 3. The answer is: 3\n\nQ: Ann has 5 more")
     q_at = next(i for i in range(len(ids)) if "Q:" in tok.decode(ids[: i + 1])) + 1   # tokens through "Q:"
     sizes = [3] * (len(ids) // 3) + ([len(ids) % 3] if len(ids) % 3 else [])
@@ -158,7 +158,7 @@ def test_formats_and_data_order(tiny):
 # Training: atomic checkpoints, exact resume, FSDP2, export
 # ----------------------------------------------------------------------------------------------
 
-def test_train_resume_is_exact_and_export_loads_in_transformers(tiny, tmp_path, capsys):
+def test_train_resume_is_exact_and_export_loads_in_transformers(tiny, tmp_path, capsys, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     full, cut = tmp_path / "full", tmp_path / "cut"
@@ -169,12 +169,18 @@ def test_train_resume_is_exact_and_export_loads_in_transformers(tiny, tmp_path, 
     class Interrupted(Exception):
         pass
 
-    def crash_after_3(step, stats):
-        if step == 3:
+    real, steps = F.train_step, []
+
+    def crash_after_3(*a, **kw):
+        steps.append(1)
+        if len(steps) == 4:
             raise Interrupted                          # after step 3; the last checkpoint is step 2
+        return real(*a, **kw)
+    monkeypatch.setattr(F, "train_step", crash_after_3)
     args = F.build_parser().parse_args(train_args(tiny, cut, "--steps", "5"))
     with pytest.raises(Interrupted):
-        F.train(args, on_step=crash_after_3)
+        F.train(args)
+    monkeypatch.setattr(F, "train_step", real)
     assert (cut / "checkpoints" / "latest").read_text().strip() == "step_000002"
     (cut / "checkpoints" / ".step_000004.tmp").mkdir()          # a save that died halfway is ignored
     assert F.main(train_args(tiny, cut, "--steps", "5", "--resume")) == 0
@@ -286,7 +292,7 @@ def test_word_problem_base_model_trains_on_the_plain_format(tmp_path):
     cfg = json.loads((Path(out["base"]) / "config.json").read_text())
     assert cfg["mask_token_id"] is None and cfg["architectures"] == ["LlamaForCausalLM"]
     tok = Tokenizer.from_pretrained(out["base"])
-    pairs = F.read_pairs(out["train"])
+    pairs = F.read_rows(out["train"], [("query", "response")])
     seqs, supervised = word_problem_batch(tok, pairs[:1] * 3, random.Random(0), 3, 96)
     assert torch.equal(seqs, F.training_sequences(pairs[:1] * 3, tok, "plain", 96).long())
     end = int((seqs[0] == tok.eos_id).nonzero()[0])                   # the first <eos>
@@ -314,6 +320,7 @@ def test_eval_sweep_writes_table_and_plot(tiny, tmp_path):
     assert F.main(common + ["--prompt-style", "zeroshot", "--static-k", "1", "3", "--taus", "0.9",
                             "--lossless-k", "4"]) == 0
     res = json.loads((out / "results.json").read_text())["results"]
+    assert json.loads((out / "samples.jsonl").read_text().splitlines()[0])["gold"].isdigit()   # after '####'
     assert [r["decoding"] for r in res] == ["k=1 (greedy)", "static k=3", "confadapt tau=0.9 k_max=16",
                                             "lossless k=4"]
     assert res[0]["effective_k_mean"] == 1.0 and res[1]["effective_k_mean"] > 1.0
