@@ -15,8 +15,7 @@ batching, same output (tests/test_confadapt.py). Effective k = tokens / passes i
 pass reading 2k-1 tokens costs more than one reading 1 (benchmarks/bench_modes.py measures both).
 
 Run:  python confadapt.py --model DIR --prompt "1 2 3" [--tau 0.9 --k-max 16 | --static-k 4 | --lossless]
-References: Multi-Token Prediction via Self-Distillation (arXiv 2602.06019); blockwise parallel
-decoding (arXiv 1811.03115), which the lossless mode follows with mask drafts.
+References: MTP via Self-Distillation (arXiv 2602.06019); lossless: blockwise parallel decoding (arXiv 1811.03115).
 """
 
 from __future__ import annotations
@@ -48,7 +47,6 @@ class DecodeConfig:
     @property
     def block(self) -> int:                   # predictions per pass: at the last real token, then masks
         return {"greedy": 1, "static": self.k, "confadapt": self.k_max, "lossless": self.k}[self.kind]
-
     def validate(self):
         if self.kind not in MODES:
             raise ValueError(f"unknown decoding mode {self.kind!r}; choose one of {', '.join(MODES)}")
@@ -56,7 +54,6 @@ class DecodeConfig:
             raise ValueError(f"threshold tau must be in (0, 1], got {self.tau}")
         if self.k < 1 or self.k_max < 1:
             raise ValueError(f"k must be at least 1, got k={self.k}, k_max={self.k_max}")
-
     def describe(self) -> str:
         return {"greedy": "greedy", "static": f"static k={self.k}", "lossless": f"lossless k={self.k}",
                 "confadapt": f"confadapt tau={self.tau:g} k_max={self.k_max}"}[self.kind]
@@ -72,9 +69,8 @@ def accept_confadapt(confidences: list[float], tau: float) -> int:
     return max(1, next((i for i, c in enumerate(confidences) if c < tau), len(confidences)))
 
 def verify_drafts(drafts: list[int], predictions: list[int]) -> int:
-    """Lossless: how many leading drafts equal the model's own greedy prediction at their place.
-    predictions[i] is the argmax just before drafts[i]: draft i is the greedy token iff every draft
-    before it was (so its context is greedy text) and it equals predictions[i]."""
+    """Lossless: how many leading drafts are greedy's tokens. predictions[i], the argmax just before
+    drafts[i], is greedy's token there when all earlier drafts were: count the leading matches."""
     return next((i for i, (d, p) in enumerate(zip(drafts, predictions)) if d != p), len(drafts))
 
 def accept(mode: DecodeConfig, preds: list[int], confs: list[float] | None, drafts: list[int], stop_ids):
@@ -82,8 +78,7 @@ def accept(mode: DecodeConfig, preds: list[int], confs: list[float] | None, draf
     preds/confs: argmax and its probability at the last real token, then at each draft and mask.
     Lossless keeps the `a` verified drafts plus preds[a], the model's own token after them: each
     kept token is the argmax given greedy text, i.e. what greedy emits. The mask predictions become
-    the next drafts only if every draft held. A stop token ends the chunk and is kept.
-    """
+    the next drafts only if every draft held. A stop token ends the chunk and is kept."""
     tokens, verified, next_drafts = preds, 0, []                     # greedy, static k: keep all
     if mode.kind == "confadapt":
         tokens = preds[: accept_confadapt(confs, mode.tau)]
@@ -95,7 +90,6 @@ def accept(mode: DecodeConfig, preds: list[int], confs: list[float] | None, draf
     return (tokens if stop is None else tokens[: stop + 1]), verified, next_drafts
 
 def top1(mode: DecodeConfig, logits: torch.Tensor) -> tuple[list, list | None]:
-    """Argmax of logits (..., V), and for ConfAdapt its probability (else None), as lists."""
     if mode.kind != "confadapt":
         return logits.argmax(-1).tolist(), None
     confs, preds = logits.softmax(-1).max(-1)
@@ -118,8 +112,7 @@ def generate_uncached(model, prompt: list[int], max_new_tokens: int, mode: Decod
         drafts, tail = pass_tail(mode, drafts, budget - len(out), mask_id)
         x = torch.tensor([prompt + out + tail], device=next(model.parameters()).device)
         logits = model(x)[0, len(prompt) + len(out) - 1:].float()    # (1 + len(tail), V): the predictions
-        preds, confs = top1(mode, logits)
-        new, _, drafts = accept(mode, preds, confs, drafts, stop_ids)
+        new, _, drafts = accept(mode, *top1(mode, logits), drafts, stop_ids)
         out += new
         chunks.append(len(new))
     return out, chunks
@@ -150,7 +143,6 @@ class Generation:
 
 @dataclass
 class DecodeStats:
-    """One `generate` call. Passes count the decoding loop only; the prefill is timed apart."""
     mode: str
     batch_size: int             # most rows decoded at once
     forward_passes: int         # model calls in the decoding loop (one batched call = one pass)
@@ -165,7 +157,6 @@ class DecodeStats:
 
 @dataclass
 class Row:
-    """Decoding state of one prompt. The cache holds all of prompt + tokens except `pending`."""
     prompt: list[int]
     budget: int                                         # most new tokens (max_new_tokens, capped by context)
     pending: list[int]                                  # accepted, K/V not in the cache yet: fed next pass
@@ -204,9 +195,8 @@ def decode_pass(model, cache, inputs: list[list[int]], firsts: list[int], n_pred
 @torch.inference_mode()
 def generate(model, prompts: list[list[int]], max_new_tokens: int, mode: DecodeConfig | None = None, mask_id=None,
              stop_ids=(), batch_size: int | None = None) -> tuple[list[Generation], DecodeStats]:
-    """Continue every prompt (token ids) by up to max_new_tokens tokens; one Generation per prompt.
-    A row ends at its first stop token (kept). At most batch_size prompts decode at once (default:
-    all); a finished row's place goes to the next waiting prompt, so the batch stays full."""
+    """Continue every prompt (token ids) by up to max_new_tokens tokens -> a Generation per prompt,
+    ended by its first stop token (kept). At most batch_size rows decode at once (default: all)."""
     mode = mode or DecodeConfig()
     mode.validate()
     mask_id = model.config.mask_token_id if mask_id is None else mask_id
@@ -229,7 +219,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, mode: DecodeC
     cache = model.new_cache(width, max(len(r.prompt) + r.budget for r in rows) + 2 * mode.block)  # + one pass
     active, waiting = list(range(width)), list(range(width, len(rows)))    # cache row b decodes rows[active[b]]
     prefill(model, cache, {b: rows[i].prompt for b, i in enumerate(active)}, pad_id)
-    prefill_seconds, passes, fed = time.perf_counter() - start, 0, 0       # setting up counts as prefill
+    prefill_s, passes, fed = time.perf_counter() - start, 0, 0             # setting up counts as prefill
     while active:
         # 2) one ragged pass: every row feeds its pending tokens, then drafts and masks
         batch, inputs = [rows[i] for i in active], []
@@ -237,9 +227,8 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, mode: DecodeC
             r.drafts, tail = pass_tail(mode, r.drafts, r.budget - len(r.tokens), mask_id)
             inputs.append(r.pending + tail)
         n_preds = [len(x) - len(r.pending) + 1 for x, r in zip(inputs, batch)]
-        fed += sum(len(x) for x in inputs)
+        passes, fed = passes + 1, fed + sum(len(x) for x in inputs)
         logits = decode_pass(model, cache, inputs, [len(r.pending) - 1 for r in batch], n_preds, pad_id).float()
-        passes += 1
         preds, confs = top1(mode, logits)                          # logits (B, N, V) -> (B, N) each
         # 3) each row keeps what the accept rule allows. Verified drafts were fed as themselves,
         # so their K/V stays; the other kept tokens become pending; masks and rejected drafts go.
@@ -252,13 +241,10 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, mode: DecodeC
         cache.rollback(torch.tensor([len(r.prompt) + len(r.tokens) - len(r.pending) for r in batch],
                                     device=cache.lengths.device))
         # 4) a finished row hands its cache row to the next waiting prompt, or with none left leaves
-        joining = {}
-        for b, r in enumerate(batch):
-            if r.done and waiting:
-                active[b] = waiting.pop(0)
-                joining[b] = rows[active[b]].prompt
+        joining = {b: waiting.pop(0) for b, r in enumerate(batch) if r.done and waiting}  # b -> new row
+        active = [joining.get(b, i) for b, i in enumerate(active)]
         if joining:
-            prefill_seconds += prefill(model, cache, joining, pad_id)
+            prefill_s += prefill(model, cache, {b: rows[active[b]].prompt for b in joining}, pad_id)
         still = [b for b, i in enumerate(active) if not rows[i].done]
         if len(still) < len(active) and still:
             cache.keep_rows(still)
@@ -266,11 +252,9 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, mode: DecodeC
     seconds = time.perf_counter() - start
     gens = [Generation(r.tokens, r.chunk_sizes, stopped=r.tokens[-1] in stop_ids) for r in rows]
     n_tokens, row_passes = sum(len(g.tokens) for g in gens), sum(g.forward_passes for g in gens)
-    hist = Counter(n for g in gens for n in g.chunk_sizes)
-    return gens, DecodeStats(mode=mode.describe(), batch_size=width, forward_passes=passes, row_passes=row_passes,
-                             tokens=n_tokens, effective_k=n_tokens / max(1, row_passes), fed_tokens=fed,
-                             accept_hist=dict(sorted(hist.items())), seconds=seconds, prefill_seconds=prefill_seconds,
-                             tokens_per_second=n_tokens / max(seconds - prefill_seconds, 1e-9))
+    hist = dict(sorted(Counter(n for g in gens for n in g.chunk_sizes).items()))
+    return gens, DecodeStats(mode.describe(), width, passes, row_passes, n_tokens, n_tokens / max(1, row_passes), fed,
+                             hist, seconds, prefill_s, n_tokens / max(seconds - prefill_s, 1e-9))
 
 # --- Showing the chunks (the paper's Figure 1): one colour run per forward pass ----------------
 
@@ -284,25 +268,21 @@ def chunk_texts(tokenizer, tokens: list[int], chunk_sizes: list[int]) -> list[st
         done = full
     return texts
 
-SUBSCRIPT = str.maketrans("0123456789", "₀₁₂₃₄₅₆₇₈₉")
-BACKGROUNDS = ("\x1b[30;48;5;153m", "\x1b[30;48;5;223m")          # light blue, light orange
-PNG_COLOURS = ("#b9d9f5", "#fbd8a8")
+BACKGROUNDS, PNG_COLOURS = ("\x1b[30;48;5;153m", "\x1b[30;48;5;223m"), ("#b9d9f5", "#fbd8a8")  # blue, orange
 
 def render_chunks(prompt_text: str, texts: list[str], sizes: list[int], colour: bool = True) -> str:
     """Prompt, then each chunk on an alternating background followed by its size as a dim
     subscript (the number of tokens that pass emitted). Without colour, chunks are bracketed."""
     out = [prompt_text]
     for i, (text, n) in enumerate(zip(texts, sizes)):
-        sub = str(n).translate(SUBSCRIPT)
+        sub = str(n).translate(str.maketrans("0123456789", "₀₁₂₃₄₅₆₇₈₉"))
         body = "\n".join(f"{BACKGROUNDS[i % 2]}{line}\x1b[0m" if line else "" for line in text.split("\n"))
         out.append(f"{body}\x1b[2m{sub}\x1b[0m" if colour else f"[{text}]{sub}")
     return "".join(out)
 
 def save_chunks_png(path: str, prompt_text: str, texts: list[str], sizes: list[int], title: str = "", width=80):
-    """The same picture as a PNG: monospace text on a character grid, wrapped at spaces, each chunk
-    on its alternating background, its size written small above its first character."""
-    from matplotlib.figure import Figure
-    from matplotlib.patches import Rectangle
+    """The same as a PNG: a monospace grid wrapped at spaces, each chunk's size above its start."""
+    from matplotlib import figure, patches
     chars = [(ch, chunk) for chunk, text in [(-1, prompt_text)] + list(enumerate(texts))
              for ch in text.replace("\t", "    ")]
     cells, row, col, wrapped = [], 0, 0, False    # cells: (row, col, char, chunk index or -1 for prompt)
@@ -310,22 +290,20 @@ def save_chunks_png(path: str, prompt_text: str, texts: list[str], sizes: list[i
         word = 0                                 # a word starting here: wrap before it unless it fits
         if ch not in " \n" and col > 0 and chars[i - 1][0] == " ":
             word = next((j for j in range(i, len(chars)) if chars[j][0] in " \n"), len(chars)) - i
-        if ch == "\n" or col >= width or col + min(word, width) > width:   # a longer word is cut
+        if ch == "\n" or col >= width or col + word > width:          # a longer word is cut
             row, col, wrapped = row + 1, 0, ch != "\n"
-        if ch == "\n" or (ch == " " and col == 0 and wrapped):     # a wrapped line starts with a word
-            continue
-        cells.append((row, col, ch, chunk))
-        col += 1
-    n_cols, line_h, starts = max((c for _, c, _, _ in cells), default=0) + 1, 1.6, {}
-    ax = Figure(figsize=(n_cols * 0.11 + 0.4, (row + 1) * 0.26 + 0.6)).subplots()
-    for r, c, ch, chunk in cells:
+        if ch != "\n" and not (ch == " " and col == 0 and wrapped):  # a wrapped line skips spaces
+            cells.append((row, col, ch, chunk))
+            col += 1
+    n_cols, line_h = max((c for _, c, _, _ in cells), default=0) + 1, 1.6
+    ax = figure.Figure(figsize=(n_cols * 0.11 + 0.4, (row + 1) * 0.26 + 0.6)).subplots()
+    for i, (r, c, ch, chunk) in enumerate(cells):
         if chunk >= 0:
-            ax.add_patch(Rectangle((c, -r * line_h - 0.55), 1, 1.3, color=PNG_COLOURS[chunk % 2], lw=0))
-            starts.setdefault(chunk, (r, c))
+            ax.add_patch(patches.Rectangle((c, -r * line_h - 0.55), 1, 1.3, color=PNG_COLOURS[chunk % 2], lw=0))
         ax.text(c + 0.5, -r * line_h, ch, ha="center", va="center", family="monospace", fontsize=9,
                 parse_math=False, color="#666666" if chunk < 0 else "black")
-    for chunk, (r, c) in starts.items():
-        ax.text(c + 0.1, -r * line_h + 0.75, str(sizes[chunk]), fontsize=4.5, color="#444444", va="bottom")
+        if chunk >= 0 and (i == 0 or cells[i - 1][3] != chunk):      # a chunk's first character
+            ax.text(c + 0.1, -r * line_h + 0.75, str(sizes[chunk]), fontsize=4.5, color="#444444", va="bottom")
     ax.set(xlim=(-0.5, n_cols + 0.5), ylim=(-row * line_h - 1.2, 1.4))
     ax.axis("off")
     ax.set_title(title, fontsize=9, loc="left")
@@ -341,24 +319,21 @@ class CliError(Exception):
 class Help(argparse.HelpFormatter):
     """--help shows a flag's default where it has a real one, never "(default: None)"."""
     def _get_help_string(self, action):
-        if action.default is None or action.default is False or action.default == argparse.SUPPRESS \
-                or "default" in (action.help or ""):
+        d = action.default
+        if d is None or d is False or d == argparse.SUPPRESS or "default" in (action.help or ""):
             return action.help
-        default = " ".join(map(str, action.default)) if isinstance(action.default, list) else action.default
-        return f"{action.help or ''} (default: {default})".strip().replace("%", "%%")
+        d = " ".join(map(str, d)) if isinstance(d, list) else d
+        return f"{action.help or ''} (default: {d})".strip().replace("%", "%%")
 
 class Parser(argparse.ArgumentParser):
     def __init__(self, *args, formatter_class=Help, **kwargs):
         super().__init__(*args, formatter_class=formatter_class, **kwargs)
-
     def error(self, message):             # one line, no usage dump; run_cli prints it and exits 2
         raise CliError(message)
 
 def number(kind, low, high=None, low_open=False):
-    """An argparse type: `kind` (int or float) within [low, high] ((low, high] if low_open)."""
     where = f"in {'(' if low_open else '['}{low:g}, {high:g}]" if high is not None \
         else f"{'above' if low_open else 'at least'} {low:g}"
-
     def parse(text):
         try:
             x = kind(text)
@@ -399,7 +374,6 @@ class Progress:
     """When to print a progress line: the first and the last always, else at most one every `seconds`."""
     def __init__(self, seconds: float = 10.0):
         self.seconds, self.last = seconds, None
-
     def due(self, last: bool = False) -> bool:
         now = time.perf_counter()
         due = last or self.last is None or now - self.last >= self.seconds
@@ -407,13 +381,11 @@ class Progress:
         return due
 
 def format_seconds(s: float) -> str:
-    """2m05s, or 1h02m05s."""
     s = int(max(0, s))
     h, m = divmod(s // 60, 60)
-    return f"{h}h{m:02d}m{s % 60:02d}s" if h else f"{m}m{s % 60:02d}s"
+    return f"{h}h{m:02d}m{s % 60:02d}s" if h else f"{m}m{s % 60:02d}s"      # 1h02m05s, 2m05s
 
 def run_cli(body, argv) -> int:
-    """body(argv), with bad flags and files (exit 2) and Ctrl-C (exit 130) as one line on stderr."""
     try:
         body(argv)
         return 0
@@ -435,7 +407,6 @@ def add_model_args(p):
                    "choice; small models on a busy machine: 1 is fastest and steadiest)")
 
 def load_tokenizer(path):
-    """data.Tokenizer.from_pretrained, with a malformed tokenizer file named in the error."""
     try:
         return Tokenizer.from_pretrained(path)
     except (KeyError, TypeError, AttributeError, ValueError) as e:   # JSON syntax, UTF-8, a missing field
@@ -454,7 +425,6 @@ def load_model(path, device="cpu", dtype=torch.float32):
     return model, tokenizer, mask_id, {t for t in eos if t is not None} | set(tokenizer.stop_ids)
 
 def load(args, mode: DecodeConfig):
-    """load_model for the --model/--device/--dtype/--threads flags, checking that `mode` has a mask."""
     input_path(args.model, "--model", folder=True)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -504,7 +474,6 @@ def generate_main(argv):
         raise CliError("--k-max applies to ConfAdapt and --lossless only")
     k_max = 16 if args.k_max is None else args.k_max
     mode = DecodeConfig(kind, k=args.static_k or k_max, tau=0.9 if args.tau is None else args.tau, k_max=k_max)
-    mode.validate()                                          # bad tau / k before loading anything
     model, tokenizer, mask_id, stop_ids = load(args, mode)
     prompt = encode_prompt(tokenizer, model, args.prompt, args.no_bos)
     generate(model, [prompt[-8:]], 2, mode, mask_id)         # untimed warm-up: first calls are slow

@@ -2,16 +2,8 @@
 
 Reference: Kirchenbauer et al., "Multi-Token Prediction via Self-Distillation" (arXiv 2602.06019).
 The packed batch comes from `data.mtp_layout`: M regions per row, each a prefix followed by k-1
-mask slots, with k predictions (at the last prefix token and at each mask). One step:
-
-    1. the student predicts at the k prediction indices of every region (with gradient);
-    2. its argmax there are the proposals y' (no gradient);
-    3. the frozen teacher sees the student's input with mask slot j holding y'_j, i.e. the
-       prefix followed by the student's own guesses ("student forcing"), same positions and
-       attention mask, and gives its next-token distribution at the same k indices;
-    4. cross-entropy of the student against the teacher's argmax ("hard") or its whole
-       distribution ("soft");
-    5. the mean over the valid predictions (not past the end of a row's text).
+mask slots, with k predictions (at the last prefix token and at each mask). `mtp_loss` is one
+training step, in five numbered comments.
 
 Why one packed teacher pass is enough: slot j sees its prefix and slots 1..j of its own region
 only, and holds y'_j at the position of the token it stands for, so the teacher's logits there
@@ -36,7 +28,6 @@ from data import PAD, MTPBatch
 MODES = ("hard", "soft", "gt")
 
 def frozen_teacher(model: torch.nn.Module) -> torch.nn.Module:
-    """A deep copy of `model` in eval mode with every parameter frozen: the teacher."""
     teacher = copy.deepcopy(model).eval()
     teacher.requires_grad_(False)
     return teacher
@@ -79,8 +70,7 @@ def mtp_loss(student, teacher, batch: MTPBatch, mode: str = "hard",
     (teacher unused, may be None). prefix_ntp_weight adds that much ordinary next-token loss on
     the prefix tokens (an ablation; 0 in the paper's main setting). stats: loss, mtp_loss, k,
     n_pred, acc (per prediction j: how often the student's argmax equals the target; NaN where j
-    has no valid prediction) and, with the prefix loss, ntp_loss.
-    """
+    has no valid prediction) and, with the prefix loss, ntp_loss."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     B, M, k = batch.pred_index.shape
@@ -88,23 +78,24 @@ def mtp_loss(student, teacher, batch: MTPBatch, mode: str = "hard",
     index = batch.pred_index.reshape(B, M * k)                              # (B, M*k)
     if prefix_ntp_weight > 0:
         index = torch.cat([index, batch.ntp_index], dim=1)                  # (B, M*k + N-1)
-    # 1. the student's predictions at the k indices of every region
+    # 1. the student predicts at the k indices of every region (with gradient)
     logits = student(batch.input_ids, positions=batch.positions, attn_mask=batch.attn_mask,
                      output_index=index).float()
     s_logits = logits[:, : M * k].reshape(B, M, k, -1)                      # (B, M, k, V)
-    # 2. its proposals y'
+    # 2. its argmax there are the proposals y' (no gradient)
     proposals = s_logits.detach().argmax(-1)                                # (B, M, k)
     if mode == "gt":                                                        # the naive baseline
         targets = batch.targets
         per_pred = cross_entropy(targets, s_logits)                         # (B, M, k)
     else:
-        # 3. the teacher, student-forced: prefix + y'_1..y'_{j-1} -> its next-token logits at j
+        # 3. the frozen teacher, student-forced: mask slot j holds y'_j (same positions and mask),
+        # so at j it sees prefix + y'_1..y'_{j-1}, the student's own guesses
         t_logits = teacher_logits(teacher, batch, proposals)                # (B, M, k, V)
         targets = t_logits.argmax(-1)                                       # (B, M, k)
-        # 4. cross-entropy against its argmax or distribution, relative to the teacher's own
+        # 4. cross-entropy against its argmax ("hard") or distribution ("soft"), relative to its own
         q = targets if mode == "hard" else t_logits.softmax(-1)
         per_pred = cross_entropy(q, s_logits) - cross_entropy(q, t_logits)  # (B, M, k)
-    # 5. the mean over valid predictions
+    # 5. the mean over valid predictions (not past the end of a row's text)
     loss = mtp = masked_mean(per_pred, valid)
     stats = {"mtp_loss": mtp, "n_pred": valid.sum(), "k": k}
     if prefix_ntp_weight > 0:
