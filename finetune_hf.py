@@ -38,7 +38,6 @@ from model import (ModelConfig, Transformer, add_mask_token, atomic_save, parse_
 # (gradient accumulation). All processes draw the same k and offset, seeded by the step number, from
 # a seeded data order per epoch: a step is a function of its number, so a resumed run is bit-exact.
 def train(args) -> Path:
-    """`train`, after check_args: the whole run; returns the exported folder."""
     d = setup_processes(args.device, args.dtype)
     # 1. The student (with <mask>) and a frozen copy of it as teacher; the gt ablation needs none.
     student, teacher, tok, mask_id = load_student_and_teacher(args, d, args.mode != "gt")
@@ -54,7 +53,8 @@ def train(args) -> Path:
         for block in student.layers:
             checkpoint(block)
     # 3. AdamW (no decay on the norms), linear warm-up then constant; --overwrite or --resume.
-    optimizer, scheduler = make_optimizer(student, args)
+    optimizer = student.configure_optimizer(args.lr, args.weight_decay, (args.beta1, args.beta2))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup)))
     out, log, start = Path(args.out), Path(args.out) / "log.jsonl", 0
     if args.overwrite and d.main:                     # check_args made sure it was asked for
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
@@ -157,25 +157,22 @@ GSM8K_EXEMPLARS = [   # each one as the prompt shows it
     "there will be 21 trees. How many trees did the grove workers plant today?\nA: There are 15 trees originally. "
     "Then there were 21 trees after some more were planted. So there must have been 21 - 15 = 6. The answer is 6.",
     "Q: If there are 3 cars in the parking lot and 2 more cars arrive, how many cars are in the parking lot?\nA: "
-    "There are originally 3 cars. 2 more cars arrive. 3 + 2 = 5. The answer is 5.",
-    "Q: Leah had 32 chocolates and her sister had 42. If they ate 35, how many pieces do they have left in "
-    "total?\nA: Originally, Leah had 32 chocolates. Her sister had 42. So in total they had 32 + 42 = 74. After "
-    "eating 35, they had 74 - 35 = 39. The answer is 39.",
-    "Q: Jason had 20 lollipops. He gave Denny some lollipops. Now Jason has 12 lollipops. How many lollipops did "
-    "Jason give to Denny?\nA: Jason started with 20 lollipops. Then he had 12 after giving some to Denny. So he "
-    "gave Denny 20 - 12 = 8. The answer is 8.",
-    "Q: Shawn has five toys. For Christmas, he got two toys each from his mom and dad. How many toys does he have "
-    "now?\nA: Shawn started with 5 toys. If he got 2 toys each from his mom and dad, then that is 4 more toys. "
-    "5 + 4 = 9. The answer is 9.",
-    "Q: There were nine computers in the server room. Five more computers were installed each day, from monday to "
-    "thursday. How many computers are now in the server room?\nA: There were originally 9 computers. For each of 4 "
-    "days, 5 more computers were added. So 5 * 4 = 20 computers were added. 9 + 20 is 29. The answer is 29.",
-    "Q: Michael had 58 golf balls. On tuesday, he lost 23 golf balls. On wednesday, he lost 2 more. How many golf "
-    "balls did he have at the end of wednesday?\nA: Michael started with 58 golf balls. After losing 23 on "
-    "tuesday, he had 58 - 23 = 35. After losing 2 more, he had 35 - 2 = 33 golf balls. The answer is 33.",
-    "Q: Olivia has $23. She bought five bagels for $3 each. How much money does she have left?\nA: Olivia had 23 "
-    "dollars. 5 bagels for 3 dollars each will be 5 x 3 = 15 dollars. So she has 23 - 15 dollars left. "
-    "23 - 15 is 8. The answer is 8.",
+    "There are originally 3 cars. 2 more cars arrive. 3 + 2 = 5. The answer is 5.", "Q: Leah had 32 chocolates and "
+    "her sister had 42. If they ate 35, how many pieces do they have left in total?\nA: Originally, Leah had 32 "
+    "chocolates. Her sister had 42. So in total they had 32 + 42 = 74. After eating 35, they had 74 - 35 = 39. The "
+    "answer is 39.", "Q: Jason had 20 lollipops. He gave Denny some lollipops. Now Jason has 12 lollipops. How many "
+    "lollipops did Jason give to Denny?\nA: Jason started with 20 lollipops. Then he had 12 after giving some to "
+    "Denny. So he gave Denny 20 - 12 = 8. The answer is 8.", "Q: Shawn has five toys. For Christmas, he got two toys "
+    "each from his mom and dad. How many toys does he have now?\nA: Shawn started with 5 toys. If he got 2 toys each "
+    "from his mom and dad, then that is 4 more toys. 5 + 4 = 9. The answer is 9.", "Q: There were nine computers in "
+    "the server room. Five more computers were installed each day, from monday to thursday. How many computers are "
+    "now in the server room?\nA: There were originally 9 computers. For each of 4 days, 5 more computers were added. "
+    "So 5 * 4 = 20 computers were added. 9 + 20 is 29. The answer is 29.", "Q: Michael had 58 golf balls. On tuesday, "
+    "he lost 23 golf balls. On wednesday, he lost 2 more. How many golf balls did he have at the end of "
+    "wednesday?\nA: Michael started with 58 golf balls. After losing 23 on tuesday, he had 58 - 23 = 35. After losing "
+    "2 more, he had 35 - 2 = 33 golf balls. The answer is 33.", "Q: Olivia has $23. She bought five bagels for $3 "
+    "each. How much money does she have left?\nA: Olivia had 23 dollars. 5 bagels for 3 dollars each will be 5 x 3 = "
+    "15 dollars. So she has 23 - 15 dollars left. 23 - 15 is 8. The answer is 8.",
 ]
 GSM8K_STOP_STRINGS = ("Q:", "</s>", "<|im_end|>")
 STRICT_MATCH = re.compile(r"The answer is (\-?[0-9\.\,]+).")
@@ -186,7 +183,6 @@ def fewshot_prompt(question: str, n_shot: int = 8) -> str:
     return "\n\n".join(GSM8K_EXEMPLARS[:n_shot] + [f"Q: {question}\nA:"])
 
 def score(completion: str, gold: str) -> dict:
-    """Both extractions of one completion and whether each equals the gold answer."""
     def extract(regex: re.Pattern, select: int) -> str:       # match `select` (0: first, -1: last)
         found = [m if isinstance(m, str) else next(g for g in m if g) for m in regex.findall(completion)]
         return found[select].strip() if found else "[invalid]"  # of groups: the non-empty one
@@ -281,22 +277,20 @@ def evaluate(args) -> list[dict]:
 
 def pareto_plot(rows: list[dict], path, title: str):
     from matplotlib.figure import Figure
-    def xy(rs):
-        return [r["effective_k_mean"] for r in rs], [100 * r["flexible_acc"] for r in rs]
     fig = Figure(figsize=(6.4, 4.4))
-    ax = fig.add_subplot()
+    ax = fig.add_subplot(xlabel="effective k (tokens per forward pass)", ylabel="accuracy, flexible-extract (%)")
     for name, kinds, marker, label in [("static k", ("greedy", "static"), "o", "k={k}"),
                                        ("ConfAdapt", ("confadapt",), "s", "τ={tau:g}"),
                                        ("lossless", ("lossless",), "D", "k≤{k}")]:
         pts = sorted((r for r in rows if r["kind"] in kinds), key=lambda r: r["effective_k_mean"])
+        x, y = [r["effective_k_mean"] for r in pts], [100 * r["flexible_acc"] for r in pts]
         if pts:
-            ax.errorbar(*xy(pts), yerr=[100 * r["flexible_se"] for r in pts], marker=marker, capsize=3, label=name)
-        for r, x, y in zip(pts, *xy(pts)):
-            ax.annotate(label.format(**r), (x, y), xytext=(4, 4), textcoords="offset points", fontsize=7)
-    points = list(zip(*xy(rows)))  # a setting is on the front unless one is as good on both
+            ax.errorbar(x, y, yerr=[100 * r["flexible_se"] for r in pts], marker=marker, capsize=3, label=name)
+        for r, p in zip(pts, zip(x, y)):
+            ax.annotate(label.format(**r), p, xytext=(4, 4), textcoords="offset points", fontsize=7)
+    points = [(r["effective_k_mean"], 100 * r["flexible_acc"]) for r in rows]   # on the front: none as good on both
     front = sorted(p for p in set(points) if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in points))
     ax.plot([x for x, _ in front], [y for _, y in front], "k--", lw=0.8, alpha=0.5, label="Pareto front")
-    ax.set(xlabel="effective k (tokens per forward pass)", ylabel="accuracy, flexible-extract (%)")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -304,14 +298,12 @@ def pareto_plot(rows: list[dict], path, title: str):
     fig.savefig(path, dpi=130)
 
 def load_for_inference(args) -> tuple[Transformer, Tokenizer, int | None, str, set]:
-    """Model (eval mode, on --device), tokenizer, mask id, format, stop ids (stop_ids_for)."""
     device = parse_device(args.device)
     model, tok, mask_id, stop_ids = load_model(args.model, device, compute_dtype(device.type, args.dtype))
     fmt = args.format if args.format != "auto" else default_format(tok, model.config)
     return model, tok, mask_id, fmt, stop_ids | {end_token(tok, fmt)}
 
 def stop_ids_for(model: Transformer, tok: Tokenizer, fmt: str) -> set:
-    """The model's and tokenizer's stop ids and the token that ends a response in this format."""
     eos = model.config.eos_token_id if isinstance(model.config.eos_token_id, list) else [model.config.eos_token_id]
     return {i for i in eos if i is not None} | {*tok.stop_ids, end_token(tok, fmt)}
 
@@ -407,7 +399,6 @@ def make_data(args):
 
 # === export: a Hugging Face folder any transformers-based stack loads ========================
 def export(student, tok: Tokenizer, path: Path, args, d: Dist) -> Path:
-    """config.json, safetensors, tokenizer (<mask> in each), README.md; the base model's dtype."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     state = get_model_state_dict(student, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if d.main:
@@ -424,24 +415,21 @@ def export(student, tok: Tokenizer, path: Path, args, d: Dist) -> Path:
     return Path(path)
 
 def model_card(cfg: ModelConfig, args) -> str:
-    how = ("the naive ground-truth loss (an ablation)" if args.mode == "gt" else
-           f"{args.mode}-target self-distillation from a frozen copy of itself")
+    how = "the naive ground-truth loss" if args.mode == "gt" else f"{args.mode}-target self-distillation"
     return f"""---
 library_name: transformers
 tags: [multi-token-prediction, self-distillation]
 ---
 # Multi-token prediction by self-distillation
 
-`{args.model}` tuned on {', '.join(f'`{d}`' for d in args.data)} with {how} (Kirchenbauer et al., \
-"Multi-Token Prediction via Self-Distillation", arXiv 2602.06019), with one token added: `<mask>` \
-(id {cfg.mask_token_id}, `mask_token_id` in config.json). After the text so far and k-1 `<mask>` \
-tokens, `logits[0, -k:]` predict the next k tokens in one pass. Prompt format: `{args.format}`. \
-Decode: `python confadapt.py --model THIS_FOLDER --prompt "..." --tau 0.9 --k-max 16` (ConfAdapt: \
-keep the leading predictions of top-1 probability >= tau; `--lossless --k-max 8`: the greedy output).
+`{args.model}` tuned on {', '.join(f'`{d}`' for d in args.data)} with {how} (arXiv 2602.06019). One token is added, \
+`<mask>` (`mask_token_id` {cfg.mask_token_id} in config.json): after the text and k-1 `<mask>`, `logits[0, -k:]` \
+predict the next k tokens. Prompt format `{args.format}`. Decode with ConfAdapt (keep the leading predictions of \
+top-1 probability >= tau): `python confadapt.py --model THIS_FOLDER --prompt "..." --tau 0.9 --k-max 16`.
 
-Training: seq len {args.seq_len}, k uniform in [2, {args.k_max}], {args.regions} regions per sequence, global \
-batch {args.batch_size}, AdamW lr {args.lr:g} (warm-up {args.warmup} steps, then constant), betas \
-({args.beta1}, {args.beta2}), weight decay {args.weight_decay}, clip {args.clip}, {args.steps} steps.
+Training: {args.steps} steps of {args.batch_size} sequences of {args.seq_len} tokens, k in [2, {args.k_max}], \
+{args.regions} regions each; AdamW lr {args.lr:g}, warm-up {args.warmup} steps, betas ({args.beta1}, {args.beta2}), \
+weight decay {args.weight_decay}, clip {args.clip}.
 """
 
 def export_checkpoint(args):
@@ -451,7 +439,8 @@ def export_checkpoint(args):
     saved = argparse.Namespace(**read_checkpoint(ckpt / "trainer.pt", "training checkpoint", weights_only=True)["args"])
     input_path(saved.model, "the base model this checkpoint was tuned from", folder=True)
     student, _, tok, _ = load_student_and_teacher(saved, Dist(), with_teacher=False)
-    load_checkpoint(ckpt, student, *make_optimizer(student, saved), saved)  # optimizer, scheduler: unused
+    opt = student.configure_optimizer(saved.lr, saved.weight_decay, (saved.beta1, saved.beta2))   # unused, as the
+    load_checkpoint(ckpt, student, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), saved)  # scheduler
     return export(student, tok, Path(args.out), saved, Dist())
 
 # --- plumbing: processes, dtypes, loading and sharding, checkpoints, input checks, files, CLI ----
@@ -463,9 +452,7 @@ class Dist:
     device: torch.device = torch.device("cpu")
     dtype: torch.dtype = torch.float32               # what the matrix multiplications compute in
     sharded: bool = False                            # under torchrun: FSDP2, at any world size
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
+    main = property(lambda self: self.rank == 0)     # rank 0 alone reads, logs and writes files
     def log(self, message: str):
         if self.main:
             print(message, flush=True)
@@ -479,8 +466,7 @@ class Dist:
             torch.distributed.barrier()
 
 def setup_processes(device: str, dtype: str = "auto") -> Dist:
-    """Join the torchrun process group if there is one (nccl on GPU, gloo on CPU)."""
-    import datetime
+    from datetime import timedelta
     device, torchrun = parse_device(device), "WORLD_SIZE" in os.environ
     compute = compute_dtype(device.type, dtype)
     if device.type == "cuda":  # under torchrun: one GPU per process, whatever --device named
@@ -489,9 +475,8 @@ def setup_processes(device: str, dtype: str = "auto") -> Dist:
     if not torchrun:
         return Dist(device=device, dtype=compute)
     # Rank 0 alone loads and exports while the others wait: on a slow disk, over NCCL's default 10 min.
-    torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                         timeout=datetime.timedelta(hours=1))
-    compute = torch.float32 if device.type == "cpu" and dtype == "auto" else compute  # gloo: float32
+    torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(hours=1))
+    compute = torch.float32 if device.type == "cpu" and dtype == "auto" else compute  # gloo: fp32
     return Dist(torch.distributed.get_rank(), torch.distributed.get_world_size(), device, compute, sharded=True)
 
 def compute_dtype(device_type: str, dtype: str = "auto") -> torch.dtype:
@@ -543,10 +528,6 @@ def load_student_and_teacher(args, d: Dist, with_teacher: bool = True):
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     return student.train(), teacher, tok, mask_id
 
-def make_optimizer(model, args):
-    optimizer = model.configure_optimizer(args.lr, args.weight_decay, (args.beta1, args.beta2))
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup)))
-
 # A checkpoint is checkpoints/step_000123/: torch.distributed.checkpoint's files (each process its
 # shards of model and optimizer state) and trainer.pt (step, scheduler, CPU RNG, arguments), renamed
 # from a temporary name when complete, then named in `latest`: a crash leaves the last one whole.
@@ -586,11 +567,10 @@ def load_checkpoint(path: Path, student, optimizer, scheduler, args) -> int:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     trainer = read_checkpoint(path / "trainer.pt", "training checkpoint", weights_only=True)
-    def setting(name, args):
+    def setting(name, args):                          # paths compare as real paths
         value = args.get(name)
-        if name in ("model", "data") and value is not None:
-            return [os.path.realpath(p) for p in ([value] if isinstance(value, str) else value)]
-        return value
+        paths = [value] if isinstance(value, str) else value
+        return [os.path.realpath(p) for p in paths] if name in ("model", "data") and value is not None else value
     changed = [f"--{k.replace('_', '-')} {trainer['args'].get(k)} -> {getattr(args, k)}" for k in RESUME_MUST_MATCH
                if setting(k, trainer["args"]) != setting(k, vars(args))]
     if changed:
@@ -639,18 +619,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     taus = [0.99, 0.95, 0.9, 0.8, 0.7, 0.5]
 
-    def common(c, model_help, max_new_tokens=None):  # train, eval, analyze, data; decoding: not train
+    def common(c, model_help, max_new_tokens=None):  # all but export; decoding: not train
         c.add_argument("--model", required=True, help=f"Hugging Face layout folder{model_help}")
         c.add_argument("--format", default="auto", choices=("auto", *FORMATS), help="prompt format (auto: detect)")
         if max_new_tokens:
-            c.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens, help="most tokens per answer")
-            c.add_argument("--batch-size", type=positive_int, default=16, help="prompts decoded at once")
+            c.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens)
+            c.add_argument("--batch-size", type=positive_int, default=16, help="prompts per batch")
         c.add_argument("--device", default="auto", help="auto (cuda if any), cpu, cuda or cuda:N")
-        c.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"), help="compute dtype (auto: "
-                       "bfloat16 where the hardware computes in it, else float32)")
+        c.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"), help="auto: bf16 if fast")
         c.add_argument("--threads", type=positive_int, help="CPU threads (default: one per core)")
 
-    t = sub.add_parser("train", help="MTP fine-tuning by self-distillation (torchrun: several GPUs)")
+    t = sub.add_parser("train", help="MTP fine-tuning by self-distillation (torchrun: multi-GPU)")
     common(t, " (config.json, safetensors, tokenizer)")
     g = t.add_argument_group("data")
     g.add_argument("--data", required=True, nargs="+", help="rows (query or prompt, response): JSON array or JSONL")
@@ -658,8 +637,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--limit-rows", type=count, default=0, help="use only the first N rows (0: all)")
     o = t.add_argument_group("optimization (defaults: the paper's full-scale recipe)")
     o.add_argument("--steps", type=positive_int, default=100_000, help="optimizer steps")
-    o.add_argument("--batch-size", type=positive_int, default=128, help="sequences per step (global)")
-    o.add_argument("--micro-batch", type=positive_int, default=8, help="sequences per forward pass and process")
+    o.add_argument("--batch-size", type=positive_int, default=128, help="per step, all processes")
+    o.add_argument("--micro-batch", type=positive_int, default=8, help="per forward pass and process")
     o.add_argument("--lr", type=positive_float, default=1e-5, help="peak learning rate (AdamW)")
     o.add_argument("--warmup", type=count, default=2000, help="linear warm-up steps, then constant")
     o.add_argument("--weight-decay", type=number(float, 0), default=0.1, help="AdamW weight decay")
@@ -677,9 +656,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--save-every", type=positive_int, default=1000, help="checkpoint every N steps")
     c.add_argument("--keep", type=positive_int, default=2, help="checkpoints to keep")
     c.add_argument("--resume", action="store_true", help="continue from --out's last checkpoint")
-    c.add_argument("--overwrite", action="store_true", help="replace the run already in --out (checkpoints, log)")
+    c.add_argument("--overwrite", action="store_true", help="replace the run in --out")
     c.add_argument("--activation-checkpointing", action="store_true", help="recompute block activations in backward")
-    c.add_argument("--log-every", type=positive_int, default=1, help="a log.jsonl row every N steps")
+    c.add_argument("--log-every", type=positive_int, default=1, help="log.jsonl row every N steps")
     e = sub.add_parser("eval", help="GSM8K sweep over static k and ConfAdapt thresholds")
     common(e, " (a tuned model, or any for k = 1)", 256)
     e.add_argument("--data", required=True, help="GSM8K test JSONL (question, answer)")
@@ -700,14 +679,14 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--domains", nargs="+", choices=DOMAINS, help="held-out prompts generated in code, per domain")
     a.add_argument("--limit", type=count, default=64, help="first N prompts only (0: all)")
     a.add_argument("--taus", type=probability, nargs="+", default=taus, help="ConfAdapt thresholds, each in (0, 1]")
-    a.add_argument("--k-max", type=number(int, 2), default=16, help="ConfAdapt: most tokens per pass")
+    a.add_argument("--k-max", type=number(int, 2), default=16, help="most tokens per pass")
     a.add_argument("--out", help="also write analysis.json and analysis.md here")
     r = sub.add_parser("data", help="training rows from the model itself: its greedy answers to domain prompts")
     common(r, "", 128)
     r.add_argument("--out", required=True, help="JSONL file of {domain, prompt, response} rows (train --data takes it)")
     r.add_argument("--domains", nargs="+", choices=DOMAINS, default=list(DOMAINS), help="domains")
     r.add_argument("--per-domain", type=positive_int, default=100, help="prompts per domain (fewer if it has fewer)")
-    r.add_argument("--split", default="train", choices=("train", "test"), help="which prompts of each domain")
+    r.add_argument("--split", default="train", choices=("train", "test"), help="prompt split")
     x = sub.add_parser("export", help="a training checkpoint -> a Hugging Face folder")
     x.add_argument("--checkpoint", required=True, help="a run's --out folder or one checkpoints/step_N folder")
     x.add_argument("--out", required=True, help="the Hugging Face folder to write")
