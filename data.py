@@ -320,10 +320,9 @@ def follows_rule(task: str, key: tuple, items: list[str]) -> bool:
         return step in DIRECTIONS.values() and all(b - a == step for a, b in zip([last] + nums, nums))
     if task == "repeat":
         return all(item == key[i % len(key)] for i, item in enumerate(items))
-    pair = (items[0], items[1])                       # alternate: a pair the generator can draw
-    if pair != (ALTERNATE_GLUE, key[0]) and not (pair[0] in key and pair[1] == ALTERNATE_GLUE):
-        return False
-    return all(item == pair[i % 2] for i, item in enumerate(items))
+    pair = (items[0], items[1])                                               # alternate
+    drawable = pair == (ALTERNATE_GLUE, key[0]) or (pair[0] in key and pair[1] == ALTERNATE_GLUE)
+    return drawable and all(item == pair[i % 2] for i, item in enumerate(items))
 
 def check_toy(task: str, key: tuple, output: str, stopped: bool = True) -> ToyScore:
     """Score a generated answer (text without <|eos|>; `stopped`: the model did emit <|eos|>)."""
