@@ -7,7 +7,6 @@ import random
 import unicodedata
 import zlib
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 import regex  # tiktoken's dependency: the same regular expressions as its splitter
@@ -15,16 +14,13 @@ import tiktoken
 import torch
 
 # ==================================== MTP training layout ====================================
-# A row of N ground-truth tokens becomes ONE packed row holding M independent MTP problems
-# ("regions"). Region r's prefix ends at original index e_r = o + r R (R = N // M, one offset o in
-# [0, R)); k-1 <mask> slots follow it. Prediction j of region r (read at e_r for j = 0, at slot j
-# after) is about original token e_r + 1 + j. The tokens the slots stand in for follow the block
-# as COPIES at their original positions, so every ground-truth token sees its ordinary context.
-# The first EOS, at index E >= 1 (Qwen rows start with one), ends a row: region r is supervised
-# iff e_r < E, targets after E are EOS, and the rest is padding (pad id, no loss, seen by nobody,
-# seeing only itself so that every softmax row is defined). A target past N - 1 is unsupervised
-# unless the row has an EOS. Rows have length L = N + M (k - 1); positions reach N + k - 2.
-
+# A row of N ground-truth tokens packs M independent MTP problems ("regions"): region r's prefix
+# ends at index e_r = o + r R (R = N // M, offset o in [0, R)) and k-1 <mask> slots follow it;
+# prediction j (read at e_r, then at slot j) is about token e_r + 1 + j. The tokens the slots stand
+# for follow as COPIES at their own positions, so ground truth keeps its ordinary context.
+# The first EOS, at index E >= 1 (Qwen rows start with one), ends a row: region r is supervised iff
+# e_r < E, targets after E are EOS, the rest is padding (no loss, unseen, seeing only itself so each
+# softmax row is defined). Without an EOS a target past N - 1 is unsupervised. L = N + M (k - 1).
 GT, MASK, COPY, PAD = 0, 1, 2, 3   # token kinds in the packed layout
 
 @dataclass
@@ -65,8 +61,7 @@ def mtp_layout(seqs: torch.Tensor, k: int, offset: int, n_regions: int, mask_id:
         pred            0.0 0.1 0.2                     1.0 1.1 1.2
         target            d   e   f                       j   k   l
 
-    Slot 3 (position 3) sees a b c and itself; slot 4 sees a b c, slot 3 and itself; token d
-    at index 5 sees a b c d only (it skips the block, as every ground-truth token does).
+    Slot 3 sees a b c and itself; slot 4 sees a b c, slot 3 and itself; d (index 5) sees a b c d.
     """
     (B, N), device = seqs.shape, seqs.device
     S, M, R = k - 1, n_regions, N // n_regions                    # slots per region, regions, region length
@@ -122,7 +117,6 @@ def mtp_layout(seqs: torch.Tensor, k: int, offset: int, n_regions: int, mask_id:
     is_pad[:, slot_pos.reshape(-1)] = (~supervised_region).repeat_interleave(S, dim=1)
     attn_mask = (sees_gt | own_block)[None] & ~is_pad[:, None, :] & ~is_pad[:, :, None]   # (B, L, L)
     attn_mask |= torch.eye(L, dtype=torch.bool, device=device)[None] & is_pad[:, :, None]
-
     def rows(x):   # the same for every row -> (B, ...)
         return x[None].expand(B, *x.shape).contiguous()
     return MTPBatch(input_ids=torch.where(is_pad, pad_id, input_ids), positions=rows(positions),
@@ -173,14 +167,14 @@ def plot_attention_mask(batch: MTPBatch, path, row: int = 0, token_str=str):
     from matplotlib.colors import ListedColormap
     from matplotlib.figure import Figure          # no pyplot: no global backend state
     from matplotlib.patches import Patch
-    legend = {"ground truth": "#3b75af", "mask slot": "#ef8636", "copy": "#519e3e",   # in kind order
-              "padding": "#b0b0b0"}
-    colours = list(legend.values())
+    names = ("ground truth", "mask slot", "copy", "padding")                      # in kind order
+    colours = ["#3b75af", "#ef8636", "#519e3e", "#b0b0b0"]
     mask, kind = batch.attn_mask[row].cpu(), batch.kind[row].cpu()
     L = mask.shape[0]
     image = torch.where(mask, kind[None, :].expand(L, L).float(), float("nan"))   # not attended: blank
     fig = Figure(figsize=(2 + 0.28 * L, 1.5 + 0.28 * L))
-    ax = fig.add_subplot()
+    ax = fig.add_subplot(xlabel="key (token @ position)", ylabel="query", title="MTP attention mask:"
+                         f" k={batch.k}, offset={batch.offset}, {len(batch.prefix_end)} regions")
     ax.imshow(image.numpy(), cmap=ListedColormap(colours), vmin=-0.5, vmax=3.5, interpolation="nearest")
     labels = [f"{label} @{p}" for label, p in zip(token_labels(batch, row, token_str),
                                                   batch.positions[row].tolist())]
@@ -188,9 +182,7 @@ def plot_attention_mask(batch: MTPBatch, path, row: int = 0, token_str=str):
     ax.set_yticks(range(L), labels, fontsize=7)
     for tick, c in zip(ax.get_xticklabels() + ax.get_yticklabels(), kind.tolist() * 2):
         tick.set_color(colours[c])
-    ax.set(xlabel="key (token @ position)", ylabel="query", title=f"MTP attention mask: k={batch.k}, "
-           f"offset={batch.offset}, {len(batch.prefix_end)} regions")
-    ax.legend(handles=[Patch(color=c, label=n) for n, c in legend.items()],
+    ax.legend(handles=[Patch(color=c, label=n) for n, c in zip(names, colours)],
               loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120, bbox_inches="tight")
@@ -202,11 +194,9 @@ def plot_attention_mask(batch: MTPBatch, path, row: int = 0, token_str=str):
 #   repeat      repeat cat red pie cat red pie      cat red pie cat red pie ...
 #   count_free  count from 17                       18 19 20 ...  or  16 15 14 ...          BRANCHING
 #   alternate   alternate the with cat red pie fox  the cat the cat ...  or  red the red ...  BRANCHING
-# The branching tasks hold naive MTP's two failures. count_free: trained on ground truth, prediction
-# j is a 50/50 mixture of a+j and a-j, each position picking its own branch ("18 15 20 13").
-# alternate: "the" is the most frequent item at EVERY position (40% of answers start with it), so
-# the marginals' argmax is "the the the the". A one-token-at-a-time teacher never mixes branches.
-
+# Branching tasks show naive MTP's two failures: trained on ground truth, count_free's prediction j
+# mixes a+j and a-j, each position picking a branch ("18 15 20 13"); in alternate "the" is likeliest
+# at EVERY position, so marginals say "the the the the". A token-by-token teacher mixes no branches.
 TOY_TASKS = ("count", "repeat", "count_free", "alternate")
 BRANCHING_TASKS = ("count_free", "alternate")
 NUM_ITEMS = 12                               # items in every answer but count's
@@ -266,7 +256,6 @@ def toy_example(task: str, rng: random.Random, split: str = "train") -> ToyExamp
     """A random example whose key lies in `split` ("train" or "heldout")."""
     if task not in TOY_TASKS:
         raise ValueError(f"unknown toy task {task!r}; tasks: {', '.join(TOY_TASKS)}")
-    want_heldout = {"train": False, "heldout": True}[split]
     while True:   # draw prompt parameters until they fall in the split
         if task == "count":
             key = rng.choice(COUNT_STARTS), rng.choice(COUNT_SHOWN)              # (start, numbers shown)
@@ -274,7 +263,7 @@ def toy_example(task: str, rng: random.Random, split: str = "train") -> ToyExamp
             key = (rng.choice(COUNT_STARTS),)
         else:
             key = tuple(rng.sample(TOY_CONTENT_WORDS, REPEAT_GROUP if task == "repeat" else ALTERNATE_WORDS))
-        if is_heldout(task, key) == want_heldout:
+        if is_heldout(task, key) == {"train": False, "heldout": True}[split]:
             break
     answer = "".join(" " + item for item in toy_answer(task, key, rng))
     return ToyExample(task, key, toy_prompt(task, key), answer)
@@ -331,10 +320,9 @@ def follows_rule(task: str, key: tuple, items: list[str]) -> bool:
         return step in DIRECTIONS.values() and all(b - a == step for a, b in zip([last] + nums, nums))
     if task == "repeat":
         return all(item == key[i % len(key)] for i, item in enumerate(items))
-    pair = (items[0], items[1])                       # alternate: a pair the generator can draw
-    if pair != (ALTERNATE_GLUE, key[0]) and not (pair[0] in key and pair[1] == ALTERNATE_GLUE):
-        return False
-    return all(item == pair[i % 2] for i, item in enumerate(items))
+    pair = (items[0], items[1])                                               # alternate
+    drawable = pair == (ALTERNATE_GLUE, key[0]) or (pair[0] in key and pair[1] == ALTERNATE_GLUE)
+    return drawable and all(item == pair[i % 2] for i, item in enumerate(items))
 
 def check_toy(task: str, key: tuple, output: str, stopped: bool = True) -> ToyScore:
     """Score a generated answer (text without <|eos|>; `stopped`: the model did emit <|eos|>)."""
@@ -345,19 +333,18 @@ def check_toy(task: str, key: tuple, output: str, stopped: bool = True) -> ToySc
     return ToyScore(accuracy=accurate and stopped, coherence=coherent, degenerate=has_run(items))
 
 # ======================================== Tokenizers =========================================
-# Byte-level BPE: text is UTF-8 bytes, so 256 single-byte tokens spell any text. A regex cuts it
-# into pieces (a word with its leading space, a digit run, ...) that tokens never cross; inside a
-# piece, BPE merges the adjacent pair forming the lowest-ranked token until none is left (tiktoken:
-# rank = id; a piece that is a token is looked up whole). encode() never makes special tokens.
-
-# Split patterns. Llama-3 groups digits in runs of up to three; Qwen2/3 splits every digit.
+# Byte-level BPE: 256 single-byte tokens spell any UTF-8 text. A regex cuts text into pieces (a word
+# with its leading space, a digit run, ...) that tokens never cross; inside a piece, BPE merges the
+# adjacent pair forming the lowest-ranked token until none is left (tiktoken: rank = id; a piece
+# that is a token is looked up whole). encode() never makes special tokens.
+# Split patterns: Llama-3 groups digits in runs of up to three; Qwen2/3 splits every digit.
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                   r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
 # GPT-2's simpler pattern: a leading space attaches to a run of letters or of digits.
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-# SmolLM2 (and StarCoder) cut out every digit, then split the rest with GPT-2's pattern. As ONE
-# pattern: a digit alone, no " 123" piece, and a whitespace run may end where a digit starts.
+# SmolLM2 and StarCoder cut out every digit, then use GPT-2's pattern. As ONE pattern: a digit
+# alone, no " 123" piece, and a whitespace run may end where a digit starts.
 DIGITS_THEN_GPT2_PATTERN = (r"""\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+"""
                             r"""|\s+(?![^\s\p{N}])|\s+""")
 
@@ -369,8 +356,7 @@ class Tokenizer:
         self.mergeable_ranks, self.special_tokens = dict(mergeable_ranks), dict(special_tokens)
         self.pattern, self.nfc = pattern, nfc
         self.bos_token, self.eos_token, self.pad_token = bos_token, eos_token, pad_token
-        # Real vocabularies may lack single bytes (SmolLM2 lacks 21, e.g. 0x04 and 0xFF). With no
-        # unknown token, `tokenizers` drops such bytes from each piece before merging; see encode().
+        # SmolLM2 lacks 21 single bytes: `tokenizers` drops them from each piece (see encode()).
         self.missing_bytes = bytes(b for b in range(256) if bytes([b]) not in self.mergeable_ranks)
         self._enc = self._build(self.special_tokens)
         self.stop_ids = [self.eos_id] if eos_token else []   # ids that end generation
@@ -387,13 +373,12 @@ class Tokenizer:
         return tiktoken.Encoding("bpe", pat_str=self.pattern, mergeable_ranks=self.mergeable_ranks,
                                  special_tokens=specials)
 
-    n_vocab = property(lambda self: self._enc.n_vocab)   # max id + 1 (ids may have gaps)
-
     def token_id(self, text: str) -> int:
         if text not in self.special_tokens:
             raise KeyError(f"{text!r} is not a special token of this tokenizer")
         return self.special_tokens[text]
 
+    n_vocab = property(lambda self: self._enc.n_vocab)   # max id + 1 (ids may have gaps)
     bos_id = property(lambda self: self.special_tokens.get(self.bos_token))   # None: no such role
     eos_id = property(lambda self: self.special_tokens.get(self.eos_token))
     pad_id = property(lambda self: self.special_tokens.get(self.pad_token))
@@ -409,12 +394,9 @@ class Tokenizer:
         kept = [p.encode().translate(None, self.missing_bytes) for p in regex.findall(self.pattern, text)]
         return [i for piece in kept if piece for i in self._enc._encode_single_piece(piece)]
 
-    def decode_bytes(self, ids) -> bytes:
-        return self._enc.decode_bytes([int(i) for i in ids])
-
     def decode(self, ids) -> str:
         """Special ids decode to their text; bytes that are not valid UTF-8 become U+FFFD."""
-        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+        return self._enc.decode_bytes([int(i) for i in ids]).decode("utf-8", errors="replace")
 
     def add_special_token(self, text: str, token_id: int | None = None) -> int:
         """Add a special token (default id: n_vocab) and rebuild the encoder; returns its id."""
@@ -475,8 +457,8 @@ class Tokenizer:
             (folder / name).write_text(json.dumps(obj, indent=indent, ensure_ascii=False), "utf-8")
 
 def whole_token_tokenizer(pieces) -> Tokenizer:
-    """A byte-level BPE, built in code, in which every string of `pieces` is ONE token. Ranks: the
-    256 bytes, then every prefix of every piece, shorter first: merges grow a piece byte by byte."""
+    """A byte-level BPE in which each of `pieces` is ONE token. Ranks: the 256 bytes, then every
+    prefix of every piece, shorter first, so merges grow a piece byte by byte."""
     prefixes = {p.encode()[:n] for p in pieces for n in range(2, len(p.encode()) + 1)}
     ranks = {token: i for i, token in enumerate([bytes([b]) for b in range(256)]
                                                 + sorted(prefixes, key=lambda t: (len(t), t)))}
@@ -502,10 +484,8 @@ def toy_tokenizer() -> Tokenizer:
 #   qwen         <|endoftext|>{prompt}\n\n{response}<eos>   (the paper's Qwen recipe)
 #   plain        <bos>{prompt}\n\n{response}<eos>             (small models with no chat tokens)
 # Prompt and response are tokenized apart, as transformers' apply_chat_template does.
-
 FORMATS = ("llama3-chat", "chatml", "qwen", "plain")
-# The system turn SmolLM2-Instruct's chat template writes when a conversation has none.
-CHATML_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+CHATML_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"   # if none
 
 def start_tokens(tok: Tokenizer, fmt: str) -> list[int]:
     """What every sequence of this format starts with (also put before few-shot eval prompts)."""
@@ -530,7 +510,6 @@ def prompt_tokens(tok: Tokenizer, fmt: str, prompt: str) -> list[int]:
     return start_tokens(tok, fmt) + tok.encode(prompt + "\n\n")
 
 def end_token(tok: Tokenizer, fmt: str) -> int:
-    """The token that ends a response in this format."""
     if fmt in ("llama3-chat", "chatml"):
         return tok.token_id("<|eot_id|>" if fmt == "llama3-chat" else "<|im_end|>")
     if tok.eos_id is None:
@@ -557,7 +536,6 @@ def training_sequences(pairs, tok: Tokenizer, fmt: str, seq_len: int) -> torch.T
 
 # ======================================= Word problems =======================================
 # A miniature GSM8K in MetaMathQA / GSM8K rows: one phrasing per template, so only sums are hard.
-
 WP_NAMES = ["Tom", "Ann", "Ben", "Sue", "Max", "Amy", "Sam", "Eva", "Leo", "Mia", "Joe", "Kim"]
 WP_ITEMS = ["apples", "pens", "books", "cards", "eggs", "cups", "toys", "coins", "shells", "stamps"]
 WP_TEMPLATES = ("gets_more", "gives_away", "boxes", "buys_then_gives", "money_left")
@@ -643,7 +621,6 @@ def write_word_problems(folder, n_train=20000, n_test=500, seed=0) -> tuple[Path
     return train_file, test_file
 
 def word_problem_pairs(path) -> list[tuple[str, str]]:
-    """(query, response) pairs of a train.json written by write_word_problems."""
     return [(row["query"], row["response"]) for row in json.loads(Path(path).read_text(encoding="utf-8"))]
 
 def word_problem_batch(tokenizer, pairs, rng: random.Random, batch_size: int, seq_len: int):
@@ -664,7 +641,6 @@ def word_problem_tokenizer() -> Tokenizer:
 
 # ====================================== Domain prompts =======================================
 # Chat prompts from templates (or word problems) for `finetune_hf.py data` and `analyze`.
-
 DOMAIN_TEMPLATES = {   # domain: (templates, subjects separated by ", ")
     "lists": (["List {n} {x}.", "Name {n} {x}, one per line.", "Give me a numbered list of {n} {x}.",
                "What are {n} common {x}? Answer with a list."],
@@ -703,18 +679,17 @@ def domain_prompts(domain: str, n: int, split: str = "train", seed: int = 0) -> 
 
 # --- plumbing: reading and writing Hugging Face tokenizer files ------------------------------
 
-@lru_cache(maxsize=1)
 def gpt2_byte_to_char() -> dict[int, str]:
-    """GPT-2's byte table for JSON: printable bytes stand for themselves, the 68 others (control
-    bytes, space, ...) become chr(256 + i) in order; the space byte is "Ġ"."""
+    """GPT-2's JSON byte table: a printable byte is its own char, the i-th other one chr(256 + i)."""
     printable = [*range(33, 127), *range(161, 173), *range(174, 256)]   # visible ASCII and Latin-1
     shifted = [b for b in range(256) if b not in printable]
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(shifted)}}
 
-GPT2_CHAR_TO_BYTE = {c: b for b, c in gpt2_byte_to_char().items()}
+GPT2_BYTE_TO_CHAR = gpt2_byte_to_char()
+GPT2_CHAR_TO_BYTE = {c: b for b, c in GPT2_BYTE_TO_CHAR.items()}
 
 def bytes_to_piece(token: bytes) -> str:
-    return "".join(gpt2_byte_to_char()[b] for b in token)
+    return "".join(GPT2_BYTE_TO_CHAR[b] for b in token)
 
 def piece_to_bytes(piece: str) -> bytes:
     return bytes(GPT2_CHAR_TO_BYTE[c] for c in piece)   # KeyError: not a byte-level string
@@ -762,8 +737,7 @@ def llama3_special_tokens(first_id: int) -> dict[str, int]:
     return {f"<|{named[i] if i in named else next(reserved)}|>": first_id + i for i in range(256)}
 
 def hf_tokenizer_json(tok: Tokenizer) -> dict:
-    """tokenizer.json: the one `tok` was read from plus new special tokens, or vocab + merges that
-    make HF's BPE act exactly as ours."""
+    """tokenizer.json as read plus new specials, or vocab + merges making HF's BPE act as ours."""
     flags = {**dict.fromkeys(["single_word", "lstrip", "rstrip", "normalized"], False), "special": True}
     if tok.hf_spec is not None:
         known = {t["content"] for t in tok.hf_spec["added_tokens"]}
