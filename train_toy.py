@@ -262,9 +262,8 @@ def format_summary(table: dict) -> str:
 def plot(rows: list[dict], logs: dict, model, tokenizer, cfg: RunConfig, out: str):
     """OUT/pareto.png (no coherence: it equals accuracy here), training_curves.png,
     attention_mask.png (the training layout), chunks.png (ConfAdapt's chunks, one per pass)."""
-    import matplotlib
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    plt.switch_backend("Agg")                  # files only, no window
     style = {"ntp": ("black", "*"), "naive": ("tab:red", "o"), "distill": ("tab:blue", "s")}
     tasks = sorted({r["task"] for r in rows}, key=data.TOY_TASKS.index)
     fig, axes = plt.subplots(2, len(tasks), figsize=(4 * len(tasks), 7.5), squeeze=False)
@@ -291,7 +290,6 @@ def plot(rows: list[dict], logs: dict, model, tokenizer, cfg: RunConfig, out: st
     fig.suptitle("held-out prompts: quality against tokens per forward pass (labels: static k, ConfAdapt tau)")
     fig.tight_layout(rect=(0, 0.08, 1, 0.96))
     fig.savefig(os.path.join(out, "pareto.png"), dpi=110)
-    plt.close(fig)
     titles = {"teacher": "teacher: next-token cross-entropy",         # the students add prefix_ntp_weight x that
               "naive": "naive: cross-entropy to the true next k (+ NTP)",
               "distill": "distill: cross-entropy over the teacher's (+ NTP)"}
@@ -304,7 +302,7 @@ def plot(rows: list[dict], logs: dict, model, tokenizer, cfg: RunConfig, out: st
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(os.path.join(out, "training_curves.png"), dpi=110)
-    plt.close(fig)
+    plt.close("all")
     seqs, _ = data.toy_batch(tokenizer, random.Random(cfg.seed), 1, tasks=("count",), seq_len=cfg.seq_len)
     batch = data.mtp_layout(seqs, k=4, offset=5, n_regions=2, mask_id=tokenizer.mask_id,    # 2 regions: readable
                             eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
