@@ -242,8 +242,7 @@ class Transformer(nn.Module):
         causal; not with a cache, where token t of row b goes to slot lengths[b] + t and lengths
         advance by T (or by n_tokens: (B,), best a list, row b's real tokens; the right-padding is
         never computed). output_index (B, N): positions whose logits are wanted -> (B, N, V)."""
-        B, T = tokens.shape
-        device = tokens.device
+        (B, T), device = tokens.shape, tokens.device
         if cache is not None and attn_mask is not None:
             raise ValueError("attn_mask cannot be combined with a KV cache (attention is causal by slot)")
         if cache is None and n_tokens is not None:

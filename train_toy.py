@@ -172,9 +172,6 @@ def evaluate(models: dict, tokenizer, eval_sets: dict, cfg: RunConfig, plan: dic
                           f"eta {format_seconds(run_eta(plan, 'evaluation', done, total, elapsed))}", flush=True)
     return rows, samples
 
-def cell(rows, **match) -> dict | None:
-    return next((r for r in rows if all(r[k] == v for k, v in match.items())), None)
-
 # The closing table, the README's claims one row per task: (column, the results row, its metrics).
 SUMMARY = (("teacher k=1", dict(model="ntp", decode="static", k=1), ("accuracy",)),
            ("naive k=4", dict(model="naive", decode="static", k=4), ("coherence", "degeneration")),
@@ -187,17 +184,17 @@ def summary(rows: list[dict]) -> dict:
     out = {task: {} for task in sorted({r["task"] for r in rows}, key=data.TOY_TASKS.index)}
     for task, values in out.items():
         for column, match, metrics in SUMMARY:
-            row = cell(rows, task=task, **match)
+            row = next((r for r in rows if r["task"] == task and r.items() >= match.items()), None)
             values.update({f"{column}: {m}": row[m] for m in metrics} if row else {})
     return out
 
 # --- The run: 1. teacher, 2. students, 3. evaluation, 4. report -----------------------------
 def toy_run(args, cfg: RunConfig, out: str, device) -> dict:
     """Train (or load) the three models, evaluate them, report; return what results.json holds."""
-    tokenizer = data.toy_tokenizer()
-    batches = toy_batches(cfg, tokenizer)              # the same token ids with and without <mask>
+    tokenizer = data.toy_tokenizer()                # a student's adds <mask>: the same ids
+    batches = partial(data.toy_batch, tokenizer, tasks=cfg.tasks, seq_len=cfg.seq_len)
     data_id = data_fingerprint(tokenizer, batches, cfg.seed)
-    done = {} if args.restart else check_run_folder(out, cfg, data_id, PHASES)     # {phase: model}
+    done = {} if args.restart else check_run_folder(out, cfg, data_id, PHASES)
     if args.export_hf:
         return export_hf(args.export_hf, out, done)
     os.makedirs(out, exist_ok=True)
@@ -208,13 +205,13 @@ def toy_run(args, cfg: RunConfig, out: str, device) -> dict:
     print(f"== {out}: {', '.join(p for p in plan if p != 'evaluation') or 'nothing'} to train, "
           f"{', '.join(done) or 'nothing'} loaded from checkpoints/")
     # 1. the teacher, from scratch
-    teacher, log, s = run_phase("teacher", out, cfg, args.restart, device, lambda: train_phase(
+    teacher, log, s = run_phase("teacher", out, cfg, done, device, lambda: train_phase(
         "teacher", build_teacher(cfg, tokenizer, device), cfg, batches, device, plan), data_id)
     models, logs, seconds = {"ntp": teacher}, {"teacher": log}, {"teacher": s}
     # 2. the students, from the teacher: the same batches and layouts, two losses
     for name, mode in STUDENT_MODE.items():
         student, s_tok = student_from(teacher, device)
-        models[name], logs[name], seconds[name] = run_phase(name, out, cfg, args.restart, device, lambda: train_phase(
+        models[name], logs[name], seconds[name] = run_phase(name, out, cfg, done, device, lambda: train_phase(
             name, student, cfg, batches, device, plan, mode, s_tok), data_id)
     # 3. evaluation and report
     print(f"== evaluation on held-out prompts: {', '.join(models)}")
@@ -265,9 +262,8 @@ def format_summary(table: dict) -> str:
 def plot(rows: list[dict], logs: dict, model, tokenizer, cfg: RunConfig, out: str):
     """OUT/pareto.png (no coherence: it equals accuracy here), training_curves.png,
     attention_mask.png (the training layout), chunks.png (ConfAdapt's chunks, one per pass)."""
-    import matplotlib
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    plt.switch_backend("Agg")                  # files only, no window
     style = {"ntp": ("black", "*"), "naive": ("tab:red", "o"), "distill": ("tab:blue", "s")}
     tasks = sorted({r["task"] for r in rows}, key=data.TOY_TASKS.index)
     fig, axes = plt.subplots(2, len(tasks), figsize=(4 * len(tasks), 7.5), squeeze=False)
@@ -294,7 +290,6 @@ def plot(rows: list[dict], logs: dict, model, tokenizer, cfg: RunConfig, out: st
     fig.suptitle("held-out prompts: quality against tokens per forward pass (labels: static k, ConfAdapt tau)")
     fig.tight_layout(rect=(0, 0.08, 1, 0.96))
     fig.savefig(os.path.join(out, "pareto.png"), dpi=110)
-    plt.close(fig)
     titles = {"teacher": "teacher: next-token cross-entropy",         # the students add prefix_ntp_weight x that
               "naive": "naive: cross-entropy to the true next k (+ NTP)",
               "distill": "distill: cross-entropy over the teacher's (+ NTP)"}
@@ -307,7 +302,7 @@ def plot(rows: list[dict], logs: dict, model, tokenizer, cfg: RunConfig, out: st
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(os.path.join(out, "training_curves.png"), dpi=110)
-    plt.close(fig)
+    plt.close("all")
     seqs, _ = data.toy_batch(tokenizer, random.Random(cfg.seed), 1, tasks=("count",), seq_len=cfg.seq_len)
     batch = data.mtp_layout(seqs, k=4, offset=5, n_regions=2, mask_id=tokenizer.mask_id,    # 2 regions: readable
                             eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
@@ -325,28 +320,13 @@ def key_changes(saved: dict, key: dict) -> str:
     return ", ".join(f"{k} {saved.get(k)} -> {key.get(k)}" for k in sorted({*saved, *key}, key=str)
                      if saved.get(k) != key.get(k))
 
-def load_checkpoint(path: str, key: dict, device):
-    """(model, log, seconds) if `path` holds a finished phase, else None; another run's is an error."""
-    if not os.path.exists(path):
-        return None
-    try:
-        ckpt = read_checkpoint(path, "toy checkpoint")
-    except ValueError as e:
-        raise CliError(f"{e}; --restart trains every phase again") from None
-    if ckpt["key"] != key:
-        raise CliError(f"{path} was trained with other settings ({key_changes(ckpt['key'], key)}): "
-                       f"choose another --out, or add --restart to train again")
-    model = Transformer(ModelConfig(**ckpt["model_config"]))
-    model.load_state_dict(ckpt["state"])
-    return model.to(device).eval(), ckpt["log"], ckpt["seconds"]
-
-def run_phase(name, out, cfg, restart, device, train, data_id: str = ""):
-    """(model, log, seconds): the phase's checkpoint if it matches, else train() -> (model, log), saved."""
+def run_phase(name, out, cfg, done: dict, device, train, data_id: str = ""):
+    """(model, log, seconds): done[name] if found, else train() -> (model, log), saved."""
     path, key = os.path.join(out, "checkpoints", f"{name}.pt"), cfg.phase_key(name, data_id)
-    found = None if restart else load_checkpoint(path, key, device)
-    if found is not None:
-        print(f"== {name}: loaded {path} (trained in {found[2]:.0f} s; --restart to retrain)")
-        return found
+    if name in done:
+        model, log, seconds = done[name]
+        print(f"== {name}: loaded {path} (trained in {seconds:.0f} s; --restart to retrain)")
+        return model.to(device), log, seconds
     print(f"== {name}: training")
     start = time.perf_counter()
     model, log = train()
@@ -358,10 +338,23 @@ def run_phase(name, out, cfg, restart, device, train, data_id: str = ""):
     return model, log, seconds
 
 def check_run_folder(out: str, cfg: RunConfig, data_id: str, phases) -> dict:
-    """Before any work: {phase: model} reusable in `out`; another run's files are an error."""
-    done = {p: load_checkpoint(os.path.join(out, "checkpoints", f"{p}.pt"), cfg.phase_key(p, data_id), "cpu")
-            for p in phases}                                # load_checkpoint raises if it is another run's
-    done = {p: found[0] for p, found in done.items() if found is not None}
+    """Before any work: {phase: (model, log, seconds)} in `out`; another run's is an error."""
+    done = {}
+    for phase in phases:
+        path, key = os.path.join(out, "checkpoints", f"{phase}.pt"), cfg.phase_key(phase, data_id)
+        if not os.path.exists(path):
+            continue
+        try:
+            ckpt = read_checkpoint(path, "toy checkpoint")
+        except ValueError as e:
+            raise CliError(f"{e}; --restart trains every phase again") from None
+        if ckpt["key"] != key:
+            changes = key_changes(ckpt["key"], key)
+            raise CliError(f"{path} was trained with other settings ({changes}): choose another --out, "
+                           f"or add --restart to train again")
+        model = Transformer(ModelConfig(**ckpt["model_config"]))
+        model.load_state_dict(ckpt["state"])
+        done[phase] = (model.eval(), ckpt["log"], ckpt["seconds"])
     results = os.path.join(out, "results.json")
     if os.path.exists(results):
         saved, now = read_json(results, "results file").get("config", {}), json.loads(json.dumps(asdict(cfg)))
@@ -369,10 +362,6 @@ def check_run_folder(out: str, cfg: RunConfig, data_id: str, phases) -> dict:
             raise CliError(f"{results} comes from other settings ({key_changes(saved, now)}): choose another "
                            f"--out, or add --restart to replace that run")
     return done
-
-def toy_batches(cfg: RunConfig, tokenizer):
-    """The toy batch function: (rng, batch_size) -> (seqs, answer), tasks mixed uniformly."""
-    return partial(data.toy_batch, tokenizer, tasks=cfg.tasks, seq_len=cfg.seq_len)
 
 def data_fingerprint(tokenizer, next_batch, seed: int) -> str:
     """The vocabulary size and a checksum of 256 sequences: a changed tokenizer or task retrains."""
@@ -387,8 +376,8 @@ def export_hf(path: str, out: str, done: dict) -> dict:
                        f"same command without --export-hf first")
     output_folder(path, "--export-hf")
     for phase in PHASES:
-        tokenizer = data.toy_tokenizer() if phase == "teacher" else student_from(done["teacher"], "cpu")[1]
-        done[phase].save_pretrained(os.path.join(path, phase))
+        tokenizer = data.toy_tokenizer() if phase == "teacher" else student_from(done["teacher"][0], "cpu")[1]
+        done[phase][0].save_pretrained(os.path.join(path, phase))
         tokenizer.save_pretrained(os.path.join(path, phase))
     print(f"exported {path}/teacher, {path}/naive and {path}/distill (Hugging Face layout)")
     return {"export": path, "models": list(MODELS)}
@@ -408,9 +397,8 @@ def word_problem_base_model(args, cfg: RunConfig, device) -> dict:
     print(f"wrote {train_file} ({len(pairs)} rows, MetaMathQA format) and {test_file} (GSM8K format)")
     batches = partial(data.word_problem_batch, tokenizer, pairs, seq_len=cfg.seq_len)   # question and solution
     data_id = data_fingerprint(tokenizer, batches, cfg.seed)
-    if not args.restart:
-        check_run_folder(folder, cfg, data_id, ["base"])
-    model, _, _ = run_phase("base", folder, cfg, args.restart, device, lambda: train_phase(
+    done = {} if args.restart else check_run_folder(folder, cfg, data_id, ["base"])
+    model, _, _ = run_phase("base", folder, cfg, done, device, lambda: train_phase(
         "base", build_teacher(cfg, tokenizer, device, tie_embeddings=False, context=WORD_PROBLEM_CONTEXT), cfg,
         batches, device, {"base": cfg.teacher_steps}), data_id)
     base = os.path.join(folder, "base")

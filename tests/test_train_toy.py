@@ -9,6 +9,7 @@ import json
 import os
 import random
 from collections import Counter
+from functools import partial
 
 import pytest
 import torch
@@ -160,23 +161,24 @@ def test_checkpoints_resume_without_training(tmp_path):
     cfg = train_toy.RunConfig(**train_toy.QUICK)
     tok = data.toy_tokenizer()
     model = train_toy.build_teacher(cfg, tok, "cpu")
-    first = train_toy.run_phase("teacher", str(tmp_path), cfg, False, "cpu", lambda: (model, [{"loss": 1.0}]))
+    first = train_toy.run_phase("teacher", str(tmp_path), cfg, {}, "cpu", lambda: (model, [{"loss": 1.0}]))
     assert os.path.exists(tmp_path / "checkpoints" / "teacher.pt")
 
     def must_not_train():
         raise AssertionError("a finished phase was trained again")
-    again, log, _ = train_toy.run_phase("teacher", str(tmp_path), cfg, False, "cpu", must_not_train)
+    done = train_toy.check_run_folder(str(tmp_path), cfg, "", ["teacher"])
+    again, log, _ = train_toy.run_phase("teacher", str(tmp_path), cfg, done, "cpu", must_not_train)
     assert log == [{"loss": 1.0}]
     for a, b in zip(first[0].state_dict().values(), again.state_dict().values()):
         assert torch.equal(a, b)
     # Other settings or other data: another run's checkpoint, never silently replaced ...
     with pytest.raises(train_toy.CliError, match="dim 64 -> 32"):
-        train_toy.run_phase("teacher", str(tmp_path), train_toy.RunConfig(**{**train_toy.QUICK, "dim": 32}),
-                            False, "cpu", must_not_train)
+        train_toy.check_run_folder(str(tmp_path), train_toy.RunConfig(**{**train_toy.QUICK, "dim": 32}), "",
+                                   ["teacher"])
     with pytest.raises(train_toy.CliError, match="other settings"):
-        train_toy.run_phase("teacher", str(tmp_path), cfg, False, "cpu", must_not_train, data_id="other data")
+        train_toy.check_run_folder(str(tmp_path), cfg, "other data", ["teacher"])
     with pytest.raises(AssertionError):                               # ... but retrained with restart
-        train_toy.run_phase("teacher", str(tmp_path), cfg, True, "cpu", must_not_train, data_id="other data")
+        train_toy.run_phase("teacher", str(tmp_path), cfg, {}, "cpu", must_not_train, data_id="other data")
 
 
 def test_both_students_train_on_the_same_batches_and_layouts(monkeypatch):
@@ -188,7 +190,8 @@ def test_both_students_train_on_the_same_batches_and_layouts(monkeypatch):
     monkeypatch.setattr(data, "random_mtp_layout", lambda *a, **kw: layouts.append(real(*a, **kw)) or layouts[-1])
     for name, mode in train_toy.STUDENT_MODE.items():
         student, s_tok = train_toy.student_from(teacher, "cpu")
-        train_toy.train_phase(name, student, cfg, train_toy.toy_batches(cfg, tok), "cpu", mode=mode, tokenizer=s_tok)
+        batches = partial(data.toy_batch, tok, tasks=cfg.tasks, seq_len=cfg.seq_len)
+        train_toy.train_phase(name, student, cfg, batches, "cpu", mode=mode, tokenizer=s_tok)
     assert len(layouts) == 2 * cfg.mtp_steps
     for a, b in zip(layouts[:cfg.mtp_steps], layouts[cfg.mtp_steps:]):
         assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.positions, b.positions)
@@ -198,7 +201,7 @@ def test_both_students_train_on_the_same_batches_and_layouts(monkeypatch):
 
 def test_data_fingerprint_sees_a_changed_task(monkeypatch):
     tok = data.toy_tokenizer()
-    batches = train_toy.toy_batches(train_toy.RunConfig(), tok)
+    batches = partial(data.toy_batch, tok, tasks=data.TOY_TASKS, seq_len=train_toy.RunConfig().seq_len)
     before = train_toy.data_fingerprint(tok, batches, 0)
     assert train_toy.data_fingerprint(tok, batches, 0) == before
     monkeypatch.setattr(data, "ALTERNATE_GLUE_FIRST", 0.3)
@@ -228,8 +231,8 @@ def test_quick_run_end_to_end(tmp_path):
         assert (out / png).stat().st_size > 1000, png
 
     assert set(on_disk["summary"]) == set(data.TOY_TASKS)
-    assert on_disk["summary"]["count"]["distill tau=0.9: accuracy"] == train_toy.cell(
-        rows, model="distill", decode="confadapt", tau=0.9, task="count")["accuracy"]     # full precision
+    distill = {(r["decode"], r["tau"], r["task"]): r["accuracy"] for r in rows if r["model"] == "distill"}
+    assert on_disk["summary"]["count"]["distill tau=0.9: accuracy"] == distill["confadapt", 0.9, "count"]  # exact
 
     # --export-hf only exports the finished run: the teacher and both students, named.
     before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
@@ -244,6 +247,7 @@ def test_quick_run_end_to_end(tmp_path):
         assert (hf / name / "tokenizer.json").exists() and (hf / "teacher" / "tokenizer.json").exists()
     tokens = torch.tensor([[1, 2, 3]])
     cfg, tok = train_toy.RunConfig(**train_toy.QUICK), data.toy_tokenizer()
-    data_id = train_toy.data_fingerprint(tok, train_toy.toy_batches(cfg, tok), cfg.seed)
-    checkpoint = train_toy.load_checkpoint(str(out / "checkpoints" / "teacher.pt"), cfg.phase_key("teacher", data_id), "cpu")
+    batches = partial(data.toy_batch, tok, tasks=cfg.tasks, seq_len=cfg.seq_len)
+    data_id = train_toy.data_fingerprint(tok, batches, cfg.seed)
+    checkpoint = train_toy.check_run_folder(str(out), cfg, data_id, ["teacher"])["teacher"]
     assert torch.allclose(teacher(tokens), checkpoint[0](tokens), atol=1e-5)
