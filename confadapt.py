@@ -421,8 +421,12 @@ def load_model(path, device="cpu", dtype=torch.float32):
     mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else tokenizer.mask_id
     if mask_id is not None and not 0 <= mask_id < cfg.vocab_size:
         raise ValueError(f"mask token id {mask_id} is outside the model's vocabulary of {cfg.vocab_size}")
-    eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
-    return model, tokenizer, mask_id, {t for t in eos if t is not None} | set(tokenizer.stop_ids)
+    return model, tokenizer, mask_id, stop_ids_of(model, tokenizer)
+
+def stop_ids_of(model, tokenizer) -> set:
+    """The config's eos_token_id (one or a list) and the tokenizer's end-of-turn tokens."""
+    eos = model.config.eos_token_id if isinstance(model.config.eos_token_id, list) else [model.config.eos_token_id]
+    return {t for t in eos if t is not None} | set(tokenizer.stop_ids)
 
 def load(args, mode: DecodeConfig):
     input_path(args.model, "--model", folder=True)

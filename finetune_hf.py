@@ -26,7 +26,7 @@ import torch
 
 from confadapt import (CliError, DecodeConfig, Parser, Progress, accept_confadapt, count, decode_modes, format_seconds,
                        generate, input_path, load_model, load_tokenizer, number, output_folder, positive_float,
-                       positive_int, probability, run_cli)
+                       positive_int, probability, run_cli, stop_ids_of)
 from data import (DOMAINS, FORMATS, Tokenizer, default_n_regions, domain_prompts, end_token, mtp_layout, padding_token,
                   prompt_tokens, response_tokens, sample_k_and_offset, start_tokens, training_sequences)
 from distill import MODES, frozen_teacher, mtp_loss
@@ -302,13 +302,12 @@ def pareto_plot(rows: list[dict], path, title: str):
 
 def load_for_inference(args) -> tuple[Transformer, Tokenizer, int | None, str, set]:
     device = parse_device(args.device)
-    model, tok, mask_id, stop_ids = load_model(args.model, device, compute_dtype(device.type, args.dtype))
+    model, tok, mask_id, _ = load_model(args.model, device, compute_dtype(device.type, args.dtype))
     fmt = args.format if args.format != "auto" else default_format(tok, model.config)
-    return model, tok, mask_id, fmt, stop_ids | {end_token(tok, fmt)}
+    return model, tok, mask_id, fmt, stop_ids_for(model, tok, fmt)
 
 def stop_ids_for(model: Transformer, tok: Tokenizer, fmt: str) -> set:
-    eos = model.config.eos_token_id if isinstance(model.config.eos_token_id, list) else [model.config.eos_token_id]
-    return {i for i in eos if i is not None} | {*tok.stop_ids, end_token(tok, fmt)}
+    return stop_ids_of(model, tok) | {end_token(tok, fmt)}    # the format's end of turn too
 
 # === analyze: is this domain predictable enough to be worth tuning? ==========================
 # The base model answers the domain's prompts greedily; c_t is each answer token's top-1 probability

@@ -1,6 +1,6 @@
 """The method on a CPU in minutes: NTP teacher -> naive vs distilled MTP -> evaluation -> plots.
 
-    python train_toy.py                     full run (about 9 minutes on 2 CPU cores), into runs/toy
+    python train_toy.py                     full run (about 10 minutes on 2 CPU cores), into runs/toy
     python train_toy.py --quick             smoke test (about 12 seconds), into runs/toy-quick
     python train_toy.py --export-hf hf_toy  a finished run's three models in Hugging Face layout
     python train_toy.py --word-problems runs/wp   the base model of finetune_hf.py's miniature
@@ -45,7 +45,7 @@ class RunConfig:
     tasks: tuple = data.TOY_TASKS      # the data: tasks drawn uniformly
     seq_len: int = 21                  # every toy sequence fits (the longest, repeat, is 21 tokens)
     batch_size: int = 32               # phase 1, the teacher: next-token prediction
-    teacher_steps: int = 3000          # near the floor: fewer steps failed a seed (README)
+    teacher_steps: int = 3000          # near the floor: 2,000 steps failed one seed of three
     teacher_lr: float = 4e-3
     mtp_batch_size: int = 16           # phase 2, the students: MTP, the same budget for both
     mtp_steps: int = 700               # an MTP step costs 3-4x a teacher step
@@ -382,7 +382,7 @@ def export_hf(path: str, out: str, done: dict) -> dict:
     print(f"exported {path}/teacher, {path}/naive and {path}/distill (Hugging Face layout)")
     return {"export": path, "models": list(MODELS)}
 
-# --word-problems: the base model of the miniature (README, "Miniature reproduction").
+# --word-problems: the base model of the miniature GSM8K (README, "Results").
 WORD_PROBLEMS = dict(dim=128, n_layers=4, n_heads=4, ffn_dim=512, seq_len=64, batch_size=32, teacher_steps=1500,
                      teacher_lr=2e-3, warmup_steps=100, tasks=("word_problems",))
 WORD_PROBLEMS_QUICK = dict(dim=32, n_layers=1, n_heads=2, ffn_dim=64, batch_size=4, teacher_steps=3, warmup_steps=1)
