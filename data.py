@@ -640,26 +640,9 @@ def word_problem_tokenizer() -> Tokenizer:
     return whole_token_tokenizer(set(regex.findall(GPT2_PATTERN, text)) | set(words) | {f" {w}" for w in words})
 
 # ====================================== Domain prompts =======================================
-# Chat prompts from templates (or word problems) for `finetune_hf.py data` and `analyze`.
-DOMAIN_TEMPLATES = {   # domain: (templates, subjects separated by ", ")
-    "lists": (["List {n} {x}.", "Name {n} {x}, one per line.", "Give me a numbered list of {n} {x}.",
-               "What are {n} common {x}? Answer with a list."],
-              "animals, fruits, vegetables, colors, countries in Europe, musical instruments, sports, birds, "
-              "flowers, jobs, kitchen tools, board games, programming languages, farm animals, ocean animals, "
-              "types of trees, desserts, breakfast foods, hobbies, school subjects, car brands, "
-              "famous painters, rivers, things found in a park"),
-    "explanations": (["Explain what {x} is in two sentences.", "What is {x}? Answer briefly.",
-                      "Describe how {x} works, in simple words.", "Why is {x} important? Answer in a few sentences."],
-                     "photosynthesis, gravity, a rainbow, the internet, a volcano, democracy, the water cycle, "
-                     "electricity, a computer, the moon, a vaccine, an earthquake, the heart, a battery, money, "
-                     "a library, recycling, the weather, sleep, a bicycle, the sun, friendship, a map, music"),
-    "writing": (["Write a short story about {x}.", "Write a short poem about {x}.",
-                 "Write a paragraph describing {x}.", "Write a short letter to a friend about {x}."],
-                "a lost cat, the ocean, a rainy day, a friendly robot, a summer holiday, a old tree, a busy city, "
-                "the first snow, a birthday party, a small village, a dragon, the stars, a train journey, "
-                "a garden, a lighthouse, a football match, a new school, the forest, a mountain, "
-                "a kind stranger, a long night, a river, a baker, a storm"),
-}
+# Chat prompts for `finetune_hf.py data` and `analyze`: word problems, or a domain's templates
+# filled with its subjects, from prompts/domains.json ({domain: {templates, subjects}}).
+DOMAIN_TEMPLATES = json.loads((Path(__file__).parent / "prompts" / "domains.json").read_text("utf-8"))
 DOMAINS = ("word_problems", *DOMAIN_TEMPLATES)
 
 def domain_prompts(domain: str, n: int, split: str = "train", seed: int = 0) -> list[str]:
@@ -669,8 +652,8 @@ def domain_prompts(domain: str, n: int, split: str = "train", seed: int = 0) -> 
         return [p.question for p in (train if split == "train" else test)][:n]
     if domain not in DOMAIN_TEMPLATES:
         raise ValueError(f"unknown domain {domain!r}; choose from {', '.join(DOMAINS)}")
-    templates, subjects = DOMAIN_TEMPLATES[domain]
-    subjects = [x for i, x in enumerate(subjects.split(", ")) if (i % 4 == 3) == (split == "test")]
+    templates, subjects = DOMAIN_TEMPLATES[domain]["templates"], DOMAIN_TEMPLATES[domain]["subjects"]
+    subjects = [x for i, x in enumerate(subjects) if (i % 4 == 3) == (split == "test")]
     rng = random.Random(f"{domain}/{split}/{seed}")
     prompts = [t.format(n=n_items, x=x) for t in templates for x in subjects for n_items in (3, 5, 7, 10)
                if "{n}" in t or n_items == 3]

@@ -152,38 +152,16 @@ def default_format(tok: Tokenizer, cfg: ModelConfig) -> str:
 #   flexible-extract  the LAST match of `(-?[$0-9.,]{2,})|(-?[0-9]+)`, the last number-like run.
 # Before comparing, extraction and gold answer (the text after "####") lose every "," and "$",
 # all up to "#### " and one trailing ".", and are lower-cased. Standard error: sqrt(sample var / n).
-GSM8K_EXEMPLARS = [   # each one as the prompt shows it
-    "Q: There are 15 trees in the grove. Grove workers will plant trees in the grove today. After they are done, "
-    "there will be 21 trees. How many trees did the grove workers plant today?\nA: There are 15 trees originally. "
-    "Then there were 21 trees after some more were planted. So there must have been 21 - 15 = 6. The answer is 6.",
-    "Q: If there are 3 cars in the parking lot and 2 more cars arrive, how many cars are in the parking lot?\nA: "
-    "There are originally 3 cars. 2 more cars arrive. 3 + 2 = 5. The answer is 5.",
-    "Q: Leah had 32 chocolates and her sister had 42. If they ate 35, how many pieces do they have left in total?\n"
-    "A: Originally, Leah had 32 chocolates. Her sister had 42. So in total they had 32 + 42 = 74. After eating 35, "
-    "they had 74 - 35 = 39. The answer is 39.",
-    "Q: Jason had 20 lollipops. He gave Denny some lollipops. Now Jason has 12 lollipops. How many lollipops did "
-    "Jason give to Denny?\nA: Jason started with 20 lollipops. Then he had 12 after giving some to Denny. So he "
-    "gave Denny 20 - 12 = 8. The answer is 8.",
-    "Q: Shawn has five toys. For Christmas, he got two toys each from his mom and dad. How many toys does he have "
-    "now?\nA: Shawn started with 5 toys. If he got 2 toys each from his mom and dad, then that is 4 more toys. 5 + "
-    "4 = 9. The answer is 9.",
-    "Q: There were nine computers in the server room. Five more computers were installed each day, from monday to "
-    "thursday. How many computers are now in the server room?\nA: There were originally 9 computers. For each of 4 "
-    "days, 5 more computers were added. So 5 * 4 = 20 computers were added. 9 + 20 is 29. The answer is 29.",
-    "Q: Michael had 58 golf balls. On tuesday, he lost 23 golf balls. On wednesday, he lost 2 more. How many golf "
-    "balls did he have at the end of wednesday?\nA: Michael started with 58 golf balls. After losing 23 on "
-    "tuesday, he had 58 - 23 = 35. After losing 2 more, he had 35 - 2 = 33 golf balls. The answer is 33.",
-    "Q: Olivia has $23. She bought five bagels for $3 each. How much money does she have left?\nA: Olivia had 23 "
-    "dollars. 5 bagels for 3 dollars each will be 5 x 3 = 15 dollars. So she has 23 - 15 dollars left. 23 - 15 is "
-    "8. The answer is 8.",
-]
+EXEMPLARS_FILE = Path(__file__).parent / "prompts" / "gsm8k_cot_exemplars.json"   # [{question, answer}]
+GSM8K_EXEMPLARS = json.loads(EXEMPLARS_FILE.read_text("utf-8"))
 GSM8K_STOP_STRINGS = ("Q:", "</s>", "<|im_end|>")
 STRICT_MATCH = re.compile(r"The answer is (\-?[0-9\.\,]+).")
 FLEXIBLE_EXTRACT = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
 IGNORED_BEFORE_COMPARING = (",", r"\$", r"(?s).*#### ", r"\.$")
 
 def fewshot_prompt(question: str, n_shot: int = 8) -> str:
-    return "\n\n".join(GSM8K_EXEMPLARS[:n_shot] + [f"Q: {question}\nA:"])
+    shots = [f"Q: {e['question']}\nA: {e['answer']}" for e in GSM8K_EXEMPLARS[:n_shot]]
+    return "\n\n".join(shots + [f"Q: {question}\nA:"])
 
 def score(completion: str, gold: str) -> dict:
     def extract(regex: re.Pattern, select: int) -> str:       # match `select` (0: first, -1: last)
