@@ -1,6 +1,5 @@
 """Data for multi-token prediction (MTP): the packed training layout, and what fills it (toy tasks,
-byte-level BPE tokenizers in Hugging Face files, prompt formats, word problems, chat prompts).
-"""
+byte-level BPE tokenizers in Hugging Face files, prompt formats, word problems, chat prompts)."""
 import base64
 import json
 import random
@@ -308,12 +307,10 @@ def has_run(items: list[str], run: int = DEGENERATE_RUN) -> bool:
     return any(len(set(items[i:i + run])) == 1 for i in range(len(items) - run + 1))
 
 def follows_rule(task: str, key: tuple, items: list[str]) -> bool:
-    """The task's rule, checked on the generated items (at least two of them)."""
-    if len(items) < 2:
+    """The task's rule, checked on the generated items (at least two; numbers when counting)."""
+    if len(items) < 2 or task in ("count", "count_free") and not all(x.isdigit() for x in items):
         return False
     if task in ("count", "count_free"):
-        if not all(x.isdigit() for x in items):
-            return False
         nums = [int(x) for x in items]
         last = key[0] + key[1] - 1 if task == "count" else key[0]      # the prompt's last number
         step = 1 if task == "count" else nums[0] - last
@@ -432,10 +429,8 @@ class Tokenizer:
             return [i for v in values for i in (v if isinstance(v, list) else [] if v is None else [v])]
         text_of = {i: text for text, i in specials.items()}
         for role in ("bos_token", "eos_token", "pad_token"):
-            if role in tok_config:
-                text = tok_config[role].get("content") if isinstance(tok_config[role], dict) else tok_config[role]
-            else:
-                text = text_of.get(next(iter(config_ids(f"{role}_id")), None))
+            text = tok_config.get(role, text_of.get(next(iter(config_ids(f"{role}_id")), None)))
+            text = text.get("content") if isinstance(text, dict) else text   # an AddedToken dict
             roles[role] = text if text in specials else roles.get(role)
         tokenizer = cls(ranks, specials, pattern, nfc, **roles)
         stop_ids = [i for i in config_ids("eos_token_id") if i in text_of]
@@ -554,10 +549,9 @@ def calc(a: int, op: str, b: int) -> tuple[int, str]:
 def word_problem(rng: random.Random) -> WordProblem:
     """One problem from a random template (these draws, in this order, fix every data set)."""
     template = rng.choice(WP_TEMPLATES)
-    if template in ("boxes", "money_left"):
-        name, item = rng.choice(WP_NAMES), rng.choice(WP_ITEMS)
-    else:
-        name, other, item = *rng.sample(WP_NAMES, 2), rng.choice(WP_ITEMS)
+    two = template not in ("boxes", "money_left")                       # a second person?
+    name, other = rng.sample(WP_NAMES, 2) if two else (rng.choice(WP_NAMES), None)
+    item = rng.choice(WP_ITEMS)
     if template == "gets_more":
         a, b = rng.randint(2, 30), rng.randint(2, 20)
         answer, step = calc(a, "+", b)
@@ -654,10 +648,9 @@ def domain_prompts(domain: str, n: int, split: str = "train", seed: int = 0) -> 
         raise ValueError(f"unknown domain {domain!r}; choose from {', '.join(DOMAINS)}")
     templates, subjects = DOMAIN_TEMPLATES[domain]["templates"], DOMAIN_TEMPLATES[domain]["subjects"]
     subjects = [x for i, x in enumerate(subjects) if (i % 4 == 3) == (split == "test")]
-    rng = random.Random(f"{domain}/{split}/{seed}")
     prompts = [t.format(n=n_items, x=x) for t in templates for x in subjects for n_items in (3, 5, 7, 10)
                if "{n}" in t or n_items == 3]
-    rng.shuffle(prompts)
+    random.Random(f"{domain}/{split}/{seed}").shuffle(prompts)
     return prompts[:n]
 
 # --- plumbing: reading and writing Hugging Face tokenizer files ------------------------------

@@ -244,15 +244,12 @@ def run_eta(plan: dict, phase: str, done: int, total: int, elapsed: float) -> fl
 
 def format_summary(table: dict) -> str:
     """The table for people: percentages, and tokens per forward pass in brackets."""
-    def text(row, column, metrics):
-        a, b = (row.get(f"{column}: {m}") for m in (*metrics, None)[:2])
-        return ("-" if a is None else f"{100 * a:.0f}%" if b is None else f"{100 * a:.0f}% / {100 * b:.0f}%"
-                if metrics[1] == "degeneration" else f"{100 * a:.0f}% ({b:.2f})")
-    short = {"accuracy": "acc.", "coherence": "coh.", "degeneration": "degen.", "effective_k": "(tok/pass)"}
-    lines = [["", *(c for c, _, _ in SUMMARY)],
-             ["task", *(" / ".join(short[m] for m in ms).replace(" / (", " (") for _, _, ms in SUMMARY)]]
-    lines += [[t + (" (branching)" if t in data.BRANCHING_TASKS else "")] + [text(row, c, ms) for c, _, ms in SUMMARY]
-              for t, row in table.items()]
+    cell = {("accuracy",): ("acc.", "{:.0%}"), ("accuracy", "effective_k"): ("acc. (tok/pass)", "{:.0%} ({:.2f})"),
+            ("coherence", "degeneration"): ("coh. / degen.", "{:.0%} / {:.0%}")}   # header, format
+    lines = [["", *(c for c, _, _ in SUMMARY)], ["task", *(cell[ms][0] for _, _, ms in SUMMARY)]]
+    lines += [[t + (" (branching)" if t in data.BRANCHING_TASKS else "")] +
+              [cell[ms][1].format(*(row[f"{c}: {m}"] for m in ms)) if f"{c}: {ms[0]}" in row else "-"
+               for c, _, ms in SUMMARY] for t, row in table.items()]
     widths = [max(map(len, column)) for column in zip(*lines)]
     body = ["  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(line, widths)))
             for line in lines]
@@ -349,9 +346,8 @@ def check_run_folder(out: str, cfg: RunConfig, data_id: str, phases) -> dict:
         except ValueError as e:
             raise CliError(f"{e}; --restart trains every phase again") from None
         if ckpt["key"] != key:
-            changes = key_changes(ckpt["key"], key)
-            raise CliError(f"{path} was trained with other settings ({changes}): choose another --out, "
-                           f"or add --restart to train again")
+            raise CliError(f"{path} was trained with other settings ({key_changes(ckpt['key'], key)}): "
+                           f"choose another --out, or add --restart to train again")
         model = Transformer(ModelConfig(**ckpt["model_config"]))
         model.load_state_dict(ckpt["state"])
         done[phase] = (model.eval(), ckpt["log"], ckpt["seconds"])
@@ -412,18 +408,16 @@ def word_problem_base_model(args, cfg: RunConfig, device) -> dict:
 def default_out(args, cfg: RunConfig) -> str:
     """runs/toy, plus each setting that changes results: runs/toy-quick-seed1-teacher300-mtp40."""
     base = RunConfig(**(QUICK if args.quick else {}))
-    parts = [f"{short}{getattr(cfg, name)}" for name, short in (("seed", "seed"), ("teacher_steps", "teacher"),
-                                                               ("mtp_steps", "mtp"), ("n_eval", "eval"))
-             if getattr(cfg, name) != getattr(base, name)]
-    return os.path.join("runs", "-".join(["toy"] + (["quick"] if args.quick else []) + parts))
+    short = {"seed": "seed", "teacher_steps": "teacher", "mtp_steps": "mtp", "n_eval": "eval"}
+    parts = [f"{s}{getattr(cfg, n)}" for n, s in short.items() if getattr(cfg, n) != getattr(base, n)]
+    return os.path.join("runs", "-".join(["toy"] + ["quick"] * args.quick + parts))
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
     quick = (WORD_PROBLEMS_QUICK if args.word_problems else QUICK) if args.quick else {}
     preset = {**(WORD_PROBLEMS if args.word_problems else {}), **quick}
-    budget = ("teacher_steps", "mtp_steps", "n_eval")     # --word-problems: teacher_steps alone
-    cfg = replace(RunConfig(seed=args.seed, **preset), **{n: getattr(args, n) for n in budget
-                                                          if getattr(args, n) is not None})
+    budget = {n: getattr(args, n) for n in ("teacher_steps", "mtp_steps", "n_eval")}   # given or None
+    cfg = RunConfig(seed=args.seed, **{**preset, **{n: v for n, v in budget.items() if v is not None}})
     device = parse_device(args.device)
     torch.set_num_threads(args.threads)
     folder = (output_folder(args.word_problems, "--word-problems") if args.word_problems
