@@ -289,8 +289,7 @@ def toy_batch(tokenizer, rng: random.Random, batch_size: int, tasks=TOY_TASKS,
 def heldout_examples(task: str, n: int, seed: int = 1234) -> list[ToyExample]:
     """n distinct held-out prompts of one task, the same for every run (fixed seed)."""
     rng, found = random.Random(seed), {}
-    for _ in range(100 * n):
-        ex = toy_example(task, rng, "heldout")
+    for ex in (toy_example(task, rng, "heldout") for _ in range(100 * n)):
         found.setdefault(ex.key, ex)
         if len(found) == n:
             break
