@@ -600,8 +600,7 @@ def word_problem_split(n_train: int, n_test: int, seed: int = 0) -> tuple[list, 
     while len(problems) < n_train + n_test:
         p = word_problem(rng)
         problems.setdefault(p.question, p)
-    problems = list(problems.values())
-    return problems[:n_train], problems[n_train:]
+    return list(problems.values())[:n_train], list(problems.values())[n_train:]
 
 def write_word_problems(folder, n_train=20000, n_test=500, seed=0) -> tuple[Path, Path]:
     """train.json (MetaMathQA: one JSON array, as distributed) and test.jsonl (GSM8K: JSON lines)."""
