@@ -144,16 +144,14 @@ def default_format(tok: Tokenizer, cfg: ModelConfig) -> str:
             "chatml" if has({"<|im_start|>", "<|im_end|>", "<|endoftext|>"}) else "plain")
 
 # === eval: GSM8K, scored as lm-evaluation-harness's `gsm8k_cot` task scores it ===============
-# Prompt: the 8 chain-of-thought exemplars of Wei et al. (2022), "Q: ...\nA: ... The answer is N.",
-# then "Q: {question}\nA:". Decoding stops at "Q:", "</s>", "<|im_end|>" or a stop token.
+# Prompt: Wei et al.'s (2022) 8 exemplars "Q: ...\nA: ... The answer is N." and "Q: {question}\nA:".
 #   strict-match      the FIRST match of `The answer is (\-?[0-9\.\,]+).` -- the last "." is an
 #                     unescaped regex dot (ANY one character), so with nothing after the number
 #                     the group gives back its last digit: a final "The answer is 42" gives "4";
 #   flexible-extract  the LAST match of `(-?[$0-9.,]{2,})|(-?[0-9]+)`, the last number-like run.
 # Before comparing, extraction and gold answer (the text after "####") lose every "," and "$",
 # all up to "#### " and one trailing ".", and are lower-cased. Standard error: sqrt(sample var / n).
-EXEMPLARS_FILE = Path(__file__).parent / "prompts" / "gsm8k_cot_exemplars.json"   # [{question, answer}]
-GSM8K_EXEMPLARS = json.loads(EXEMPLARS_FILE.read_text("utf-8"))
+GSM8K_EXEMPLARS = json.loads((Path(__file__).parent / "prompts" / "gsm8k_cot_exemplars.json").read_text("utf-8"))
 GSM8K_STOP_STRINGS = ("Q:", "</s>", "<|im_end|>")
 STRICT_MATCH = re.compile(r"The answer is (\-?[0-9\.\,]+).")
 FLEXIBLE_EXTRACT = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
@@ -469,11 +467,10 @@ def compute_dtype(device_type: str, dtype: str = "auto") -> torch.dtype:
     return torch.bfloat16 if "avx512_bf16" in flags or "amx_bf16" in flags else torch.float32
 
 # Precision. The student keeps float32 master weights (lr 1e-5 updates vanish in bfloat16's 8-bit
-# mantissa) and computes in --dtype: FSDP2's MixedPrecisionPolicy when sharded, torch.autocast
-# otherwise. The teacher never changes: it is stored in the compute dtype (float16: loss scaling).
-# Sharding. Every rank builds student and teacher on the meta device (no memory) and shards each
-# block (one all-gather unit), then the root, with fully_shard; only rank 0 reads the checkpoint and
-# broadcasts its weights straight into the shards, so no other process ever holds the full model.
+# mantissa), computing in --dtype (FSDP2's MixedPrecisionPolicy when sharded, else torch.autocast);
+# the teacher never changes, so it is stored in the compute dtype. Sharding. Every rank builds both
+# models on the meta device (no memory), shards each block (one all-gather unit), then the root;
+# rank 0 alone reads the checkpoint, broadcasting its weights straight into every process's shards.
 def load_student_and_teacher(args, d: Dist, with_teacher: bool = True):
     """(student, teacher or None, tokenizer, mask id) on d.device, sharded when d.sharded."""
     tok = load_tokenizer(args.model)
@@ -589,9 +586,9 @@ def read_rows(path, choices=None) -> list:
     if fields is None:
         raise ValueError(f"{path}: expected rows with {' or '.join(' and '.join(map(repr, fs)) for fs in choices)}"
                          f"; the first row has {sorted(rows[0])}")
-    bad = next((i for i, r in enumerate(rows) if not all(isinstance(r.get(f), str) for f in fields)), None)
-    if bad is not None:
-        raise ValueError(f"{path}: row {bad + 1} lacks a text field {' or '.join(repr(f) for f in fields)}")
+    for i, row in enumerate(rows, 1):
+        if not all(isinstance(row.get(f), str) for f in fields):
+            raise ValueError(f"{path}: row {i} lacks a text field {' or '.join(repr(f) for f in fields)}")
     return [tuple(r[f] for f in fields) for r in rows]
 
 def build_parser() -> argparse.ArgumentParser:
@@ -675,14 +672,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args):
     """Before any work: what a command reads exists, what it writes can be made; train's sizes."""
-    a = vars(args)                                    # export has no --model or --data
-    if a.get("model") is not None:
-        input_path(args.model, "--model", folder=True)
-        cfg = read_model_config(args.model)           # the config says most about a wrong folder
+    a = vars(args)                                    # export: --checkpoint, no --model or --data
+    for flag in ("model", "checkpoint"):
+        if a.get(flag) is not None:
+            input_path(a[flag], f"--{flag}", folder=True)
+    cfg = read_model_config(args.model) if "model" in a else None   # says most about a wrong folder
     for path in [args.data] if isinstance(a.get("data"), str) else a.get("data") or []:
         input_path(path, "--data")
-    if a.get("checkpoint") is not None:
-        input_path(args.checkpoint, "--checkpoint", folder=True)
     if a.get("reference") is not None:                # an earlier eval's --out
         input_path(os.path.join(args.reference, "samples.jsonl"), "--reference")
     if args.command == "data":                        # --out is a file there
