@@ -307,7 +307,7 @@ def has_run(items: list[str], run: int = DEGENERATE_RUN) -> bool:
 
 def follows_rule(task: str, key: tuple, items: list[str]) -> bool:
     """The task's rule, checked on the generated items (at least two; numbers when counting)."""
-    if len(items) < 2 or task in ("count", "count_free") and not all(x.isdigit() for x in items):
+    if len(items) < 2 or task in ("count", "count_free") and not all(x.isdecimal() for x in items):
         return False
     if task in ("count", "count_free"):
         nums = [int(x) for x in items]

@@ -64,10 +64,9 @@ class RunConfig:
     def phase_key(self, phase: str, data_id: str = "") -> dict:
         """What a phase's checkpoint depends on: settings and data (`data_fingerprint`)."""
         shared = ["dim", "n_layers", "n_heads", "ffn_dim", "tasks", "seq_len", "batch_size",
-                  "teacher_steps", "teacher_lr", "seed"]
+                  "teacher_steps", "teacher_lr", "warmup_steps", "weight_decay", "seed"]
         if phase in STUDENT_MODE:
-            shared += ["mtp_batch_size", "mtp_steps", "mtp_lr", "k_max", "n_regions",
-                       "prefix_ntp_weight", "warmup_steps", "weight_decay"]
+            shared += ["mtp_batch_size", "mtp_steps", "mtp_lr", "k_max", "n_regions", "prefix_ntp_weight"]
         return {**{name: getattr(self, name) for name in shared}, "data": data_id}
 
 QUICK = dict(dim=64, n_layers=2, ffn_dim=192, batch_size=16, teacher_steps=40, mtp_batch_size=8, mtp_steps=20,

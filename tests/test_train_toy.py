@@ -9,6 +9,7 @@ import json
 import os
 import random
 from collections import Counter
+from dataclasses import replace
 from functools import partial
 
 import pytest
@@ -53,6 +54,8 @@ def test_count_checker():
     assert not data.check_toy("count", key, " 19 21 23").coherence    # wrong step
     assert not data.check_toy("count", key, " 19 20 cat 22").coherence
     assert not data.check_toy("count", key, "").coherence
+    assert not data.check_toy("count", key, " 19 ² 21").coherence     # a digit int() cannot read
+    assert data.check_toy("count", key, " 19 ٢٠ 21").coherence        # one it can (Arabic-Indic 20)
 
 
 def test_branching_checkers_accept_every_branch_and_reject_mixtures():
@@ -175,6 +178,10 @@ def test_checkpoints_resume_without_training(tmp_path):
     with pytest.raises(train_toy.CliError, match="dim 64 -> 32"):
         train_toy.check_run_folder(str(tmp_path), train_toy.RunConfig(**{**train_toy.QUICK, "dim": 32}), "",
                                    ["teacher"])
+    for changed in ("warmup_steps", "weight_decay"):                   # the teacher's schedule too
+        with pytest.raises(train_toy.CliError, match=changed):
+            train_toy.check_run_folder(str(tmp_path), replace(cfg, **{changed: 2 * getattr(cfg, changed)}), "",
+                                       ["teacher"])
     with pytest.raises(train_toy.CliError, match="other settings"):
         train_toy.check_run_folder(str(tmp_path), cfg, "other data", ["teacher"])
     with pytest.raises(AssertionError):                               # ... but retrained with restart
