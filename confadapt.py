@@ -18,8 +18,6 @@ Run:  python confadapt.py --model DIR --prompt "1 2 3" [--tau 0.9 --k-max 16 | -
 References: MTP via Self-Distillation (arXiv 2602.06019); lossless: blockwise parallel decoding (arXiv 1811.03115).
 """
 
-from __future__ import annotations
-
 import argparse
 import itertools
 import json
