@@ -28,9 +28,7 @@ from data import PAD, MTPBatch
 MODES = ("hard", "soft", "gt")
 
 def frozen_teacher(model: torch.nn.Module) -> torch.nn.Module:
-    teacher = copy.deepcopy(model).eval()
-    teacher.requires_grad_(False)
-    return teacher
+    return copy.deepcopy(model).eval().requires_grad_(False)       # a copy that never changes
 
 def teacher_input(batch: MTPBatch, proposals: torch.Tensor) -> torch.Tensor:
     """The student input with each region's mask slots holding the student's guesses -> (B, L).

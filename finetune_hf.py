@@ -28,7 +28,7 @@ from confadapt import (CliError, DecodeConfig, Parser, Progress, accept_confadap
                        generate, input_path, load_model, load_tokenizer, number, output_folder, positive_float,
                        positive_int, probability, run_cli, stop_ids_of)
 from data import (DOMAINS, FORMATS, Tokenizer, default_n_regions, domain_prompts, end_token, mtp_layout, padding_token,
-                  prompt_tokens, response_tokens, sample_k_and_offset, start_tokens, training_sequences)
+                  prompt_tokens, sample_k_and_offset, start_tokens, training_sequences)
 from distill import MODES, frozen_teacher, mtp_loss
 from model import (ModelConfig, Transformer, add_mask_token, atomic_save, parse_device, read_checkpoint,
                    read_json, read_model_config, rope_inv_freq, write_json)

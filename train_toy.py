@@ -226,7 +226,7 @@ def toy_run(args, cfg: RunConfig, out: str, device) -> dict:
     write_json(os.path.join(out, "results.json"), results)
     print(format_summary(results["summary"]))
     print(f"== done in {format_seconds(seconds['total'])}: {out}/results.json (every row, full precision), "
-          f"pareto.png, training_curves.png, attention_mask.png, chunks.png")
+          f"pareto.png, training_curves.png, chunks.png")
     return results
 
 # --- plumbing: the ETA, the table, plots, checkpoints, export, word problems, command line ---
@@ -256,8 +256,8 @@ def format_summary(table: dict) -> str:
                               "repeated); k=4: static k, tau=0.9: ConfAdapt; tok/pass: tokens per forward pass"])
 
 def plot(rows: list[dict], logs: dict, model, tokenizer, cfg: RunConfig, out: str):
-    """OUT/pareto.png (no coherence: it equals accuracy here), training_curves.png,
-    attention_mask.png (the training layout), chunks.png (ConfAdapt's chunks, one per pass)."""
+    """OUT/pareto.png (no coherence: it equals accuracy here), training_curves.png and
+    chunks.png (ConfAdapt's chunks, one per pass)."""
     import matplotlib.pyplot as plt
     plt.switch_backend("Agg")                  # files only, no window
     style = {"ntp": ("black", "*"), "naive": ("tab:red", "o"), "distill": ("tab:blue", "s")}
@@ -299,11 +299,6 @@ def plot(rows: list[dict], logs: dict, model, tokenizer, cfg: RunConfig, out: st
     fig.tight_layout()
     fig.savefig(os.path.join(out, "training_curves.png"), dpi=110)
     plt.close("all")
-    seqs, _ = data.toy_batch(tokenizer, random.Random(cfg.seed), 1, tasks=("count",), seq_len=cfg.seq_len)
-    batch = data.mtp_layout(seqs, k=4, offset=5, n_regions=2, mask_id=tokenizer.mask_id,    # 2 regions: readable
-                            eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
-    data.plot_attention_mask(batch, os.path.join(out, "attention_mask.png"),
-                             token_str=lambda t: tokenizer.decode([t]).strip())
     example, mode = data.heldout_examples("count", 1)[0], DecodeConfig("confadapt", tau=0.9, k_max=cfg.k_max)
     g = generate(model, [data.encode_example(tokenizer, example)[0]], cfg.max_new_tokens, mode=mode,
                  stop_ids=[tokenizer.eos_id])[0][0]

@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 
 import finetune_hf as F
 from confadapt import Generation
-from data import (QWEN2_PATTERN, Tokenizer, domain_prompts, gsm8k_row, metamath_row, word_problem, word_problem_batch,
-                  word_problem_split, word_problem_tokenizer, write_word_problems)
+from data import (QWEN2_PATTERN, Tokenizer, domain_prompts, gsm8k_row, metamath_row, prompt_tokens, response_tokens,
+                  word_problem, word_problem_batch, word_problem_split, word_problem_tokenizer, write_word_problems)
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = ["--seq-len", "48", "--batch-size", "4", "--micro-batch", "2", "--lr", "1e-3", "--warmup", "2",
@@ -141,7 +141,7 @@ def test_word_problems_formats_and_split():
 
 def test_formats_and_data_order(tiny):
     tok = word_problem_tokenizer()
-    ids = F.prompt_tokens(tok, "plain", "Q?") + F.response_tokens(tok, "plain", "A")
+    ids = prompt_tokens(tok, "plain", "Q?") + response_tokens(tok, "plain", "A")
     assert ids == [tok.bos_id] + tok.encode("Q?\n\n") + tok.encode("A") + [tok.eos_id]
     seqs = F.training_sequences([("Q?", "A")], tok, "plain", 12)
     assert seqs.shape == (1, 12) and seqs[0, len(ids):].eq(tok.eos_id).all()

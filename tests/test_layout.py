@@ -4,12 +4,18 @@ The strongest checks run a tiny random transformer over the packed batch and com
 plain causal forwards over the unpacked sequences: the packing must be invisible to every
 ground-truth token, and each mask slot must behave exactly as at inference time.
 """
+import os
+import sys
+
 import pytest
 import torch
 
-from data import (COPY, GT, MASK, PAD, default_n_regions, layout_table, mtp_layout, plot_attention_mask,
-                  random_mtp_layout, sample_k_and_offset)
+from data import COPY, GT, MASK, PAD, default_n_regions, mtp_layout, random_mtp_layout, sample_k_and_offset
 from model import ModelConfig, Transformer
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+import show_layout  # noqa: E402
+from show_layout import layout_table, plot_attention_mask  # noqa: E402
 
 VOCAB, MASK_ID, EOS_ID, PAD_ID = 50, 49, 1, 0
 
@@ -216,3 +222,13 @@ def test_plot_attention_mask_writes_a_png(tmp_path):
     path = tmp_path / "mask.png"
     plot_attention_mask(layout(seqs, k=3, offset=1, n_regions=2), path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_show_layout_script_prints_the_table_and_draws_the_figure(tmp_path, capsys):
+    assert show_layout.run_cli(show_layout.show, ["--k", "3", "--png", str(tmp_path / "m.png")]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in table[:6]] == ["idx", "token", "pos", "kind", "pred", "target"]
+    assert table[3].split()[1:].count("M") == 2 * 2                   # two regions of k-1 = 2 slots
+    assert (tmp_path / "m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert show_layout.run_cli(show_layout.show, ["--offset", "99", "--png", str(tmp_path / "x.png")]) == 2
+    assert capsys.readouterr().err.startswith("error: need 1 <= n_regions")
