@@ -590,7 +590,8 @@ def word_problem_tokenizer() -> Tokenizer:
 # ====================================== Domain prompts =======================================
 # Chat prompts for `finetune_hf.py data` and `analyze`: word problems, or a domain's templates
 # filled with its subjects, from prompts/domains.json ({domain: {templates, subjects}}).
-DOMAIN_TEMPLATES = json.loads((Path(__file__).parent / "prompts" / "domains.json").read_text("utf-8"))
+PROMPTS = Path(__file__).parent / "prompts"      # the JSON prompt data (finetune_hf reads it too)
+DOMAIN_TEMPLATES = json.loads((PROMPTS / "domains.json").read_text("utf-8"))
 DOMAINS = ("word_problems", *DOMAIN_TEMPLATES)
 
 def domain_prompts(domain: str, n: int, split: str = "train", seed: int = 0) -> list[str]:

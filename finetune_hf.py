@@ -27,8 +27,8 @@ import torch
 from confadapt import (CliError, DecodeConfig, Parser, Progress, accept_confadapt, count, decode_modes, format_seconds,
                        generate, input_path, load_model, load_tokenizer, number, output_folder, positive_float,
                        positive_int, probability, run_cli, stop_ids_of)
-from data import (DOMAINS, FORMATS, Tokenizer, default_n_regions, domain_prompts, end_token, mtp_layout, padding_token,
-                  prompt_tokens, sample_k_and_offset, start_tokens, training_sequences)
+from data import (DOMAINS, FORMATS, PROMPTS, Tokenizer, default_n_regions, domain_prompts, end_token, mtp_layout,
+                  padding_token, prompt_tokens, sample_k_and_offset, start_tokens, training_sequences)
 from distill import MODES, frozen_teacher, mtp_loss
 from model import (ModelConfig, Transformer, add_mask_token, atomic_save, parse_device, read_checkpoint,
                    read_json, read_model_config, rope_inv_freq, write_json)
@@ -151,7 +151,7 @@ def default_format(tok: Tokenizer, cfg: ModelConfig) -> str:
 #   flexible-extract  the LAST match of `(-?[$0-9.,]{2,})|(-?[0-9]+)`, the last number-like run.
 # Before comparing, extraction and gold answer (the text after "####") lose every "," and "$",
 # all up to "#### " and one trailing ".", and are lower-cased. Standard error: sqrt(sample var / n).
-GSM8K_EXEMPLARS = json.loads((Path(__file__).parent / "prompts" / "gsm8k_cot_exemplars.json").read_text("utf-8"))
+GSM8K_EXEMPLARS = json.loads((PROMPTS / "gsm8k_cot_exemplars.json").read_text("utf-8"))
 GSM8K_STOP_STRINGS = ("Q:", "</s>", "<|im_end|>")
 STRICT_MATCH = re.compile(r"The answer is (\-?[0-9\.\,]+).")
 FLEXIBLE_EXTRACT = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
