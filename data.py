@@ -484,6 +484,11 @@ def training_sequences(pairs, tok: Tokenizer, fmt: str, seq_len: int) -> torch.T
         out[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
     return out
 
+def response_mask(pairs, tok: Tokenizer, fmt: str, seq_len: int) -> torch.Tensor:
+    """(n_rows, seq_len) bool, True where training_sequences' rows hold response tokens (or padding)."""
+    starts = torch.tensor([len(prompt_tokens(tok, fmt, prompt)) for prompt, _ in pairs])
+    return torch.arange(seq_len)[None, :] >= starts[:, None]
+
 # ======================================= Word problems =======================================
 # A miniature GSM8K in MetaMathQA / GSM8K rows: one phrasing per template, so only sums are hard.
 WP_NAMES = ["Tom", "Ann", "Ben", "Sue", "Max", "Amy", "Sam", "Eva", "Leo", "Mia", "Joe", "Kim"]

@@ -28,7 +28,7 @@ from confadapt import (CliError, DecodeConfig, Parser, Progress, accept_confadap
                        generate, input_path, load_model, load_tokenizer, number, output_folder, positive_float,
                        positive_int, probability, run_cli, stop_ids_of)
 from data import (DOMAINS, FORMATS, PROMPTS, Tokenizer, default_n_regions, domain_prompts, end_token, mtp_layout,
-                  padding_token, prompt_tokens, sample_k_and_offset, start_tokens, training_sequences)
+                  padding_token, prompt_tokens, response_mask, sample_k_and_offset, start_tokens, training_sequences)
 from distill import MODES, frozen_teacher, mtp_loss
 from model import (ModelConfig, Transformer, add_mask_token, atomic_save, parse_device, read_checkpoint,
                    read_json, read_model_config, rope_inv_freq, write_json)
@@ -41,13 +41,15 @@ def train(args) -> Path:
     d = setup_processes(args.device, args.dtype)
     # 1. The student (with <mask>) and a frozen copy of it as teacher; the gt ablation needs none.
     student, teacher, tok, mask_id = load_student_and_teacher(args, d, args.mode != "gt")
-    # 2. Data: (prompt, response) rows in the model's prompt format, cut, padded: (rows, seq_len).
+    # 2. Data: (prompt, response) rows in the model's prompt format, cut, padded: (rows, seq_len);
+    # with --response-only also which tokens may be targets (the prompts stay context only).
     args.format = args.format if args.format != "auto" else default_format(tok, student.config)
     pad = padding_token(tok, args.format)             # also a row's end for the layout's EOS rule
     args.regions = args.regions or default_n_regions(args.seq_len, args.k_max)
     fields = [("query", "response"), ("prompt", "response")]     # MetaMathQA, or generic
     pairs = [p for path in args.data for p in read_rows(path, fields)][: args.limit_rows or None]
     seqs = training_sequences(pairs, tok, args.format, args.seq_len)
+    trained = response_mask(pairs, tok, args.format, args.seq_len) if args.response_only else None
     if args.activation_checkpointing:                 # recompute blocks in backward (same names)
         from torch.distributed._composable import checkpoint
         for block in student.layers:
@@ -80,8 +82,8 @@ def train(args) -> Path:
             g = torch.Generator().manual_seed(args.seed * 7_919 + step + 1)  # same on every process
             k, offset = sample_k_and_offset(args.k_max, region_len, generator=g)
             rows = rows_of_step(step, args.batch_size, len(seqs), args.seed)
-            micro = [seqs[rows[i * per:(i + 1) * per]].long()  # micro-batch i: process i % world
-                     for i in range(d.rank, len(rows) // per, d.world)]
+            micro = [rows[i * per:(i + 1) * per] for i in range(d.rank, len(rows) // per, d.world)]
+            micro = [(seqs[r].long(), None if trained is None else trained[r]) for r in micro]  # i: process i % world
             stats = train_step(student, teacher, optimizer, scheduler, micro, k, offset, args, d, mask_id, pad)
             last, lr, elapsed = step + 1 == args.steps, scheduler.get_last_lr()[0], time.perf_counter() - t0
             if d.main and ((step + 1) % args.log_every == 0 or last):
@@ -100,13 +102,15 @@ def train(args) -> Path:
                                 f"run the same command with --resume to continue") from None
     return export(student, tok, out / "final", args, d)   # 5. a Hugging Face folder, <mask> in it
 
-def train_step(student, teacher, optimizer, scheduler, micro: list[torch.Tensor], k: int, offset: int,
-               args, d: Dist, mask_id, pad: int) -> dict:
-    """mtp_layout -> mtp_loss -> backward per micro-batch (micro, seq_len), then clip and step; stats of the step."""
+def train_step(student, teacher, optimizer, scheduler, micro: list[tuple[torch.Tensor, torch.Tensor | None]],
+               k: int, offset: int, args, d: Dist, mask_id, pad: int) -> dict:
+    """mtp_layout -> mtp_loss -> backward per micro-batch (rows, which tokens are targets), then clip and
+    step; stats of the step."""
     # mtp_loss averages over its micro-batch's valid predictions; weighted by their share of the
     # global batch's, the gradient is one mean over it however it is split (FSDP averages over
     # processes: hence * world). Each backward reduce-scatters at once: no full gradient is held.
-    batches = [mtp_layout(s, k, offset, args.regions, mask_id=mask_id, eos_id=pad, pad_id=pad) for s in micro]
+    batches = [mtp_layout(s, k, offset, args.regions, mask_id=mask_id, eos_id=pad, pad_id=pad, trained=t)
+               for s, t in micro]
     counts = [int(b.valid.sum()) for b in batches]    # counted on the host, before moving
     batches = [b.to(d.device) for b in batches]
     n_global = max(1.0, d.all_sum(sum(counts)))
@@ -394,6 +398,7 @@ def export(student, tok: Tokenizer, path: Path, args, d: Dist) -> Path:
 
 def model_card(cfg: ModelConfig, args) -> str:
     how = "the naive ground-truth loss" if args.mode == "gt" else f"{args.mode}-target self-distillation"
+    where = ", targets in the responses only" if getattr(args, "response_only", False) else ""
     return f"""---
 library_name: transformers
 tags: [multi-token-prediction, self-distillation]
@@ -406,8 +411,8 @@ predict the next k tokens. Prompt format `{args.format}`. Decode with ConfAdapt 
 top-1 probability >= tau): `python confadapt.py --model THIS_FOLDER --prompt "..." --tau 0.9 --k-max 16`.
 
 Training: {args.steps} steps of {args.batch_size} sequences of {args.seq_len} tokens, k in [2, {args.k_max}], \
-{args.regions} regions each; AdamW lr {args.lr:g}, warm-up {args.warmup} steps, betas ({args.beta1}, {args.beta2}), \
-weight decay {args.weight_decay}, clip {args.clip}.
+{args.regions} regions each{where}; AdamW lr {args.lr:g}, warm-up {args.warmup} steps, betas ({args.beta1}, \
+{args.beta2}), weight decay {args.weight_decay}, clip {args.clip}.
 """
 
 def export_checkpoint(args):
@@ -508,8 +513,8 @@ def load_student_and_teacher(args, d: Dist, with_teacher: bool = True):
 # A checkpoint is checkpoints/step_000123/: torch.distributed.checkpoint's files (each process its
 # shards of model and optimizer state) and trainer.pt (step, scheduler, CPU RNG, arguments), renamed
 # from a temporary name when complete, then named in `latest`: a crash leaves the last one whole.
-RESUME_MUST_MATCH = ("model", "data", "format", "seq_len", "mode", "prefix_ntp_weight", "k_max", "regions",
-                     "batch_size", "lr", "warmup", "weight_decay", "beta1", "beta2", "seed")
+RESUME_MUST_MATCH = ("model", "data", "format", "seq_len", "response_only", "mode", "prefix_ntp_weight", "k_max",
+                     "regions", "batch_size", "lr", "warmup", "weight_decay", "beta1", "beta2", "seed")
 
 def save_checkpoint(student, optimizer, scheduler, step: int, args, d: Dist) -> Path:
     import torch.distributed.checkpoint as dcp
@@ -612,6 +617,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data", required=True, nargs="+", help="rows (query or prompt, response): JSON array or JSONL")
     g.add_argument("--seq-len", type=number(int, 2), default=160, help="tokens per sequence")
     g.add_argument("--limit-rows", type=count, default=0, help="use only the first N rows (0: all)")
+    g.add_argument("--response-only", action="store_true", help="predict response tokens only (the paper: all)")
     o = t.add_argument_group("optimization (defaults: the paper's full-scale recipe)")
     o.add_argument("--steps", type=positive_int, default=100_000, help="optimizer steps")
     o.add_argument("--batch-size", type=positive_int, default=128, help="per step, all processes")

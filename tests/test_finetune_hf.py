@@ -20,8 +20,9 @@ from safetensors.torch import load_file
 
 import finetune_hf as F
 from confadapt import Generation
-from data import (QWEN2_PATTERN, Tokenizer, domain_prompts, gsm8k_row, metamath_row, prompt_tokens, response_tokens,
-                  word_problem, word_problem_batch, word_problem_split, word_problem_tokenizer, write_word_problems)
+from data import (QWEN2_PATTERN, Tokenizer, domain_prompts, gsm8k_row, metamath_row, prompt_tokens, response_mask,
+                  response_tokens, training_sequences, word_problem, word_problem_batch, word_problem_split,
+                  word_problem_tokenizer, write_word_problems)
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = ["--seq-len", "48", "--batch-size", "4", "--micro-batch", "2", "--lr", "1e-3", "--warmup", "2",
@@ -362,6 +363,24 @@ def test_data_writes_the_models_own_answers_and_train_reads_them(tiny, tmp_path)
     assert json.loads((out / "train_args.json").read_text())["prefix_ntp_weight"] == 0.5
     log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert len(log) == 2 and all(r["loss"] == r["loss"] for r in log)
+
+
+def test_response_only_supervises_the_response_and_not_the_prompt(tiny, tmp_path):
+    tok = Tokenizer.from_pretrained(tiny / "base")
+    pairs = [("Ann has 3 pens. How many pens does Ann have?", "Ann has 3 pens.\n#### 3"), ("Q", "12 + 3 = 15")]
+    seqs, mask = training_sequences(pairs, tok, "plain", 40), response_mask(pairs, tok, "plain", 40)
+    for row, (prompt, response) in enumerate(pairs):
+        n, answer = len(prompt_tokens(tok, "plain", prompt)), response_tokens(tok, "plain", response)
+        assert not mask[row, :n].any() and mask[row, n:].all()
+        assert seqs[row, n:n + len(answer)].tolist() == answer
+    # The same steps (same rows, k and offset) with and without: fewer, but some, predictions.
+    n_pred = {}
+    for flag in ([], ["--response-only"]):
+        out = tmp_path / ("response" if flag else "all")
+        assert F.main(train_args(tiny, out, "--steps", "3", *flag)) == 0
+        n_pred[bool(flag)] = [json.loads(line)["n_pred"] for line in (out / "log.jsonl").read_text().splitlines()]
+    assert len(n_pred[True]) == 3 and all(0 < r < a for r, a in zip(n_pred[True], n_pred[False]))
+    assert "targets in the responses only" in (tmp_path / "response" / "final" / "README.md").read_text()
 
 
 def test_bfloat16_training_on_cpu(tiny, tmp_path):
