@@ -128,10 +128,9 @@ def default_n_regions(seq_len: int, k_max: int) -> int:
     """The paper's M = N / (2 k_max): each window stays clear of the next prefix end."""
     return max(1, seq_len // (2 * k_max))
 
-def sample_k_and_offset(k_max: int, region_len: int, generator: torch.Generator | None = None,
-                        k_min: int = 2) -> tuple[int, int]:
-    """k uniform in [k_min, k_max] and, INDEPENDENTLY, the offset uniform in [0, region_len)."""
-    k = int(torch.randint(k_min, k_max + 1, (1,), generator=generator))
+def sample_k_and_offset(k_max: int, region_len: int, generator: torch.Generator | None = None) -> tuple[int, int]:
+    """k uniform in [2, k_max] and, INDEPENDENTLY, the offset uniform in [0, region_len)."""
+    k = int(torch.randint(2, k_max + 1, (1,), generator=generator))
     return k, int(torch.randint(0, region_len, (1,), generator=generator))
 
 def random_mtp_layout(seqs: torch.Tensor, k_max: int, mask_id: int, eos_id=None, pad_id: int = 0,
@@ -476,18 +475,16 @@ def padding_token(tok: Tokenizer, fmt: str) -> int:
         return tok.token_id("<|end_of_text|>" if fmt == "llama3-chat" else "<|endoftext|>")
     return end_token(tok, fmt)
 
-def training_sequences(pairs, tok: Tokenizer, fmt: str, seq_len: int) -> torch.Tensor:
-    """Formatted, cut and padded pairs -> (n_rows, seq_len) int32."""
+def training_sequences(pairs, tok: Tokenizer, fmt: str, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Formatted, cut and padded pairs -> (rows (n, seq_len) int32, response: (n, seq_len) bool)."""
     out = torch.full((len(pairs), seq_len), padding_token(tok, fmt), dtype=torch.int32)
-    for i, (prompt, response) in enumerate(pairs):
-        ids = (prompt_tokens(tok, fmt, prompt) + response_tokens(tok, fmt, response))[:seq_len]
+    response = torch.ones(len(pairs), seq_len, dtype=torch.bool)
+    for i, (prompt, answer) in enumerate(pairs):
+        asked = prompt_tokens(tok, fmt, prompt)
+        ids = (asked + response_tokens(tok, fmt, answer))[:seq_len]
         out[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
-    return out
-
-def response_mask(pairs, tok: Tokenizer, fmt: str, seq_len: int) -> torch.Tensor:
-    """(n_rows, seq_len) bool, True where training_sequences' rows hold response tokens (or padding)."""
-    starts = torch.tensor([len(prompt_tokens(tok, fmt, prompt)) for prompt, _ in pairs])
-    return torch.arange(seq_len)[None, :] >= starts[:, None]
+        response[i, : len(asked)] = False                          # the prompt: context, never a target
+    return out, response
 
 # ======================================= Word problems =======================================
 # A miniature GSM8K in MetaMathQA / GSM8K rows: one phrasing per template, so only sums are hard.
@@ -579,7 +576,7 @@ def word_problem_pairs(path) -> list[tuple[str, str]]:
 def word_problem_batch(tokenizer, pairs, rng: random.Random, batch_size: int, seq_len: int):
     """Random "plain" rows (B, seq_len) and which tokens are trained: after <bos>, to the first <eos>."""
     rows = [pairs[rng.randrange(len(pairs))] for _ in range(batch_size)]
-    seqs = training_sequences(rows, tokenizer, "plain", seq_len).long()               # (B, seq_len)
+    seqs = training_sequences(rows, tokenizer, "plain", seq_len)[0].long()            # (B, seq_len)
     is_eos = (seqs == tokenizer.eos_id).int()
     supervised = is_eos.cumsum(1) - is_eos == 0                # up to the first <eos>
     supervised[:, 0] = False                                                    # <bos> is given

@@ -28,7 +28,7 @@ from confadapt import (CliError, DecodeConfig, Parser, Progress, accept_confadap
                        generate, input_path, load_model, load_tokenizer, number, output_folder, positive_float,
                        positive_int, probability, run_cli, stop_ids_of)
 from data import (DOMAINS, FORMATS, PROMPTS, Tokenizer, default_n_regions, domain_prompts, end_token, mtp_layout,
-                  padding_token, prompt_tokens, response_mask, sample_k_and_offset, start_tokens, training_sequences)
+                  padding_token, prompt_tokens, sample_k_and_offset, start_tokens, training_sequences)
 from distill import MODES, frozen_teacher, mtp_loss
 from model import (ModelConfig, Transformer, add_mask_token, atomic_save, parse_device, read_checkpoint,
                    read_json, read_model_config, rope_inv_freq, write_json)
@@ -41,15 +41,14 @@ def train(args) -> Path:
     d = setup_processes(args.device, args.dtype)
     # 1. The student (with <mask>) and a frozen copy of it as teacher; the gt ablation needs none.
     student, teacher, tok, mask_id = load_student_and_teacher(args, d, args.mode != "gt")
-    # 2. Data: (prompt, response) rows in the model's prompt format, cut, padded: (rows, seq_len);
-    # with --response-only also which tokens may be targets (the prompts stay context only).
+    # 2. Data: (prompt, response) rows in the model's prompt format, cut, padded: (rows, seq_len).
     args.format = args.format if args.format != "auto" else default_format(tok, student.config)
     pad = padding_token(tok, args.format)             # also a row's end for the layout's EOS rule
     args.regions = args.regions or default_n_regions(args.seq_len, args.k_max)
     fields = [("query", "response"), ("prompt", "response")]     # MetaMathQA, or generic
     pairs = [p for path in args.data for p in read_rows(path, fields)][: args.limit_rows or None]
-    seqs = training_sequences(pairs, tok, args.format, args.seq_len)
-    trained = response_mask(pairs, tok, args.format, args.seq_len) if args.response_only else None
+    seqs, response = training_sequences(pairs, tok, args.format, args.seq_len)
+    trained = response if args.response_only else None   # which tokens may be targets (None: all)
     if args.activation_checkpointing:                 # recompute blocks in backward (same names)
         from torch.distributed._composable import checkpoint
         for block in student.layers:
@@ -104,13 +103,11 @@ def train(args) -> Path:
 
 def train_step(student, teacher, optimizer, scheduler, micro: list[tuple[torch.Tensor, torch.Tensor | None]],
                k: int, offset: int, args, d: Dist, mask_id, pad: int) -> dict:
-    """mtp_layout -> mtp_loss -> backward per micro-batch (rows, which tokens are targets), then clip and
-    step; stats of the step."""
+    """mtp_layout -> mtp_loss -> backward per micro-batch (rows, targets), then clip and step; stats of the step."""
     # mtp_loss averages over its micro-batch's valid predictions; weighted by their share of the
     # global batch's, the gradient is one mean over it however it is split (FSDP averages over
     # processes: hence * world). Each backward reduce-scatters at once: no full gradient is held.
-    batches = [mtp_layout(s, k, offset, args.regions, mask_id=mask_id, eos_id=pad, pad_id=pad, trained=t)
-               for s, t in micro]
+    batches = [mtp_layout(s, k, offset, args.regions, mask_id, pad, pad, t) for s, t in micro]  # pad: EOS too
     counts = [int(b.valid.sum()) for b in batches]    # counted on the host, before moving
     batches = [b.to(d.device) for b in batches]
     n_global = max(1.0, d.all_sum(sum(counts)))

@@ -150,8 +150,7 @@ def evaluate(models: dict, tokenizer, eval_sets: dict, cfg: RunConfig, plan: dic
             for task, examples in eval_sets.items():
                 prompts = [data.encode_example(tokenizer, ex)[0] for ex in examples]
                 gens, stats = generate(model, prompts, cfg.max_new_tokens, mode=mode, stop_ids=[tokenizer.eos_id])
-                answers = [(tokenizer.decode(g.tokens[:-1] if g.stopped else g.tokens), g.stopped)  # text, <|eos|>?
-                           for g in gens]
+                answers = [(tokenizer.decode(g.tokens[:-1] if g.stopped else g.tokens), g.stopped) for g in gens]
                 scores = [data.check_toy(task, ex.key, *a) for ex, a in zip(examples, answers)]
                 n = len(scores)
                 rows.append({"model": name, "decode": mode.kind, "k": mode.block,

@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 
 import finetune_hf as F
 from confadapt import Generation
-from data import (QWEN2_PATTERN, Tokenizer, domain_prompts, gsm8k_row, metamath_row, prompt_tokens, response_mask,
-                  response_tokens, training_sequences, word_problem, word_problem_batch, word_problem_split,
+from data import (QWEN2_PATTERN, Tokenizer, domain_prompts, gsm8k_row, metamath_row, prompt_tokens, response_tokens,
+                  training_sequences, word_problem, word_problem_batch, word_problem_split,
                   word_problem_tokenizer, write_word_problems)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -144,7 +144,7 @@ def test_formats_and_data_order(tiny):
     tok = word_problem_tokenizer()
     ids = prompt_tokens(tok, "plain", "Q?") + response_tokens(tok, "plain", "A")
     assert ids == [tok.bos_id] + tok.encode("Q?\n\n") + tok.encode("A") + [tok.eos_id]
-    seqs = F.training_sequences([("Q?", "A")], tok, "plain", 12)
+    seqs, _ = F.training_sequences([("Q?", "A")], tok, "plain", 12)
     assert seqs.shape == (1, 12) and seqs[0, len(ids):].eq(tok.eos_id).all()
     tok.add_special_token("<|endoftext|>")
     assert F.prompt_tokens(tok, "qwen", "Q?")[0] == tok.token_id("<|endoftext|>")
@@ -295,7 +295,7 @@ def test_word_problem_base_model_trains_on_the_plain_format(tmp_path):
     tok = Tokenizer.from_pretrained(out["base"])
     pairs = F.read_rows(out["train"], [("query", "response")])
     seqs, supervised = word_problem_batch(tok, pairs[:1] * 3, random.Random(0), 3, 96)
-    assert torch.equal(seqs, F.training_sequences(pairs[:1] * 3, tok, "plain", 96).long())
+    assert torch.equal(seqs, F.training_sequences(pairs[:1] * 3, tok, "plain", 96)[0].long())
     end = int((seqs[0] == tok.eos_id).nonzero()[0])                   # the first <eos>
     assert supervised[0, 1:end + 1].all() and supervised[0].sum() == end   # all but <bos>, up to <eos>
     assert F.main(["train", "--model", out["base"], "--data", out["train"], "--out", str(tmp_path / "tuned"), *TRAIN,
@@ -368,7 +368,7 @@ def test_data_writes_the_models_own_answers_and_train_reads_them(tiny, tmp_path)
 def test_response_only_supervises_the_response_and_not_the_prompt(tiny, tmp_path):
     tok = Tokenizer.from_pretrained(tiny / "base")
     pairs = [("Ann has 3 pens. How many pens does Ann have?", "Ann has 3 pens.\n#### 3"), ("Q", "12 + 3 = 15")]
-    seqs, mask = training_sequences(pairs, tok, "plain", 40), response_mask(pairs, tok, "plain", 40)
+    seqs, mask = training_sequences(pairs, tok, "plain", 40)
     for row, (prompt, response) in enumerate(pairs):
         n, answer = len(prompt_tokens(tok, "plain", prompt)), response_tokens(tok, "plain", response)
         assert not mask[row, :n].any() and mask[row, n:].all()
