@@ -133,9 +133,8 @@ def sample_k_and_offset(k_max: int, region_len: int, generator: torch.Generator 
     k = int(torch.randint(2, k_max + 1, (1,), generator=generator))
     return k, int(torch.randint(0, region_len, (1,), generator=generator))
 
-def random_mtp_layout(seqs: torch.Tensor, k_max: int, mask_id: int, eos_id=None, pad_id: int = 0,
-                      n_regions: int | None = None, generator: torch.Generator | None = None,
-                      trained: torch.Tensor | None = None) -> MTPBatch:
+def random_mtp_layout(seqs: torch.Tensor, k_max: int, mask_id: int, eos_id=None, pad_id: int = 0, n_regions=None,
+                      generator: torch.Generator | None = None, trained: torch.Tensor | None = None) -> MTPBatch:
     """One training step's layout: the paper's M regions, k and offset drawn independently."""
     n_regions = n_regions or default_n_regions(seqs.shape[1], k_max)
     k, offset = sample_k_and_offset(k_max, seqs.shape[1] // n_regions, generator)

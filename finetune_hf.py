@@ -48,7 +48,6 @@ def train(args) -> Path:
     fields = [("query", "response"), ("prompt", "response")]     # MetaMathQA, or generic
     pairs = [p for path in args.data for p in read_rows(path, fields)][: args.limit_rows or None]
     seqs, response = training_sequences(pairs, tok, args.format, args.seq_len)
-    trained = response if args.response_only else None   # which tokens may be targets (None: all)
     if args.activation_checkpointing:                 # recompute blocks in backward (same names)
         from torch.distributed._composable import checkpoint
         for block in student.layers:
@@ -82,7 +81,7 @@ def train(args) -> Path:
             k, offset = sample_k_and_offset(args.k_max, region_len, generator=g)
             rows = rows_of_step(step, args.batch_size, len(seqs), args.seed)
             micro = [rows[i * per:(i + 1) * per] for i in range(d.rank, len(rows) // per, d.world)]
-            micro = [(seqs[r].long(), None if trained is None else trained[r]) for r in micro]  # i: process i % world
+            micro = [(seqs[r].long(), response[r] if args.response_only else None) for r in micro]  # i: rank i % world
             stats = train_step(student, teacher, optimizer, scheduler, micro, k, offset, args, d, mask_id, pad)
             last, lr, elapsed = step + 1 == args.steps, scheduler.get_last_lr()[0], time.perf_counter() - t0
             if d.main and ((step + 1) % args.log_every == 0 or last):

@@ -315,7 +315,6 @@ def add_mask_token(model: Transformer, tokenizer, text: str = "<mask>", seed: in
 
 # ---- plumbing: Hugging Face checkpoints, devices, files --------------------------------------
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-# Our module names -> HF's; layers.3.attn.wq.weight is model.layers.3.self_attn.q_proj.weight.
 HF_NAMES = {"tok_emb": "model.embed_tokens", "norm": "model.norm", "lm_head": "lm_head",
             "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
             **{f"attn.w{x}": f"self_attn.{x}_proj" for x in "qkvo"},  # attn.wq: self_attn.q_proj

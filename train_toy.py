@@ -255,8 +255,7 @@ def format_summary(table: dict) -> str:
                               "repeated); k=4: static k, tau=0.9: ConfAdapt; tok/pass: tokens per forward pass"])
 
 def plot(rows: list[dict], logs: dict, model, tokenizer, cfg: RunConfig, out: str):
-    """OUT/pareto.png (no coherence: it equals accuracy here), training_curves.png and
-    chunks.png (ConfAdapt's chunks, one per pass)."""
+    """OUT/pareto.png (no coherence: it equals accuracy here), training_curves.png, chunks.png (a colour per pass)."""
     import matplotlib.pyplot as plt
     plt.switch_backend("Agg")                  # files only, no window
     style = {"ntp": ("black", "*"), "naive": ("tab:red", "o"), "distill": ("tab:blue", "s")}
