@@ -52,9 +52,10 @@ def train(args) -> Path:
         from torch.distributed._composable import checkpoint
         for block in student.layers:
             checkpoint(block)
-    # 3. AdamW (no decay on the norms), linear warm-up then constant; --overwrite or --resume.
+    # 3. AdamW (no decay on the norms); lr: warm-up, constant, to 0 over --decay; --overwrite or --resume.
     optimizer = student.configure_optimizer(args.lr, args.weight_decay, (args.beta1, args.beta2))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup)))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(
+        1.0, (s + 1) / max(1, args.warmup), (args.steps - s) / max(1, args.decay)))
     out, log, start = Path(args.out), Path(args.out) / "log.jsonl", 0
     if args.overwrite and d.main:                     # check_args made sure it was asked for
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
@@ -280,10 +281,8 @@ def load_for_inference(args) -> tuple[Transformer, Tokenizer, int | None, str, s
     device = parse_device(args.device)
     model, tok, mask_id, _ = load_model(args.model, device, compute_dtype(device.type, args.dtype))
     fmt = args.format if args.format != "auto" else default_format(tok, model.config)
-    return model, tok, mask_id, fmt, stop_ids_for(model, tok, fmt)
-
-def stop_ids_for(model: Transformer, tok: Tokenizer, fmt: str) -> set:
-    return stop_ids_of(model, tok) | {end_token(tok, fmt)}    # the format's end of turn too
+    stop_ids = stop_ids_of(model, tok) | {end_token(tok, fmt)}    # the format's end of turn too
+    return model, tok, mask_id, fmt, stop_ids
 
 # === analyze: is this domain predictable enough to be worth tuning? ==========================
 # The base model answers the domain's prompts greedily; c_t is each answer token's top-1 probability
@@ -395,6 +394,7 @@ def export(student, tok: Tokenizer, path: Path, args, d: Dist) -> Path:
 def model_card(cfg: ModelConfig, args) -> str:
     how = "the naive ground-truth loss" if args.mode == "gt" else f"{args.mode}-target self-distillation"
     where = ", targets in the responses only" if getattr(args, "response_only", False) else ""
+    decay = f" then linear to 0 over the last {args.decay}," if getattr(args, "decay", 0) else ""
     return f"""---
 library_name: transformers
 tags: [multi-token-prediction, self-distillation]
@@ -404,11 +404,11 @@ tags: [multi-token-prediction, self-distillation]
 `{args.model}` tuned on {', '.join(f'`{d}`' for d in args.data)} with {how} (arXiv 2602.06019). One token is added, \
 `<mask>` (`mask_token_id` {cfg.mask_token_id} in config.json): after the text and k-1 `<mask>`, `logits[0, -k:]` \
 predict the next k tokens. Prompt format `{args.format}`. Decode with ConfAdapt (keep the leading predictions of \
-top-1 probability >= tau): `python confadapt.py --model THIS_FOLDER --prompt "..." --tau 0.9 --k-max 16`.
+top-1 probability >= tau): `python confadapt.py --model THIS_FOLDER --prompt "..." --tau 0.9 --k-max {args.k_max}`.
 
 Training: {args.steps} steps of {args.batch_size} sequences of {args.seq_len} tokens, k in [2, {args.k_max}], \
-{args.regions} regions each{where}; AdamW lr {args.lr:g}, warm-up {args.warmup} steps, betas ({args.beta1}, \
-{args.beta2}), weight decay {args.weight_decay}, clip {args.clip}.
+{args.regions} regions each{where}; AdamW lr {args.lr:g}, warm-up {args.warmup} steps,{decay} betas \
+({args.beta1}, {args.beta2}), weight decay {args.weight_decay}, clip {args.clip}.
 """
 
 def export_checkpoint(args):
@@ -510,7 +510,7 @@ def load_student_and_teacher(args, d: Dist, with_teacher: bool = True):
 # shards of model and optimizer state) and trainer.pt (step, scheduler, CPU RNG, arguments), renamed
 # from a temporary name when complete, then named in `latest`: a crash leaves the last one whole.
 RESUME_MUST_MATCH = ("model", "data", "format", "seq_len", "response_only", "mode", "prefix_ntp_weight", "k_max",
-                     "regions", "batch_size", "lr", "warmup", "weight_decay", "beta1", "beta2", "seed")
+                     "regions", "batch_size", "lr", "warmup", "decay", "weight_decay", "beta1", "beta2", "seed")
 
 def save_checkpoint(student, optimizer, scheduler, step: int, args, d: Dist) -> Path:
     import torch.distributed.checkpoint as dcp
@@ -620,6 +620,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--micro-batch", type=positive_int, default=8, help="per forward pass and process")
     o.add_argument("--lr", type=positive_float, default=1e-5, help="peak learning rate (AdamW)")
     o.add_argument("--warmup", type=count, default=2000, help="linear warm-up steps, then constant")
+    o.add_argument("--decay", type=count, default=0, help="lr linearly to 0 over the last N steps (the paper: 0)")
     o.add_argument("--weight-decay", type=number(float, 0), default=0.1, help="AdamW weight decay")
     o.add_argument("--beta1", type=number(float, 0, 0.9999), default=0.9, help="AdamW beta1")
     o.add_argument("--beta2", type=number(float, 0, 0.9999), default=0.95, help="AdamW beta2")
@@ -634,8 +635,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", required=True, help="output folder: checkpoints/, log.jsonl, final/ (the exported model)")
     c.add_argument("--save-every", type=positive_int, default=1000, help="checkpoint every N steps")
     c.add_argument("--keep", type=positive_int, default=2, help="checkpoints to keep")
-    c.add_argument("--resume", action="store_true", help="continue from --out's last checkpoint")
-    c.add_argument("--overwrite", action="store_true", help="replace the run in --out")
+    x = c.add_mutually_exclusive_group()             # one or neither
+    x.add_argument("--resume", action="store_true", help="continue from --out's last checkpoint")
+    x.add_argument("--overwrite", action="store_true", help="replace the run in --out")
     c.add_argument("--activation-checkpointing", action="store_true", help="recompute block activations in backward")
     c.add_argument("--log-every", type=positive_int, default=1, help="log.jsonl row every N steps")
     e = sub.add_parser("eval", help="GSM8K sweep over static k and ConfAdapt thresholds")
@@ -692,8 +694,6 @@ def check_args(args):
     if args.command != "train":
         return
     used = [f for f in ("checkpoints", "log.jsonl", "final") if (Path(args.out) / f).exists()]
-    if args.resume and args.overwrite:
-        raise CliError("--resume continues the run in --out, --overwrite replaces it: give one of them")
     if used and not (args.resume or args.overwrite):
         raise CliError(f"--out {args.out} already holds a training run ({used[0]}): add --resume to "
                        f"continue it, or --overwrite to replace it")

@@ -36,9 +36,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_modes import bench, forward_latency  # noqa: E402
-from confadapt import CliError, DecodeStats, Generation, Parser, _sync, decode_modes  # noqa: E402
-from data import FORMATS, Tokenizer, prompt_tokens, word_problem_split  # noqa: E402
-from finetune_hf import default_format, stop_ids_for  # noqa: E402
+from confadapt import CliError, DecodeStats, Generation, Parser, _sync, decode_modes, stop_ids_of  # noqa: E402
+from data import FORMATS, Tokenizer, end_token, prompt_tokens, word_problem_split  # noqa: E402
+from finetune_hf import default_format  # noqa: E402
 from model import Transformer, add_mask_token, parse_device  # noqa: E402
 
 HF_GREEDY, HF_LOOKUP = "transformers greedy", "transformers prompt lookup"
@@ -198,7 +198,7 @@ def run(args) -> dict:
                          (args.lossless_k or args.k_max) if "lossless" in args.modes else None)
     ours, tok, hf = load(args, device, need_mask=any(m.block > 1 for m in modes))
     fmt = args.format if args.format != "auto" else default_format(tok, ours.config)
-    stop_ids = stop_ids_for(ours, tok, fmt)
+    stop_ids = stop_ids_of(ours, tok) | {end_token(tok, fmt)}    # the format's end of turn too
     requests = chat_prompts(args.prompts_per_domain)
     prompts = [prompt_tokens(tok, fmt, text) for _, text in requests]
     meta = {"model": args.model, "machine": machine(device), "device": str(device), "dtype": args.dtype,

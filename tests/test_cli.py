@@ -155,10 +155,10 @@ def finetune_cases(r, broken, bad):
                                             "--keep", "--log-every", "--lr", "--clip") for v in NUMBERS]
     cases += [[*train, flag, v] for flag, v in [
         ("--seq-len", "1"), ("--seq-len", "63"), ("--k-max", "1"), ("--k-max", "40"), ("--regions", "33"),
-        ("--micro-batch", "3"), ("--warmup", "-1"), ("--weight-decay", "-0.1"), ("--beta1", "1"), ("--beta2", "-0.5"),
-        ("--limit-rows", "-1"), ("--seed", "-1"), ("--mode", "best"), ("--format", "chat"), ("--device", "gpu"),
-        ("--threads", "0"), ("--threads", "x"), ("--dtype", "float16"), ("--prefix-ntp-weight", "-1"),
-        ("--device", "cuda" if not torch.cuda.is_available() else "cuda:99")]]
+        ("--micro-batch", "3"), ("--warmup", "-1"), ("--decay", "-1"), ("--weight-decay", "-0.1"), ("--beta1", "1"),
+        ("--beta2", "-0.5"), ("--limit-rows", "-1"), ("--seed", "-1"), ("--mode", "best"), ("--format", "chat"),
+        ("--device", "gpu"), ("--threads", "0"), ("--threads", "x"), ("--dtype", "float16"),
+        ("--prefix-ntp-weight", "-1"), ("--device", "cuda" if not torch.cuda.is_available() else "cuda:99")]]
     cases += [[*train, "--resume", "--overwrite"], [*train, "--unknown"], ["train", "--model", "base"]]
     paths = {"--model": ["missing", "a_file", *broken.values()], "--data": ["missing.json", "wp", *bad.values()],
              "--out": ["a_file", "a_file/run", "ft"]}                 # ft: a used folder, no --resume / --overwrite

@@ -383,6 +383,16 @@ def test_response_only_supervises_the_response_and_not_the_prompt(tiny, tmp_path
     assert "targets in the responses only" in (tmp_path / "response" / "final" / "README.md").read_text()
 
 
+def test_decay_takes_the_learning_rate_linearly_to_zero_over_the_last_steps(tiny, tmp_path):
+    out = tmp_path / "decay"
+    assert F.main(train_args(tiny, out, "--steps", "6", "--warmup", "1", "--decay", "4")) == 0
+    lrs = [json.loads(line)["lr"] for line in (out / "log.jsonl").read_text().splitlines()]
+    # The log's lr is the one the scheduler holds after the step: the next step's (step s runs at
+    # min(1, (6 - s) / 4) of the peak for s = 0..5, so 1, 1, 1, 0.75, 0.5, 0.25).
+    assert lrs == pytest.approx([1e-3, 1e-3, 0.75e-3, 0.5e-3, 0.25e-3, 0.0])
+    assert "then linear to 0 over the last 4," in (out / "final" / "README.md").read_text()
+
+
 def test_bfloat16_training_on_cpu(tiny, tmp_path):
     assert F.main(train_args(tiny, tmp_path / "bf16", "--steps", "2", "--dtype", "bfloat16")) == 0
     log = [json.loads(line) for line in (tmp_path / "bf16" / "log.jsonl").read_text().splitlines()]
