@@ -619,7 +619,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--batch-size", type=positive_int, default=128, help="per step, all processes")
     o.add_argument("--micro-batch", type=positive_int, default=8, help="per forward pass and process")
     o.add_argument("--lr", type=positive_float, default=1e-5, help="peak learning rate (AdamW)")
-    o.add_argument("--warmup", type=count, default=2000, help="linear warm-up steps, then constant")
+    o.add_argument("--warmup", type=count, default=2000, help="linear warm-up steps")
     o.add_argument("--decay", type=count, default=0, help="lr linearly to 0 over the last N steps (the paper: 0)")
     o.add_argument("--weight-decay", type=number(float, 0), default=0.1, help="AdamW weight decay")
     o.add_argument("--beta1", type=number(float, 0, 0.9999), default=0.9, help="AdamW beta1")
