@@ -51,7 +51,7 @@ def forward_latency(model, batch_size: int, context: int, sizes, repeats: int = 
 
 def bench(model, prompts: list[list[int]], max_new_tokens: int, modes: list[DecodeConfig],
           batch_sizes=(1, 4, 16), mask_id=None, stop_ids=(), repeats: int = 3, latency_sizes=range(1, 33),
-          n_rows: int | None = None, others: dict | None = None) -> dict:
+          n_rows: int | None = None, others: dict | None = None, outputs: dict | None = None) -> dict:
     """Time every mode at every batch size on the same workload.
 
     The workload is the prompts cycled up to n_rows rows (default: as many as the prompts or the
@@ -69,13 +69,14 @@ def bench(model, prompts: list[list[int]], max_new_tokens: int, modes: list[Deco
 
     `others` adds decoders from elsewhere to the turns (benchmarks/ passes transformers'
     `generate` here): {name: decode(rows, max_new_tokens, batch_size) -> (list[Generation],
-    DecodeStats), or None at a batch size it does not support}.
+    DecodeStats), or None at a batch size it does not support}. `outputs`, a dict, gets each
+    timed run's Generations: outputs[batch_size, mode name].
     """
     n_rows = n_rows or max(len(prompts), max(batch_sizes))
     rows = [prompts[i % len(prompts)] for i in range(n_rows)]
     decoders = [(m.describe(), m.kind, lambda r, n, bs, m=m: generate(model, r, n, m, mask_id, stop_ids, batch_size=bs))
                 for m in modes] + [(name, name, fn) for name, fn in (others or {}).items()]
-    results, latency = [], {}
+    results, latency, outputs = [], {}, {} if outputs is None else outputs
     for bs in batch_sizes:
         # Warm-up (allocator, kernels); a decoder that answers None does not take this batch size.
         here = [d for d in decoders if d[2](rows[:bs], min(8, max_new_tokens), bs) is not None]
@@ -101,6 +102,7 @@ def bench(model, prompts: list[list[int]], max_new_tokens: int, modes: list[Deco
                             "speedup": speedup, "efficiency": speedup / effective_k,
                             "equals_greedy": None if greedy is None else [g.tokens for g in gens] == greedy,
                             "accept_hist": best.accept_hist})
+            outputs[bs, name] = gens
         if latency_sizes:
             context = max(len(p) for p in rows) + max_new_tokens // 2
             latency[bs] = forward_latency(model, bs, context, list(latency_sizes))

@@ -19,7 +19,8 @@ turns fewer passes (effective k) into time saved, or not.
 
     python benchmarks/decode_real.py --model DIR --out DIR [--device cuda --dtype bfloat16] [--quick]
 
-writes results.json, results.md (the tables), decoding.png and latency.png to --out.
+writes results.json, results.md (the tables), samples.md (the answers at the smallest batch size,
+every pass's tokens between | marks), decoding.png and latency.png to --out.
 """
 from __future__ import annotations
 
@@ -193,9 +194,11 @@ def run(args) -> dict:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    modes = decode_modes(dict.fromkeys([1] + [args.static_k] * ("static" in args.modes)),    # k = 1: greedy
-                         args.taus if "confadapt" in args.modes else (), args.k_max,
-                         (args.lossless_k or args.k_max) if "lossless" in args.modes else None)
+    modes = decode_modes(dict.fromkeys([1] + [args.static_k] * ("static" in args.modes)))    # k = 1: greedy
+    if "confadapt" in args.modes:                      # every threshold at every k_max
+        modes += [m for k in args.k_max for m in decode_modes(taus=args.taus, k_max=k)]
+    if "lossless" in args.modes:
+        modes += decode_modes(lossless_k=args.lossless_k or max(args.k_max))
     ours, tok, hf = load(args, device, need_mask=any(m.block > 1 for m in modes))
     fmt = args.format if args.format != "auto" else default_format(tok, ours.config)
     stop_ids = stop_ids_of(ours, tok) | {end_token(tok, fmt)}    # the format's end of turn too
@@ -204,7 +207,7 @@ def run(args) -> dict:
     meta = {"model": args.model, "machine": machine(device), "device": str(device), "dtype": args.dtype,
             "threads": torch.get_num_threads(), "torch": torch.__version__, "format": fmt,
             "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "requests": requests,
-            "rows": max(len(prompts), max(args.batch_sizes)),                  # bench_modes.bench's workload
+            "rows": args.rows or max(len(prompts), max(args.batch_sizes)),     # bench_modes.bench's workload
             "prompt_tokens": [len(p) for p in prompts]}
     report = {"meta": meta, "decoding": [], "latency_ms": {}}
 
@@ -217,8 +220,18 @@ def run(args) -> dict:
                 lambda r, n, bs: hf_decode(hf, r, n, bs, stop_ids, args.lookup_tokens)
         print(f"decoding {meta['rows']} rows of up to {args.max_new_tokens} tokens with {len(modes) + len(others)} "
               f"decoders at batch sizes {args.batch_sizes}, {args.repeats} round(s)", file=sys.stderr, flush=True)
+        outputs = {}                                       # (batch size, mode) -> the Generations
         result = bench(ours, prompts, args.max_new_tokens, modes, args.batch_sizes, ours.config.mask_token_id,
-                       stop_ids, args.repeats, latency_sizes=(), others=others)["results"]
+                       stop_ids, args.repeats, latency_sizes=(), n_rows=meta["rows"], others=others,
+                       outputs=outputs)["results"]
+        domains = [requests[i % len(requests)][0] for i in range(meta["rows"])]     # bench cycles the prompts
+        for r in result:                    # tokens per pass by domain, where the passes are known (ours)
+            gens = outputs[r["batch_size"], r["mode"]]
+            if all(g.chunk_sizes for g in gens):
+                r["effective_k_by_domain"] = {
+                    d: sum(len(g.tokens) for g, x in zip(gens, domains) if x == d)
+                    / sum(g.forward_passes for g, x in zip(gens, domains) if x == d) for d in dict.fromkeys(domains)}
+        write_samples(out / "samples.md", tok, requests, outputs, min(args.batch_sizes))
         theirs = {r["batch_size"]: r["tokens_per_second"] for r in result if r["kind"] == HF_GREEDY}
         for r in result:
             base = theirs.get(r["batch_size"])
@@ -261,6 +274,24 @@ def promises_greedy(r) -> bool:
     return r["kind"] in LOSSLESS_KINDS or r["kind"].startswith(HF_LOOKUP)
 
 
+def write_samples(path, tok, requests, outputs, batch_size):
+    """Each prompt's answers at one batch size, every pass's tokens between | marks where known."""
+    lines = []
+    for i, (domain, text) in enumerate(requests):
+        lines += [f"## {domain}: {text}", ""]
+        for (bs, mode), gens in outputs.items():
+            if bs == batch_size:
+                g, at, pieces = gens[i], 0, []
+                sizes = g.chunk_sizes if max(g.chunk_sizes, default=1) > 1 else [len(g.tokens)]   # greedy: one piece
+                for size in sizes:
+                    pieces.append(tok.decode(g.tokens[at:at + size]))
+                    at += size
+                passes = f", {g.forward_passes} passes" if g.chunk_sizes else ""
+                lines += [f"**{mode}** ({len(g.tokens)} tokens{passes}):", "",
+                          "    " + "|".join(pieces).replace("\n", "\n    "), ""]
+    path.write_text("\n".join(lines), encoding="utf-8")
+
+
 def markdown(report: dict) -> str:
     m = report["meta"]
     lines = [f"### Decoding {m['model']} on {m['machine']} ({m['device']}, {m['dtype']}, {m['threads']} threads)", ""]
@@ -283,6 +314,13 @@ def markdown(report: dict) -> str:
                       "decoding passes computed per token."
                   + (" transformers' prompt lookup runs at batch 1 only (its assisted generation takes one row)."
                      if lookup else ""), ""]
+        by_domain = [r for r in rows if r["batch_size"] == rows[0]["batch_size"] and "effective_k_by_domain" in r]
+        if by_domain:
+            names = list(by_domain[0]["effective_k_by_domain"])
+            lines += [f"| tokens per pass, batch {rows[0]['batch_size']} | " + " | ".join(names) + " |",
+                      "|---|" + "---|" * len(names)]
+            lines += [f"| {r['mode']} | " + " | ".join(f"{r['effective_k_by_domain'][d]:.2f}" for d in names) + " |"
+                      for r in by_domain] + [""]
     if report["latency_ms"]:
         sizes = sorted({T for curves in report["latency_ms"].values() for c in curves.values() for T in c})
         shown = [T for T in sizes if T in (1, 2, 4, 8, 16, 32) or T == sizes[-1]]
@@ -357,7 +395,7 @@ def parse(argv):
     p = Parser(prog="decode_real.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model and machine")
     g.add_argument("--model", required=True, help="Hugging Face layout folder (the MTP-tuned model for real figures)")
-    g.add_argument("--out", required=True, help="folder for results.json, results.md, decoding.png, latency.png")
+    g.add_argument("--out", required=True, help="folder for results.json/.md, samples.md, decoding.png, latency.png")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the decoding runs")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
@@ -370,6 +408,8 @@ def parse(argv):
                    help=f"prompts of each of 4 domains (default {FULL['prompts_per_domain']})")
     r.add_argument("--max-new-tokens", type=int, help=f"default {FULL['max_new_tokens']}")
     r.add_argument("--batch-sizes", type=int, nargs="+", help=f"default {FULL['batch_sizes']}")
+    r.add_argument("--rows", type=int, help="the prompts cycled to this many rows (default: as many as the prompts "
+                   "or the largest batch size; more keep a batch full: a finished row's place goes to a waiting one)")
     r.add_argument("--repeats", type=int,
                    help=f"rounds over all modes, each keeps its fastest (default {FULL['repeats']})")
     d = p.add_argument_group("decoding modes")
@@ -377,8 +417,10 @@ def parse(argv):
                    help="which to run (our greedy, the reference, always runs)")
     d.add_argument("--static-k", type=int, default=4)
     d.add_argument("--taus", type=float, nargs="+", default=[0.9, 0.7], help="ConfAdapt thresholds")
-    d.add_argument("--k-max", type=int, default=16, help="ConfAdapt: most tokens per pass")
-    d.add_argument("--lossless-k", type=int, default=None, help="lossless: most tokens per pass (default --k-max)")
+    d.add_argument("--k-max", type=int, nargs="+", default=[16],
+                   help="ConfAdapt: most tokens per pass (several: each with every tau)")
+    d.add_argument("--lossless-k", type=int, default=None,
+                   help="lossless: most tokens per pass (default: the largest --k-max)")
     d.add_argument("--lookup-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
     la = p.add_argument_group("latency curve")
     la.add_argument("--latency-sizes", type=int, nargs="+", help="new positions per row (default 1..32)")
@@ -391,13 +433,17 @@ def parse(argv):
         if getattr(args, key) is None:
             setattr(args, key, value)
     counts = {"--prompts-per-domain": [args.prompts_per_domain], "--max-new-tokens": [args.max_new_tokens],
-              "--batch-sizes": args.batch_sizes, "--repeats": [args.repeats], "--static-k": [args.static_k],
-              "--k-max": [args.k_max], "--lossless-k": [args.lossless_k or 1], "--lookup-tokens": [args.lookup_tokens],
+              "--batch-sizes": args.batch_sizes, "--rows": [1 if args.rows is None else args.rows],
+              "--repeats": [args.repeats], "--static-k": [args.static_k], "--k-max": args.k_max,
+              "--lossless-k": [args.lossless_k or 1], "--lookup-tokens": [args.lookup_tokens],
               "--latency-sizes": args.latency_sizes, "--latency-batch-sizes": args.latency_batch_sizes,
               "--latency-repeats": [args.latency_repeats]}
     for flag, values in counts.items():
         if min(values) < 1:
             raise CliError(f"{flag} must be at least 1, got {min(values)}")
+    if args.rows is not None and args.rows < 4 * args.prompts_per_domain:
+        raise CliError(f"--rows {args.rows}: fewer than the {4 * args.prompts_per_domain} prompts (4 domains x "
+                       f"--prompts-per-domain {args.prompts_per_domain})")
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise CliError(f"--out {args.out} is a file, not a folder")
     return args

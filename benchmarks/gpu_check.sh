@@ -82,6 +82,9 @@ step bench 90 bash -c '"$0" benchmarks/bench_modes.py --model "$1" --device "$2"
   "$PY" "$W/full/final" "$DEV" "$DT" "$Q" "$FIG/bench.json"
 step bf16 60 "$PY" benchmarks/gpu_figures.py bf16 --device "$DEV" --dtype "$DT" --json "$FIG/bf16.json"
 step decode 60 "$PY" benchmarks/gpu_figures.py decode --device "$DEV" --dtype "$DT" --json "$FIG/decode.json"
+# ... and every decoder against transformers' greedy and prompt lookup, with the latency curve
+step decode_real 120 "$PY" benchmarks/decode_real.py --model "$W/full/final" --out "$W/decode_real" --device "$DEV" \
+  --dtype "$DT" --quick --k-max 4
 # 6. train_toy.py end to end (the laptop users' command), last: the longest step
 step train_toy 240 "$PY" train_toy.py --device "$DEV" --out "$W/toy" "${TOY[@]}"
 
@@ -106,6 +109,12 @@ toy = os.path.join(out, "work", "toy", "results.json")
 if os.path.isfile(toy):
     r = json.load(open(toy))
     figures["train_toy"] = {k: r.get(k) for k in ("seconds", "device", "acceptance", "quick")}
+real = os.path.join(out, "work", "decode_real", "results.json")
+if os.path.isfile(real):
+    r = json.load(open(real))
+    figures["decode_real"] = {"decoding": [{k: d[k] for k in ("batch_size", "mode", "tokens_per_second", "speedup",
+                                                               "effective_k", "equals_greedy")} for d in r["decoding"]],
+                              "latency_ms": r["latency_ms"]}
 report = {"dry_run": dry, "ok": sum(s["status"] == "ok" for s in steps), "steps": steps, "figures": figures}
 json.dump(report, open(os.path.join(out, "gpu_check.json"), "w"), indent=1)
 print(f"{report['ok']}/{len(steps)} steps ok; {out}/gpu_check.json, {out}/gpu_check.log")

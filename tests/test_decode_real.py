@@ -36,13 +36,16 @@ def tiny_dir(tmp_path_factory):
 def test_benchmark_runs_end_to_end(tiny_dir, tmp_path, capsys):
     out = tmp_path / "out"
     assert decode_real.main(["--model", tiny_dir, "--out", str(out), "--quick", "--max-new-tokens", "12",
-                             "--latency-sizes", "1", "3", "--latency-repeats", "1", "--k-max", "4"]) == 0
+                             "--latency-sizes", "1", "3", "--latency-repeats", "1", "--k-max", "4", "2"]) == 0
     report = json.loads((out / "results.json").read_text())
     rows = {(r["batch_size"], r["mode"]): r for r in report["decoding"]}
     lookup = "transformers prompt lookup n=10"
+    # ConfAdapt: every tau at every k_max; lossless at the largest k_max
     assert {m for b, m in rows if b == 1} == {"greedy", "static k=4", "confadapt tau=0.9 k_max=4",
-                                               "confadapt tau=0.7 k_max=4", "lossless k=4",
+                                               "confadapt tau=0.7 k_max=4", "confadapt tau=0.9 k_max=2",
+                                               "confadapt tau=0.7 k_max=2", "lossless k=4",
                                                "transformers greedy", lookup}
+    assert max(map(int, rows[1, "confadapt tau=0.7 k_max=2"]["accept_hist"])) <= 2     # tokens per pass
     assert (4, lookup) not in rows and (4, "transformers greedy") in rows        # prompt lookup: batch 1 only
     for bs in (1, 4):
         assert rows[bs, "lossless k=4"]["equals_greedy"] and rows[bs, "transformers greedy"]["equals_greedy"]
@@ -59,6 +62,15 @@ def test_benchmark_runs_end_to_end(tiny_dir, tmp_path, capsys):
     assert "| 1 | lossless k=4 |" in md and "batch 1 only" in md and "| 16 | bfloat16 |" in md
     assert (out / "decoding.png").stat().st_size > 1000 and (out / "latency.png").stat().st_size > 1000
     assert "has no <mask> token" in capsys.readouterr().err
+    # tokens per pass by domain: a domain's tokens over its passes (static k = 4: at most 4, less
+    # where a row's last pass is cut short by a stop token)
+    by_domain = rows[1, "static k=4"]["effective_k_by_domain"]
+    assert list(by_domain) == ["math", "code", "explain", "story"] and all(1 <= v <= 4 for v in by_domain.values())
+    assert rows[1, "greedy"]["effective_k_by_domain"] == dict.fromkeys(by_domain, 1.0)
+    assert "effective_k_by_domain" not in rows[1, "transformers greedy"]        # its passes per row: unseen
+    assert "| tokens per pass, batch 1 | math | code | explain | story |" in md
+    samples = (out / "samples.md").read_text()
+    assert samples.count("## ") == 4 and samples.count("**static k=4** (") == 4 and "|" in samples
 
 
 def test_equals_greedy_catches_a_wrong_token(tiny_dir, tmp_path, monkeypatch):
@@ -76,9 +88,10 @@ def test_equals_greedy_catches_a_wrong_token(tiny_dir, tmp_path, monkeypatch):
     assert same == {(1, "greedy"): True, (1, "corrupted greedy"): False,
                     (2, "greedy"): True, (2, "corrupted greedy"): False}
 
-    honest = decode_real.hf_decode
+    honest, workloads = decode_real.hf_decode, []
 
     def wrong_transformers(*args):
+        workloads.append(len(args[1]))                                     # the rows it was given
         result = honest(*args)
         if result is not None:
             result[0][0].tokens[0] += 1
@@ -87,8 +100,10 @@ def test_equals_greedy_catches_a_wrong_token(tiny_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(decode_real, "hf_decode", wrong_transformers)
     out = tmp_path / "out"
     assert decode_real.main(["--model", tiny_dir, "--out", str(out), "--quick", "--max-new-tokens", "4",
-                             "--parts", "decoding", "--modes", "greedy", "hf-greedy", "hf-lookup"]) == 0
-    rows = json.loads((out / "results.json").read_text())["decoding"]
+                             "--parts", "decoding", "--modes", "greedy", "hf-greedy", "hf-lookup", "--rows", "6"]) == 0
+    report = json.loads((out / "results.json").read_text())
+    rows = report["decoding"]
+    assert report["meta"]["rows"] == 6 and 6 in workloads                  # the 4 prompts cycled to 6 rows
     assert [(r["mode"], r["equals_greedy"]) for r in rows if r["batch_size"] == 1] == [
         ("greedy", True), ("transformers greedy", False), ("transformers prompt lookup n=10", False)]
     assert "| 1 | transformers greedy |" in (out / "results.md").read_text()
@@ -98,6 +113,8 @@ def test_equals_greedy_catches_a_wrong_token(tiny_dir, tmp_path, monkeypatch):
 @pytest.mark.parametrize("argv, message", [
     (["--batch-sizes", "0"], "--batch-sizes must be at least 1"),
     (["--repeats", "0"], "--repeats must be at least 1"),
+    (["--rows", "0"], "--rows must be at least 1"),
+    (["--rows", "3"], "fewer than the 4 prompts"),
     (["--latency-sizes", "0"], "--latency-sizes must be at least 1"),
     (["--taus", "1.5"], "tau"),
     (["--dtype", "float64"], "invalid choice"),
