@@ -76,7 +76,8 @@ def bench(model, prompts: list[list[int]], max_new_tokens: int, modes: list[Deco
     rows = [prompts[i % len(prompts)] for i in range(n_rows)]
     decoders = [(m.describe(), m.kind, lambda r, n, bs, m=m: generate(model, r, n, m, mask_id, stop_ids, batch_size=bs))
                 for m in modes] + [(name, name, fn) for name, fn in (others or {}).items()]
-    results, latency, outputs = [], {}, {} if outputs is None else outputs
+    results, latency = [], {}
+    outputs = {} if outputs is None else outputs
     for bs in batch_sizes:
         # Warm-up (allocator, kernels); a decoder that answers None does not take this batch size.
         here = [d for d in decoders if d[2](rows[:bs], min(8, max_new_tokens), bs) is not None]

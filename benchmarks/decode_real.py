@@ -37,7 +37,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_modes import bench, forward_latency  # noqa: E402
-from confadapt import CliError, DecodeStats, Generation, Parser, _sync, decode_modes, stop_ids_of  # noqa: E402
+from confadapt import (CliError, DecodeStats, Generation, Parser, _sync, chunk_texts, decode_modes,  # noqa: E402
+                       stop_ids_of)
 from data import FORMATS, Tokenizer, end_token, prompt_tokens, word_problem_split  # noqa: E402
 from finetune_hf import default_format  # noqa: E402
 from model import Transformer, add_mask_token, parse_device  # noqa: E402
@@ -281,14 +282,11 @@ def write_samples(path, tok, requests, outputs, batch_size):
         lines += [f"## {domain}: {text}", ""]
         for (bs, mode), gens in outputs.items():
             if bs == batch_size:
-                g, at, pieces = gens[i], 0, []
+                g = gens[i]
                 sizes = g.chunk_sizes if max(g.chunk_sizes, default=1) > 1 else [len(g.tokens)]   # greedy: one piece
-                for size in sizes:
-                    pieces.append(tok.decode(g.tokens[at:at + size]))
-                    at += size
                 passes = f", {g.forward_passes} passes" if g.chunk_sizes else ""
                 lines += [f"**{mode}** ({len(g.tokens)} tokens{passes}):", "",
-                          "    " + "|".join(pieces).replace("\n", "\n    "), ""]
+                          "    " + "|".join(chunk_texts(tok, g.tokens, sizes)).replace("\n", "\n    "), ""]
     path.write_text("\n".join(lines), encoding="utf-8")
 
 
