@@ -590,23 +590,28 @@ def word_problem_tokenizer() -> Tokenizer:
 
 # ====================================== Domain prompts =======================================
 # Chat prompts for `finetune_hf.py data` and `analyze`: word problems, or a domain's templates
-# filled with its subjects, from prompts/domains.json ({domain: {templates, subjects}}).
+# filled with its subjects, from prompts/domains.json ({domain: {templates, subjects,
+# train_subjects}}): a quarter of `subjects` is held out; `train_subjects` only ever train.
 PROMPTS = Path(__file__).parent / "prompts"      # the JSON prompt data (finetune_hf reads it too)
 DOMAIN_TEMPLATES = json.loads((PROMPTS / "domains.json").read_text("utf-8"))
 DOMAINS = ("word_problems", *DOMAIN_TEMPLATES)
 
 def domain_prompts(domain: str, n: int, split: str = "train", seed: int = 0) -> list[str]:
-    """Up to n prompts of one domain from its train or test part (a quarter of the subjects)."""
+    """Up to n prompts of one domain from its train or test part (a quarter of `subjects`)."""
     if domain == "word_problems":             # the split write_word_problems makes (its test.jsonl)
         train, test = word_problem_split(20000, 500, seed)
         return [p.question for p in (train if split == "train" else test)][:n]
     if domain not in DOMAIN_TEMPLATES:
         raise ValueError(f"unknown domain {domain!r}; choose from {', '.join(DOMAINS)}")
-    templates, subjects = DOMAIN_TEMPLATES[domain]["templates"], DOMAIN_TEMPLATES[domain]["subjects"]
-    subjects = [x for i, x in enumerate(subjects) if (i % 4 == 3) == (split == "test")]
-    prompts = [t.format(n=n_items, x=x) for t in templates for x in subjects for n_items in (3, 5, 7, 10)
-               if "{n}" in t or n_items == 3]
-    random.Random(f"{domain}/{split}/{seed}").shuffle(prompts)
+    spec = DOMAIN_TEMPLATES[domain]
+    part = [x for i, x in enumerate(spec["subjects"]) if (i % 4 == 3) == (split == "test")]
+    groups = [part, spec.get("train_subjects", [])] if split == "train" else [part]
+    prompts = []
+    for g, subjects in enumerate(groups):          # a group's prompts in a seeded order, then the next's
+        some = [t.format(n=n_items, x=x) for t in spec["templates"] for x in subjects for n_items in (3, 5, 7, 10)
+                if "{n}" in t or n_items == 3]
+        random.Random(f"{domain}/{split}/{seed}" + "/more" * g).shuffle(some)
+        prompts += some
     return prompts[:n]
 
 # --- plumbing: reading and writing Hugging Face tokenizer files ------------------------------

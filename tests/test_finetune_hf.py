@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 
 import finetune_hf as F
 from confadapt import Generation
-from data import (QWEN2_PATTERN, Tokenizer, domain_prompts, gsm8k_row, metamath_row, prompt_tokens, response_tokens,
-                  training_sequences, word_problem, word_problem_batch, word_problem_split,
+from data import (DOMAIN_TEMPLATES, QWEN2_PATTERN, Tokenizer, domain_prompts, gsm8k_row, metamath_row, prompt_tokens,
+                  response_tokens, training_sequences, word_problem, word_problem_batch, word_problem_split,
                   word_problem_tokenizer, write_word_problems)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -138,6 +138,17 @@ def test_word_problems_formats_and_split():
     text = metamath_row(train[0])["query"] + " " + metamath_row(train[0])["response"]
     assert len(tok.encode(text)) == len(text.split()) + text.count(".") + text.count("?") + text.count(",") \
         + text.count(":") + text.count("$")                                # one token per word / symbol
+
+
+def test_domain_prompts_hold_a_quarter_of_the_subjects_out():
+    for domain, spec in DOMAIN_TEMPLATES.items():
+        train, test = domain_prompts(domain, 10**6), domain_prompts(domain, 10**6, "test")
+        assert test and not set(train) & set(test) and len(set(train)) == len(train)
+        held_out = spec["subjects"][3::4]
+        assert all(any(x in p for x in held_out) for p in test)
+        for x in spec.get("train_subjects", []):             # training-only subjects: never a test prompt
+            assert any(x in p for p in train) and not any(x in p for p in test)
+        assert domain_prompts(domain, 5) == train[:5]         # a fixed order: the first n are a prefix
 
 
 def test_formats_and_data_order(tiny):
