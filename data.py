@@ -604,14 +604,16 @@ def domain_prompts(domain: str, n: int, split: str = "train", seed: int = 0) -> 
     if domain not in DOMAIN_TEMPLATES:
         raise ValueError(f"unknown domain {domain!r}; choose from {', '.join(DOMAINS)}")
     spec = DOMAIN_TEMPLATES[domain]
-    part = [x for i, x in enumerate(spec["subjects"]) if (i % 4 == 3) == (split == "test")]
-    groups = [part, spec.get("train_subjects", [])] if split == "train" else [part]
-    prompts = []
-    for g, subjects in enumerate(groups):          # a group's prompts in a seeded order, then the next's
-        some = [t.format(n=n_items, x=x) for t in spec["templates"] for x in subjects for n_items in (3, 5, 7, 10)
-                if "{n}" in t or n_items == 3]
-        random.Random(f"{domain}/{split}/{seed}" + "/more" * g).shuffle(some)
-        prompts += some
+
+    def filled(subjects: list[str], salt: str = "") -> list[str]:     # every template x subject, seeded order
+        prompts = [t.format(n=n_items, x=x) for t in spec["templates"] for x in subjects for n_items in (3, 5, 7, 10)
+                   if "{n}" in t or n_items == 3]
+        random.Random(f"{domain}/{split}/{seed}{salt}").shuffle(prompts)
+        return prompts
+
+    prompts = filled([x for i, x in enumerate(spec["subjects"]) if (i % 4 == 3) == (split == "test")])
+    if split == "train":          # training-only subjects go last, so the first n prompts never change
+        prompts += filled(spec.get("train_subjects", []), "/more")
     return prompts[:n]
 
 # --- plumbing: reading and writing Hugging Face tokenizer files ------------------------------
