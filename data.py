@@ -376,7 +376,6 @@ class Tokenizer:
             raise FileNotFoundError(f"no tokenizer.json or original/tokenizer.model in {folder}")
         files = [folder / f for f in ("tokenizer_config.json", "config.json", "generation_config.json")]
         tok_config, *configs = [json.loads(f.read_text("utf-8")) if f.is_file() else {} for f in files]
-
         def config_ids(key):   # each file may give an id, a list of ids or null
             values = [c.get(key) for c in configs]
             return [i for v in values for i in (v if isinstance(v, list) else [] if v is None else [v])]
@@ -569,9 +568,6 @@ def write_word_problems(folder, n_train=20000, n_test=500, seed=0) -> tuple[Path
     test_file.write_text("".join(json.dumps(gsm8k_row(p)) + "\n" for p in test), encoding="utf-8")
     return train_file, test_file
 
-def word_problem_pairs(path) -> list[tuple[str, str]]:
-    return [(row["query"], row["response"]) for row in json.loads(Path(path).read_text(encoding="utf-8"))]
-
 def word_problem_batch(tokenizer, pairs, rng: random.Random, batch_size: int, seq_len: int):
     """Random "plain" rows (B, seq_len) and which tokens are trained: after <bos>, to the first <eos>."""
     rows = [pairs[rng.randrange(len(pairs))] for _ in range(batch_size)]
@@ -604,13 +600,11 @@ def domain_prompts(domain: str, n: int, split: str = "train", seed: int = 0) -> 
     if domain not in DOMAIN_TEMPLATES:
         raise ValueError(f"unknown domain {domain!r}; choose from {', '.join(DOMAINS)}")
     spec = DOMAIN_TEMPLATES[domain]
-
     def filled(subjects: list[str], salt: str = "") -> list[str]:     # every template x subject, seeded order
         prompts = [t.format(n=n_items, x=x) for t in spec["templates"] for x in subjects for n_items in (3, 5, 7, 10)
                    if "{n}" in t or n_items == 3]
         random.Random(f"{domain}/{split}/{seed}{salt}").shuffle(prompts)
         return prompts
-
     prompts = filled([x for i, x in enumerate(spec["subjects"]) if (i % 4 == 3) == (split == "test")])
     if split == "train":          # training-only subjects go last, so the first n prompts never change
         prompts += filled(spec.get("train_subjects", []), "/more")

@@ -596,7 +596,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="finetune_hf.py", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     taus = [0.99, 0.95, 0.9, 0.8, 0.7, 0.5]
-
     def common(c, model_help, max_new_tokens=None):  # all but export; decoding: not train
         c.add_argument("--model", required=True, help=f"Hugging Face layout folder{model_help}")
         c.add_argument("--format", default="auto", choices=("auto", *FORMATS), help="prompt format (auto: detect)")
@@ -606,7 +605,6 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--device", default="auto", help="auto (cuda if any), cpu, cuda or cuda:N")
         c.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"), help="auto: bf16 if fast")
         c.add_argument("--threads", type=positive_int, help="CPU threads (default: one per core)")
-
     t = sub.add_parser("train", help="MTP fine-tuning by self-distillation (torchrun: multi-GPU)")
     common(t, " (config.json, safetensors, tokenizer)")
     g = t.add_argument_group("data")

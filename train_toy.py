@@ -381,7 +381,7 @@ def word_problem_base_model(args, cfg: RunConfig, device) -> dict:
     folder, tokenizer, start = args.word_problems, data.word_problem_tokenizer(), time.perf_counter()
     train_file, test_file = data.write_word_problems(os.path.join(folder, "data"), n_train=200 if args.quick
                                                      else 20_000, n_test=10 if args.quick else 500, seed=args.seed)
-    pairs = data.word_problem_pairs(train_file)
+    pairs = [(row["query"], row["response"]) for row in json.loads(train_file.read_text("utf-8"))]
     print(f"wrote {train_file} ({len(pairs)} rows, MetaMathQA format) and {test_file} (GSM8K format)")
     batches = partial(data.word_problem_batch, tokenizer, pairs, seq_len=cfg.seq_len)   # question and solution
     data_id = data_fingerprint(tokenizer, batches, cfg.seed)
