@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from data import Tokenizer
-from model import Transformer, parse_device
+from model import Transformer, parse_device, parse_dtype
 
 MODES = ("greedy", "static", "confadapt", "lossless")
 
@@ -398,8 +398,11 @@ def add_model_args(p):
     g = p.add_argument_group("model")
     g.add_argument("--model", required=True,
                    help="Hugging Face layout folder (config.json, safetensors, tokenizer.json)")
-    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (cuda when available)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights")
+    g.add_argument("--device", default="cpu",
+                   help="cpu (the default), cuda, cuda:N or auto (cuda when available)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and compute; auto (the default): bfloat16 on a GPU that computes "
+                   "it natively (Ampere and newer), float32 on the CPU and older GPUs")
     g.add_argument("--no-bos", action="store_true", help="do not prepend the model's BOS token to the prompt")
     g.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch (default: torch's "
                    "choice; small models on a busy machine: 1 is fastest and steadiest)")
@@ -430,7 +433,9 @@ def load(args, mode: DecodeConfig):
     input_path(args.model, "--model", folder=True)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer, mask_id, stop_ids = load_model(args.model, parse_device(args.device), getattr(torch, args.dtype))
+    device = parse_device(args.device)
+    dtype = parse_dtype(args.dtype, device)
+    model, tokenizer, mask_id, stop_ids = load_model(args.model, device, dtype)
     if mode.block > 1 and mask_id is None:
         raise ValueError(f"model {args.model} has no mask token (no mask_token_id in config.json, no <mask> in the "
                          f"tokenizer): only --greedy works; add one with model.add_mask_token and fine-tune")

@@ -30,8 +30,8 @@ from confadapt import (CliError, DecodeConfig, Parser, Progress, accept_confadap
 from data import (DOMAINS, FORMATS, PROMPTS, Tokenizer, default_n_regions, domain_prompts, end_token, mtp_layout,
                   padding_token, prompt_tokens, sample_k_and_offset, start_tokens, training_sequences)
 from distill import MODES, frozen_teacher, mtp_loss
-from model import (ModelConfig, Transformer, add_mask_token, atomic_save, parse_device, read_checkpoint,
-                   read_json, read_model_config, rope_inv_freq, write_json)
+from model import (ModelConfig, Transformer, add_mask_token, atomic_save, native_bfloat16_gpu,
+                   parse_device, read_checkpoint, read_json, read_model_config, write_json)
 
 # === train: student + frozen teacher -> data rows -> AdamW -> the step loop -> export ==========
 # A step's --batch-size rows are split over the processes and, in each, into --micro-batch rows
@@ -463,7 +463,7 @@ def compute_dtype(device_type: str, dtype: str = "auto") -> torch.dtype:
     if dtype != "auto":
         return getattr(torch, dtype)
     if device_type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+        return torch.bfloat16 if native_bfloat16_gpu(torch.device("cuda")) else torch.float32
     flags = Path("/proc/cpuinfo").read_text() if os.path.isfile("/proc/cpuinfo") else ""   # Linux lists them
     return torch.bfloat16 if "avx512_bf16" in flags or "amx_bf16" in flags else torch.float32
 
@@ -485,7 +485,6 @@ def load_student_and_teacher(args, d: Dist, with_teacher: bool = True):
         teacher = None
         if with_teacher:                                          # copied on the CPU, then moved
             teacher = frozen_teacher(full).to(device=d.device, dtype=d.dtype)
-            teacher.inv_freq = rope_inv_freq(cfg).to(d.device)    # keep RoPE frequencies in float32
         return full.to(d.device).train(), teacher, tok, mask_id
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -499,9 +498,12 @@ def load_student_and_teacher(args, d: Dist, with_teacher: bool = True):
     for model in [student] + ([teacher] if teacher is not None else []):
         for block in model.layers:
             fully_shard(block, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
-        model.to_empty(device=d.device)
-        model.inv_freq = rope_inv_freq(cfg).to(d.device)          # non-persistent buffer: recompute
+        # FSDP2 keeps a root's parameters gathered after its forward, for the backward that
+        # follows; the teacher has no backward, so its embedding and output layer would stay
+        # whole on every rank unless told to reshard.
+        reshard = True if model is teacher else None                      # None: FSDP2's default
+        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+        model.to_empty(device=d.device)                           # RoPE frequencies recomputed
         set_model_state_dict(model, full.state_dict() if d.main else {},
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     return student.train(), teacher, tok, mask_id
@@ -603,7 +605,10 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens)
             c.add_argument("--batch-size", type=positive_int, default=16, help="prompts per batch")
         c.add_argument("--device", default="auto", help="auto (cuda if any), cpu, cuda or cuda:N")
-        c.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"), help="auto: bf16 if fast")
+        c.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                       help="compute dtype; auto (the default): bfloat16 where the hardware "
+                       "computes it natively (a GPU from Ampere on, a CPU with AVX-512 BF16 or "
+                       "AMX), else float32")
         c.add_argument("--threads", type=positive_int, help="CPU threads (default: one per core)")
     t = sub.add_parser("train", help="MTP fine-tuning by self-distillation (torchrun: multi-GPU)")
     common(t, " (config.json, safetensors, tokenizer)")

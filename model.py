@@ -93,6 +93,7 @@ class KVCache(nn.Module):
         self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         self.register_buffer("lengths", torch.zeros(batch_size, dtype=torch.long, device=device), persistent=False)
         self.max_len = max_len
+        self.key_block = 64 if self.k.is_cuda else 1    # a pass reads a multiple of this many slots
 
     def rollback(self, lengths):
         """Forget everything at or after `lengths` (an int, or one length per row)."""
@@ -121,7 +122,8 @@ class CachedPass:
     slots: torch.Tensor                 # (N,) its cache slot
     mask: torch.Tensor                  # (B', T, S) bool: token t sees slot s (causal by slot)
     positions: torch.Tensor             # (B', T) RoPE position of each grid cell (its slot)
-    S: int                              # key slots read: the longest row after this pass
+    S: int                              # key slots read: the longest row after it, rounded up
+    new_lengths: torch.Tensor           # (B,) each row's length after this pass
     live: torch.Tensor | None = None    # ragged: (B',) the rows that feed tokens; None when all do
     grid: torch.Tensor | None = None    # ragged: (N,) each token's cell in the (B', T) grid
     index: torch.Tensor | None = None   # ragged: (N,) the same in the caller's (B, T) grid
@@ -132,6 +134,9 @@ def plan_cached_pass(cache: KVCache, T: int, n_tokens=None) -> CachedPass:
     S = max(n + f for n, f in zip(lengths, fed))
     if S > cache.max_len:
         raise ValueError(f"KV cache overflow: {S} slots needed, cache holds {cache.max_len}")
+    # Read whole blocks of key slots (the mask hides the extra ones): a GPU attention library that
+    # plans per shape (cuDNN) then plans once per block, not once per pass as the keys grow.
+    S = min(cache.max_len, -(-S // cache.key_block) * cache.key_block)
     live = [b for b, f in enumerate(fed) if f] if n_tokens is not None else list(range(len(fed)))
     cells = [(i, b, t) for i, b in enumerate(live) for t in range(fed[b])]  # (grid row, cache row, step)
     tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)
@@ -139,7 +144,8 @@ def plan_cached_pass(cache: KVCache, T: int, n_tokens=None) -> CachedPass:
     mask = torch.arange(S, device=device)[None, None, :] <= positions[:, :, None]       # (B', T, S)
     ragged = n_tokens is not None
     return CachedPass(tensor([b for _, b, _ in cells]), tensor([lengths[b] + t for _, b, t in cells]),
-                      mask, positions, S, tensor(live) if ragged and len(live) < len(fed) else None,
+                      mask, positions, S, tensor([n + f for n, f in zip(lengths, fed)]),
+                      tensor(live) if ragged and len(live) < len(fed) else None,
                       tensor([i * T + t for i, _, t in cells]) if ragged else None,       # grid
                       tensor([b * T + t for _, b, t in cells]) if ragged else None)       # index
 
@@ -160,7 +166,10 @@ def attend(q, k, v, mask):
     g = H // n_kv
     q = q.reshape(B, n_kv, g * T, hd)                   # query head h = kv * g + j -> row j * T + t
     mask = mask.unsqueeze(-3).expand(*mask.shape[:-2], g, T, S).flatten(-3, -2)    # (..., g * T, S)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).view(B, H, T, hd)
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)          # (B, n_kv, g * T, hd)
+    # reshape, not view: CUDA's memory-efficient kernel returns y transposed, laid out as
+    # (B, g * T, n_kv, hd), and that layout cannot be split into (B, H, T, hd) without a copy.
+    return y.reshape(B, H, T, hd)
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -232,6 +241,13 @@ class Transformer(nn.Module):
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
 
+    def _apply(self, fn, *args, **kwargs):
+        """.to(), .cuda(), .bfloat16() ... move the RoPE frequencies but never round them: in
+        bfloat16 a position's angle would be off by up to 0.4 radians below position 2048."""
+        super()._apply(fn, *args, **kwargs)
+        self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
+        return self
+
     def new_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         p = self.tok_emb.weight
         return KVCache(self.config, batch_size, max_len or self.config.max_seq_len, p.device, p.dtype)
@@ -263,8 +279,8 @@ class Transformer(nn.Module):
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, cache, i, plan)
-        if cache is not None:
-            cache.lengths += T if n_tokens is None else torch.as_tensor(n_tokens, device=device)
+        if cache is not None:       # built with the plan: the host need not wait for the layers
+            cache.lengths.copy_(plan.new_lengths)
         if ragged:
             x = to_grid(x[0], plan, B)                                   # (B, T, dim), zeros at padding
         if output_index is not None:
@@ -429,6 +445,18 @@ def parse_device(name: str) -> torch.device:
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         raise ValueError(f"device {name!r} requested, but this machine has {torch.cuda.device_count()} CUDA GPU(s)")
     return device
+
+def native_bfloat16_gpu(device: torch.device) -> bool:
+    """A CUDA GPU that computes in bfloat16 natively (Ampere and newer); a T4, a V100 or an RTX
+    20xx only emulates it, slowly, though torch.cuda.is_bf16_supported() says yes there."""
+    return device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+
+def parse_dtype(name: str, device: torch.device) -> torch.dtype:
+    """--dtype auto: bfloat16 on a GPU with native bfloat16, float32 elsewhere (on a CPU float32
+    is exact, so the lossless mode reproduces greedy decoding token for token)."""
+    if name != "auto":
+        return getattr(torch, name)
+    return torch.bfloat16 if native_bfloat16_gpu(device) else torch.float32
 
 def read_json(path, what="file") -> dict:
     if not os.path.isfile(path):

@@ -430,7 +430,8 @@ def parse_args(argv=None):
     run.add_argument("--quick", action="store_true", help="tiny model and few steps (for tests; about 10 seconds)")
     run.add_argument("--seed", type=count, default=0, help="seed for weights, data and layouts")
     run.add_argument("--restart", action="store_true", help="train every phase again, replacing the run in --out")
-    run.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
+    run.add_argument("--device", default="auto",
+                     help="auto (cuda if available), cpu, cuda or cuda:N; float32 on each")
     run.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads: the toy's "
                      "matrices are small; a 2nd slows steps 4-15x if another job uses a core")
     budget = p.add_argument_group("budget (override the defaults)")

@@ -162,7 +162,9 @@ def bench_main(argv):
     prompts = [encode_prompt(tokenizer, model, t, args.no_bos) for t in args.prompt]
     report = bench(model, prompts, args.max_new_tokens, modes, args.batch_sizes, mask_id,
                    () if args.ignore_stop else stop_ids, args.repeats, range(1, args.latency_max + 1), args.rows)
-    report.update(model=args.model, device=args.device, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
+    dtype = str(model.tok_emb.weight.dtype).removeprefix("torch.")       # what --dtype resolved to
+    report.update(model=args.model, device=args.device, dtype=dtype,
+                  max_new_tokens=args.max_new_tokens,
                   prompt_tokens=[len(x) for x in prompts])
     print(json.dumps(report) if args.json else format_bench(report))
 

@@ -14,10 +14,10 @@ and the same chat-formatted prompts, these decoders take turns (bench_modes.benc
 
 at batch sizes 1, 4 and 16 (transformers pads a static batch until its longest row ends; ours
 gives a finished row's place to the next prompt). Then the forward-pass latency curve: one cached
-pass of T = 1..32 new positions per row at batch 1 and 16, float32 and bfloat16, which is what
-turns fewer passes (effective k) into time saved, or not.
+pass of T = 1..32 new positions per row at batch 1 and 16 (on the CPU in float32 and bfloat16),
+which is what turns fewer passes (effective k) into time saved, or not.
 
-    python benchmarks/decode_real.py --model DIR --out DIR [--device cuda --dtype bfloat16] [--quick]
+    python benchmarks/decode_real.py --model DIR --out DIR [--device cuda] [--quick]
 
 writes results.json, results.md (the tables), samples.md (the answers at the smallest batch size,
 every pass's tokens between | marks), decoding.png and latency.png to --out.
@@ -41,7 +41,7 @@ from confadapt import (CliError, DecodeStats, Generation, Parser, _sync, chunk_t
                        stop_ids_of)
 from data import FORMATS, Tokenizer, end_token, prompt_tokens, word_problem_split  # noqa: E402
 from finetune_hf import default_format  # noqa: E402
-from model import Transformer, add_mask_token, parse_device  # noqa: E402
+from model import Transformer, add_mask_token, atomic_save, parse_device, parse_dtype  # noqa: E402
 
 HF_GREEDY, HF_LOOKUP = "transformers greedy", "transformers prompt lookup"
 MODE_CHOICES = ("greedy", "hf-greedy", "hf-lookup", "static", "confadapt", "lossless")
@@ -161,7 +161,7 @@ def machine(device: torch.device) -> str:
     return f"{name}, {os.cpu_count()} cores" + (f", {flags}" if flags else "")
 
 
-def load(args, device, need_mask: bool):
+def load(args, device, dtype, need_mask: bool):
     """Our model, tokenizer, mask id and transformers' copy of the same weights.
 
     A model without <mask> (not MTP-tuned) gets an untrained one, so that every mode runs; its
@@ -169,7 +169,6 @@ def load(args, device, need_mask: bool):
     then loads our weights, written to a temporary folder, so both sides decode the same matrices.
     """
     tok = Tokenizer.from_pretrained(args.model)
-    dtype = getattr(torch, args.dtype)
     ours = Transformer.from_pretrained(args.model, device=device, dtype=dtype)
     if ours.config.mask_token_id is None and tok.mask_id is not None:
         ours.config.mask_token_id = tok.mask_id
@@ -200,12 +199,15 @@ def run(args) -> dict:
         modes += [m for k in args.k_max for m in decode_modes(taus=args.taus, k_max=k)]
     if "lossless" in args.modes:
         modes += decode_modes(lossless_k=args.lossless_k or max(args.k_max))
-    ours, tok, hf = load(args, device, need_mask=any(m.block > 1 for m in modes))
+    dtype = parse_dtype(args.dtype, device)
+    ours, tok, hf = load(args, device, dtype, need_mask=any(m.block > 1 for m in modes))
     fmt = args.format if args.format != "auto" else default_format(tok, ours.config)
     stop_ids = stop_ids_of(ours, tok) | {end_token(tok, fmt)}    # the format's end of turn too
     requests = chat_prompts(args.prompts_per_domain)
     prompts = [prompt_tokens(tok, fmt, text) for _, text in requests]
-    meta = {"model": args.model, "machine": machine(device), "device": str(device), "dtype": args.dtype,
+    dtype_name = str(dtype).removeprefix("torch.")
+    meta = {"model": args.model, "machine": machine(device), "device": str(device),
+            "dtype": dtype_name,
             "threads": torch.get_num_threads(), "torch": torch.__version__, "format": fmt,
             "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "requests": requests,
             "rows": args.rows or max(len(prompts), max(args.batch_sizes)),     # bench_modes.bench's workload
@@ -242,26 +244,39 @@ def run(args) -> dict:
             import transformers
             meta["transformers"] = transformers.__version__
         del hf                                     # transformers' copy is not needed for the latency curve
+        save(report, out)                  # a later part that fails loses nothing of this one
 
     if "latency" in args.parts:
         context = round(sum(meta["prompt_tokens"]) / len(prompts)) + args.max_new_tokens // 2
         meta["latency_context"] = context
-        for name in args.latency_dtypes:
-            model = ours if name == args.dtype else Transformer.from_pretrained(args.model, device=device,
-                                                                                dtype=getattr(torch, name))
+        # Both dtypes on the CPU (their costs differ by CPU); on a GPU the decoding dtype alone.
+        latency_dtypes = args.latency_dtypes
+        if latency_dtypes is None:
+            latency_dtypes = ["float32", "bfloat16"] if device.type == "cpu" else [dtype_name]
+        for name in latency_dtypes:
+            model = ours
+            if name != dtype_name:
+                model = Transformer.from_pretrained(args.model, device=device,
+                                                    dtype=getattr(torch, name))
             report["latency_ms"][name] = {
                 bs: {T: s * 1e3 for T, s in forward_latency(model, bs, context, args.latency_sizes,
                                                             args.latency_repeats).items()}
                 for bs in args.latency_batch_sizes}
             print(f"latency curve {name} done", file=sys.stderr, flush=True)
+            save(report, out)
+    return report
 
-    (out / "results.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
-    (out / "results.md").write_text(markdown(report), encoding="utf-8")
+
+def save(report: dict, out: Path):
+    """results.json, results.md and the plots of what has been measured so far."""
+    results = json.dumps(report, indent=1) + "\n"
+    atomic_save(lambda p: Path(p).write_text(results, encoding="utf-8"), out / "results.json")
+    table = markdown(report)
+    atomic_save(lambda p: Path(p).write_text(table, encoding="utf-8"), out / "results.md")
     if report["decoding"]:
         plot_decoding(report, out / "decoding.png")
     if report["latency_ms"]:
         plot_latency(report, out / "latency.png")
-    return report
 
 
 # ----------------------------------------------------------------------------------------------
@@ -394,8 +409,10 @@ def parse(argv):
     g = p.add_argument_group("model and machine")
     g.add_argument("--model", required=True, help="Hugging Face layout folder (the MTP-tuned model for real figures)")
     g.add_argument("--out", required=True, help="folder for results.json/.md, samples.md, decoding.png, latency.png")
-    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the decoding runs")
+    g.add_argument("--device", default="cpu", help="cpu (the default), cuda, cuda:1, ...")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="dtype of the decoding runs; auto (the default): bfloat16 on a GPU that "
+                   "computes it natively, float32 on the CPU and older GPUs")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     g.add_argument("--format", default="auto", choices=("auto",) + FORMATS,
                    help="prompt format (auto: the one finetune_hf.py picks for this tokenizer)")
@@ -423,7 +440,8 @@ def parse(argv):
     la = p.add_argument_group("latency curve")
     la.add_argument("--latency-sizes", type=int, nargs="+", help="new positions per row (default 1..32)")
     la.add_argument("--latency-batch-sizes", type=int, nargs="+", default=[1, 16])
-    la.add_argument("--latency-dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    la.add_argument("--latency-dtypes", nargs="+", default=None, choices=["float32", "bfloat16"],
+                    help="default: float32 and bfloat16 on the CPU, the decoding dtype on a GPU")
     la.add_argument("--latency-repeats", type=int,
                     help=f"timed passes per point, median (default {FULL['latency_repeats']})")
     args = p.parse_args(argv)

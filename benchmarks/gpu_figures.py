@@ -1,22 +1,28 @@
-"""Figures of the GPU paths, one JSON object per section. benchmarks/gpu_check.sh runs it on a GPU;
-every section also runs on a CPU (`--device cpu`), where the memory figures are null.
+"""Figures of the GPU paths, one JSON object per section. benchmarks/gpu_check.sh runs every
+section on a GPU; each also runs on a CPU (`--device cpu --small`: the same code at small shapes,
+to check the script), where the memory figures are null.
 
-    python benchmarks/gpu_figures.py SECTION [--device cuda] [--dtype bfloat16] [--json OUT]
+    python benchmarks/gpu_figures.py SECTION [--device cuda] [--dtype auto] [--small] [--json OUT]
 
 Sections
-  env        torch, CUDA, cuDNN, the GPU, and whether it computes in bfloat16
-  attention  which scaled-dot-product kernel runs, its time and peak memory, for the old call (a
-             boolean mask with enable_gqa) and for model.attend, in the training layout's shapes
-             (batch 8, packed length 235, 32 heads, 8 KV heads, head dim 128, forward + backward)
-             and in decoding's (batch 16, 16 new tokens per row on about 1,000 cached, forward)
-  syncs      host-device synchronisations in one ragged ConfAdapt pass of a 30-layer model, and
-             per pass of a whole ConfAdapt generation (HostSyncs below)
-  decode     median time of one ragged cached pass of a SmolLM2-135M-shaped model (random
-             weights) at batch 16, 16 new tokens per row on 256 cached
-  bf16       what holds in --dtype: lossless == greedy, and batched == one at a time, as the
-             share of identical rows on a random model
-  compare    A B: the largest weight difference between two exported model folders
+  env         torch, CUDA, cuDNN, the GPU, and whether it computes in bfloat16 natively
+  kernels     which scaled-dot-product kernel serves each call shape of model.attend (training
+              layout, causal, prefill, decoding passes, a one-token prompt), in float32 and
+              bfloat16, with the layout of the kernel's output and its time
+  latency     one cached forward pass of T = 1..32 new positions per row, batch 1 and 16, on
+              SmolLM2-135M-shaped and Llama-3.1-8B-shaped random weights (as many 8B layers as
+              memory allows)
+  decode      tokens/s of greedy, ConfAdapt and lossless decoding on a SmolLM2-135M-shaped model
+              whose every prediction is made confident on purpose (its logits scaled by 1000): each
+              ConfAdapt pass keeps k_max tokens, so the passes have the shapes of a tuned model's
+  train_step  one distillation step (student + frozen teacher, AdamW) at the paper's shapes, on 2
+              and 4 Llama-3.1-8B-shaped layers: time and peak memory, extrapolated to 32 layers
+  syncs       host-device synchronisations in one ragged ConfAdapt pass and per generated pass
+  bf16        what holds in --dtype: lossless == greedy, batched == one at a time (share of rows)
+  smoke_model DIR: write a tiny random grouped-query model (4 heads, 2 KV heads) with a tokenizer
+  compare     A B: the largest weight difference between two exported model folders
 """
+
 import argparse
 import json
 import os
@@ -32,8 +38,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import model as M  # noqa: E402
 from confadapt import DecodeConfig, decode_pass, generate, prefill  # noqa: E402
+from data import mtp_layout, word_problem_tokenizer  # noqa: E402
+from distill import frozen_teacher, mtp_loss  # noqa: E402
 
 aten = torch.ops.aten
+
+# The two model shapes the figures are about (random weights: only the shapes matter here).
+SMOLLM2 = dict(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_dim=1536,
+               tie_embeddings=True, max_seq_len=2048)
+LLAMA8B = dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+               rope_theta=500000.0, max_seq_len=4096)
+# --small (a CPU dry run): the same code at a size a CPU runs in seconds.
+SMALL = dict(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128,
+             max_seq_len=2048)
 
 
 class HostSyncs(TorchDispatchMode):
@@ -62,7 +79,8 @@ class HostSyncs(TorchDispatchMode):
         elif func in (aten.nonzero.default, aten.masked_select.default):
             self.counts[func.__name__.split(".")[0]] += 1
         elif func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default) and any(
-                torch.is_tensor(i) and i.dtype == torch.bool for i in args[1] if i is not None):
+            torch.is_tensor(i) and i.dtype == torch.bool for i in args[1] if i is not None
+        ):
             self.counts["boolean index"] += 1
         return func(*args, **(kwargs or {}))
 
@@ -71,91 +89,266 @@ class HostSyncs(TorchDispatchMode):
         return sum(self.counts.values())
 
 
-def environment(device) -> dict:
-    cuda = device.type == "cuda"
-    return {"torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
-            "device": torch.cuda.get_device_name(device) if cuda else "cpu",
-            "capability": list(torch.cuda.get_device_capability(device)) if cuda else None,
-            "bf16_supported": torch.cuda.is_bf16_supported() if cuda else None,
-            "memory_gb": round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1) if cuda else None}
-
-
-def _sync(device):
+def synchronize(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def measure(fn, device, repeats=5) -> dict:
-    """Kernel names (from the profiler), median seconds and peak memory of fn()."""
-    fn()                                                                  # warm-up
-    _sync(device)
-    with torch.profiler.profile() as prof:
-        fn()
-        _sync(device)
-    kernels = sorted({e.name for e in prof.events() if e.name.startswith("aten::_scaled_dot_product")
-                      or e.name.startswith("aten::_efficient_attention") or e.name.startswith("aten::_flash_attention")})
+def random_model(shape: dict, device, dtype, n_layers=None) -> M.Transformer:
+    """A model of this shape with random weights, built on the device in its dtype."""
+    torch.manual_seed(0)
+    cfg = M.ModelConfig(**{**shape, "n_layers": n_layers or shape["n_layers"]})
+    cfg.mask_token_id = cfg.vocab_size - 1
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # no float32 copy of an 8B model on the way
+    try:
+        with torch.device(device):
+            model = M.Transformer(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    return model.eval()
+
+
+def median_seconds(fn, device, repeats: int) -> float:
+    fn()  # warm-up
     times = []
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     for _ in range(repeats):
+        synchronize(device)
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        synchronize(device)
         times.append(time.perf_counter() - t0)
-    peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20 if device.type == "cuda" else None
-    return {"kernels": kernels, "ms": 1e3 * statistics.median(times), "peak_mib": peak}
+    return statistics.median(times)
 
 
-def attention(device, dtype) -> dict:
-    from data import mtp_layout
+def environment(device, dtype, small) -> dict:
+    cuda = device.type == "cuda"
+    return {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "capability": list(torch.cuda.get_device_capability(device)) if cuda else None,
+        "native_bf16": M.native_bfloat16_gpu(device),
+        "auto_dtype": str(M.parse_dtype("auto", device)),
+        "memory_gb": (
+            round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1)
+            if cuda
+            else None
+        ),
+    }
 
+
+def attention_calls(shape: dict, small: bool) -> dict:
+    """name -> (B, T, S, mask, backward): the shapes in which the model calls attention."""
     g = torch.Generator().manual_seed(0)
-    seqs = torch.randint(5, 100, (8, 160), generator=g)
-    layout = mtp_layout(seqs, k=16, offset=0, n_regions=5, mask_id=1, eos_id=2, pad_id=2)     # L = 160 + 5 * 15
-    lengths = torch.randint(900, 1024, (16,), generator=g)
-    slots = lengths[:, None] + torch.arange(16)                                              # (16, 16)
-    cases = {"training": (8, layout.attn_mask.shape[-1], layout.attn_mask.shape[-1], layout.attn_mask[:, None], True),
-             "decoding": (16, 16, 1040, torch.arange(1040)[None, None, None, :] <= slots[:, None, :, None], False)}
-    out = {}
-    for name, (B, T, S, mask, backward) in cases.items():
-        q = torch.randn(B, 32, T, 128, device=device, dtype=dtype, requires_grad=backward)
-        k, v = (torch.randn(B, 8, S, 128, device=device, dtype=dtype, requires_grad=backward) for _ in range(2))
-        mask = mask.to(device)
-        calls = {"old: mask + enable_gqa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
-                 "model.attend with mask": lambda: M.attend(q, k, v, mask)}
-        if T == S:
-            calls["model.attend causal"] = lambda: M.attend(q, k, v, None)
+    rows, n_tokens = (2, 40) if small else (8, 160)
+    seqs = torch.randint(5, 100, (rows, n_tokens), generator=g)
+    layout = mtp_layout(
+        seqs, k=16 if not small else 4, offset=0, n_regions=5, mask_id=1, eos_id=2, pad_id=2
+    )
+    L = layout.attn_mask.shape[-1]
+    cached = 256 if small else 1024
 
-        def run(call):
-            y = call()
-            if backward:
-                y.backward(torch.ones_like(y))
-        out[name] = {"shape": {"B": B, "T": T, "S": S, "heads": 32, "kv_heads": 8, "head_dim": 128,
-                               "backward": backward}, **{c: measure(lambda c=c: run(calls[c]), device) for c in calls}}
+    def decoding(B, T):  # a cached pass: T new tokens after `cached` ones
+        slots = cached + torch.arange(T)
+        mask = torch.arange(cached + T)[None, None, None, :] <= slots[None, None, :, None]
+        return B, T, cached + T, mask, False
+
+    return {
+        "training layout (mask, forward + backward)": (rows, L, L, layout.attn_mask[:, None], True),
+        "causal training (no mask)": (rows, n_tokens, n_tokens, None, True),
+        "prefill of 100 tokens (cached)": (1, 100, 100, torch.ones(100, 100).bool().tril(), False),
+        "decoding, batch 1, 4 new tokens": decoding(1, 4),
+        "decoding, batch 16, 16 new tokens": decoding(16, 16),
+        "one-token prompt (key length 1)": (1, 1, 1, torch.ones(1, 1, 1, 1).bool(), False),
+    }
+
+
+def kernels(device, dtype, small) -> dict:
+    """For each call shape: the kernel the profiler saw, the layout of the raw kernel output
+    (contiguous, or transposed as the memory-efficient kernel returns it), and the time."""
+    layouts = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):  # model.attend's call, output layout noted
+        y = sdpa(*args, **kwargs)
+        layouts.append("contiguous" if y.is_contiguous() else f"strides {tuple(y.stride())}")
+        return y
+
+    out = {}
+    for shape_name, shape in {"smollm2": SMOLLM2, "llama8b": LLAMA8B}.items():
+        shape = SMALL if small else shape
+        H, n_kv, hd = shape["n_heads"], shape["n_kv_heads"], shape["dim"] // shape["n_heads"]
+        for call, (B, T, S, mask, backward) in attention_calls(shape, small).items():
+            for dt in ([torch.float32, torch.bfloat16] if device.type == "cuda" else [dtype]):
+                q = torch.randn(B, H, T, hd, device=device, dtype=dt, requires_grad=backward)
+                k, v = (
+                    torch.randn(B, n_kv, S, hd, device=device, dtype=dt, requires_grad=backward)
+                    for _ in "kv"
+                )
+                m = None if mask is None else mask.to(device)
+
+                def run():
+                    y = M.attend(q, k, v, m)
+                    if backward:
+                        y.backward(torch.ones_like(y))
+
+                F.scaled_dot_product_attention = recording
+                try:
+                    layouts.clear()
+                    with torch.profiler.profile() as prof:
+                        run()
+                        synchronize(device)
+                    layout = layouts[0]
+                finally:
+                    F.scaled_dot_product_attention = sdpa
+                ops = {e.name for e in prof.events() if e.name.startswith("aten::_")}
+                names = sorted(name for name in ops if "attention" in name)
+                out[f"{shape_name} | {call} | {str(dt).removeprefix('torch.')}"] = {
+                    "B": B,
+                    "T": T,
+                    "S": S,
+                    "heads": H,
+                    "kv_heads": n_kv,
+                    "head_dim": hd,
+                    "kernels": names,
+                    "output": layout,
+                    "ms": 1e3 * median_seconds(run, device, 5),
+                }
     return out
 
 
-def model_135m(device, dtype, n_layers=30) -> M.Transformer:
-    """SmolLM2-135M's shape (random weights): 30 layers, dim 576, 9 heads, 3 KV heads."""
-    torch.manual_seed(0)
-    cfg = M.ModelConfig(vocab_size=49152, dim=576, n_layers=n_layers, n_heads=9, n_kv_heads=3, ffn_dim=1536,
-                        tie_embeddings=True, max_seq_len=2048, mask_token_id=49151)
-    return M.Transformer(cfg).to(device=device, dtype=dtype).eval()
+def latency(device, dtype, small) -> dict:
+    """Milliseconds of one cached pass of T new positions per row at batch 1 and 16."""
+    from bench_modes import forward_latency  # benchmarks/, beside this file
 
-
-def ragged_setup(model, B=16, context=256):
-    """A cache of B rows at slightly different lengths and one ConfAdapt-like ragged pass to feed."""
-    cache = model.new_cache(B, context + 64)
-    prefill(model, cache, {b: list(range(1, context - b)) for b in range(B)}, 0)
-    inputs = [[5] * (1 + b % 4) + [model.config.mask_token_id] * 15 for b in range(B)]   # accepted + masks
-    return cache, inputs
+    sizes = [1, 2, 4, 8] if small else list(range(1, 33))
+    out = {}
+    for name, shape in {"smollm2": SMOLLM2, "llama8b": LLAMA8B}.items():
+        n_layers = None
+        if small:
+            shape = SMALL
+        elif name == "llama8b" and device.type == "cuda":
+            # 32 layers in bfloat16: 16 GB; fewer where memory is tight
+            free = torch.cuda.mem_get_info(device)[0] / 2**30
+            n_layers = 32 if free > 40 else 8
+        model = random_model(shape, device, dtype, n_layers)
+        curves = {
+            bs: {T: 1e3 * s for T, s in forward_latency(model, bs, 256, sizes, repeats=5).items()}
+            for bs in (1, 16)
+        }
+        out[name] = {
+            "layers": model.config.n_layers,
+            "dtype": str(dtype),
+            "context": 256,
+            "ms": curves,
+        }
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
 
 
 @torch.inference_mode()
-def syncs(device, dtype) -> dict:
-    model = model_135m(device, dtype, n_layers=30)
-    cache, inputs = ragged_setup(model, B=4, context=64)
+def decode(device, dtype, small) -> dict:
+    """Decoding speed on SmolLM2's shape, every prediction confident: scaling the final norm's
+    weight by 1000 scales every logit by 1000, so each top-1 probability is near 1 and ConfAdapt
+    keeps k_max tokens per pass (lossless still keeps only drafts its next pass confirms)."""
+    model = random_model(SMALL if small else SMOLLM2, device, dtype)
+    model.norm.weight.mul_(1000.0)
+    g = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(0, 1000 if not small else 500, (n,), generator=g).tolist()
+        for n in range(48, 64)
+    ]
+    n_new = 32 if small else 128
+    modes = [
+        DecodeConfig("greedy"),
+        DecodeConfig("confadapt", tau=0.9, k_max=4),
+        DecodeConfig("lossless", k=4),
+    ]
+    out = {}
+    for bs in (1, 16):
+        for mode in modes:
+            rows = prompts[:1] if bs == 1 else prompts
+            generate(model, rows, 8, mode, batch_size=bs)  # warm-up
+            _, stats = generate(model, rows, n_new, mode, batch_size=bs)
+            out[f"batch {bs} | {mode.describe()}"] = {
+                "tokens_per_second": stats.tokens_per_second,
+                "tokens_per_pass": stats.effective_k,
+                "forward_passes": stats.forward_passes,
+            }
+        greedy = out[f"batch {bs} | greedy"]["tokens_per_second"]
+        for key in out:
+            if key.startswith(f"batch {bs} |"):
+                out[key]["vs_greedy"] = out[key]["tokens_per_second"] / greedy
+    return {
+        "model": "SmolLM2-135M shape, random weights, logits x1000",
+        "dtype": str(dtype),
+        "new_tokens": n_new,
+        **out,
+    }
+
+
+def train_step(device, dtype, small) -> dict:
+    """One hard-distillation step as finetune_hf.py takes it: float32 master weights, compute in
+    `dtype` (autocast), a frozen teacher in `dtype`, AdamW. The paper's shapes: 8 rows of 160
+    tokens a micro-batch, k = 16, 5 regions. Time and peak memory on 2 and 4 layers; one layer
+    costs their difference / 2, so 32 layers cost the 2-layer figure + 30 of those."""
+    shape, rows, seq_len, k = (SMALL, 2, 40, 4) if small else (LLAMA8B, 8, 160, 16)
+    figures = {}
+    for n_layers in (2, 4):
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        student = random_model(shape, device, torch.float32, n_layers).train()
+        teacher = frozen_teacher(student).to(dtype)
+        optimizer = student.configure_optimizer(lr=1e-5, weight_decay=0.0)
+        seqs = torch.randint(5, 500, (rows, seq_len), generator=torch.Generator().manual_seed(0))
+        batch = mtp_layout(
+            seqs, k=k, offset=0, n_regions=5, mask_id=student.config.mask_token_id
+        ).to(device)
+
+        def step():
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                loss, _ = mtp_loss(student, teacher, batch, mode="hard")
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        seconds = median_seconds(step, device, 3)
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        figures[n_layers] = {"seconds": seconds, "peak_gb": peak}
+        del student, teacher, optimizer
+    per_layer = {
+        key: (figures[4][key] - figures[2][key]) / 2 if figures[2][key] is not None else None
+        for key in ("seconds", "peak_gb")
+    }
+    at_32 = {
+        key: figures[2][key] + 30 * per_layer[key] if per_layer[key] is not None else None
+        for key in ("seconds", "peak_gb")
+    }
+    return {
+        "shape": "tiny (--small)" if small else "Llama-3.1-8B",
+        "rows": rows,
+        "seq_len": seq_len,
+        "k": k,
+        "regions": 5,
+        "compute_dtype": str(dtype),
+        "measured": figures,
+        "per_layer": per_layer,
+        "extrapolated_32_layers": at_32,
+    }
+
+
+@torch.inference_mode()
+def syncs(device, dtype, small) -> dict:
+    model = random_model(SMALL if small else SMOLLM2, device, dtype)
+    cache = model.new_cache(4, 128)
+    prefill(model, cache, {b: list(range(1, 60 - b)) for b in range(4)}, 0)
+    masks = [model.config.mask_token_id] * 15
+    inputs = [[5] * (1 + b % 4) + masks for b in range(4)]  # accepted tokens, then masks
     mark = cache.lengths.clone()
     with HostSyncs() as one:
         decode_pass(model, cache, inputs, [len(x) - 16 for x in inputs], [16] * len(inputs), 0)
@@ -163,51 +356,57 @@ def syncs(device, dtype) -> dict:
     prompts = [list(range(1, n)) for n in (9, 17, 30, 12)]
     with HostSyncs() as whole:
         _, stats = generate(model, prompts, 24, DecodeConfig("confadapt", tau=0.5, k_max=8))
-    out = {"layers": model.config.n_layers, "one_ragged_pass": dict(one.counts), "one_ragged_pass_total": one.total,
-           "generate_passes": stats.forward_passes, "generate_total": whole.total,
-           "generate_per_pass": whole.total / stats.forward_passes, "generate": dict(whole.counts)}
-    if device.type == "cuda":                         # a second opinion: CUDA's own count of synchronising calls
-        import warnings
-        torch.cuda.set_sync_debug_mode("warn")
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            decode_pass(model, cache, inputs, [len(x) - 16 for x in inputs], [16] * len(inputs), 0)
-            torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("default")
-        out["one_ragged_pass_cuda_sync_warnings"] = sum("synchroniz" in str(w.message) for w in caught)
-    return out
+    return {
+        "layers": model.config.n_layers,
+        "one_ragged_pass": dict(one.counts),
+        "one_ragged_pass_total": one.total,
+        "generate_passes": stats.forward_passes,
+        "generate_total": whole.total,
+        "generate_per_pass": whole.total / stats.forward_passes,
+        "generate": dict(whole.counts),
+    }
 
 
 @torch.inference_mode()
-def decode(device, dtype) -> dict:
-    model = model_135m(device, dtype)
-    cache, inputs = ragged_setup(model)
-    mark = cache.lengths.clone()
-
-    def one_pass():
-        decode_pass(model, cache, inputs, [len(x) - 16 for x in inputs], [16] * len(inputs), 0)
-        cache.rollback(mark)
-    return {"model": "SmolLM2-135M shape, random weights", "batch": 16, "cached": 256, "new_per_row": 16,
-            "threads": torch.get_num_threads(), **measure(one_pass, device, repeats=7)}
-
-
-@torch.inference_mode()
-def bf16(device, dtype) -> dict:
+def bf16(device, dtype, small) -> dict:
     torch.manual_seed(0)
-    cfg = M.ModelConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=128,
-                        mask_token_id=63)
+    cfg = M.ModelConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128,
+                        max_seq_len=128, mask_token_id=63)
     model = M.Transformer(cfg).eval()
     for p in model.parameters():
         if p.dim() > 1:
-            p.normal_(0.0, 0.3)                           # well-separated argmaxes, as in the tests
+            p.normal_(0.0, 0.3)  # well-separated argmaxes, as in the tests
     model = model.to(device=device, dtype=dtype)
-    prompts = [torch.randint(0, 62, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in range(1, 33)]
+    prompts = [
+        torch.randint(0, 62, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        for n in range(1, 33)
+    ]
     greedy = [g.tokens for g in generate(model, prompts, 40, DecodeConfig("greedy"))[0]]
     alone = [generate(model, [p], 40, DecodeConfig("greedy"))[0][0].tokens for p in prompts]
     lossless = [g.tokens for g in generate(model, prompts, 40, DecodeConfig("lossless", k=8))[0]]
-    same = lambda a, b: sum(x == y for x, y in zip(a, b)) / len(a)
-    return {"dtype": str(dtype), "rows": len(prompts), "lossless_equals_greedy": same(lossless, greedy),
-            "batched_equals_alone": same(greedy, alone)}
+
+    def same(a, b):
+        return sum(x == y for x, y in zip(a, b)) / len(a)
+
+    return {
+        "dtype": str(dtype),
+        "rows": len(prompts),
+        "lossless_equals_greedy": same(lossless, greedy),
+        "batched_equals_alone": same(greedy, alone),
+    }
+
+
+def smoke_model(folder) -> dict:
+    """A random grouped-query Llama (4 heads sharing 2 KV heads) with the word-problem tokenizer:
+    every masked attention call of training, evaluation and decoding takes the grouped path."""
+    tok = word_problem_tokenizer()
+    cfg = M.ModelConfig(vocab_size=tok.n_vocab, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                        ffn_dim=128, max_seq_len=512, bos_token_id=tok.bos_id,
+                        eos_token_id=tok.eos_id)
+    torch.manual_seed(0)
+    M.Transformer(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return {"folder": str(folder), "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads}
 
 
 def compare(folder_a, folder_b) -> dict:
@@ -215,32 +414,57 @@ def compare(folder_a, folder_b) -> dict:
     a, b = M.read_safetensors(folder_a), M.read_safetensors(folder_b)
     if a.keys() != b.keys():
         raise ValueError(f"{folder_a} and {folder_b} hold different tensors")
-    return {"max_abs_diff": max(float((a[n].float() - b[n].float()).abs().max()) for n in a),
-            "identical": all(torch.equal(a[n], b[n]) for n in a),
-            "dtypes": sorted({str(t.dtype) for t in a.values()} | {str(t.dtype) for t in b.values()})}
+    return {
+        "max_abs_diff": max(float((a[n].float() - b[n].float()).abs().max()) for n in a),
+        "identical": all(torch.equal(a[n], b[n]) for n in a),
+        "dtypes": sorted({str(t.dtype) for t in a.values()} | {str(t.dtype) for t in b.values()}),
+    }
 
 
-SECTIONS = {"env": lambda d, t: environment(d), "attention": attention, "syncs": syncs, "decode": decode, "bf16": bf16}
+SECTIONS = {
+    "env": environment,
+    "kernels": kernels,
+    "latency": latency,
+    "decode": decode,
+    "train_step": train_step,
+    "syncs": syncs,
+    "bf16": bf16,
+}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("section", choices=[*SECTIONS, "compare"])
-    p.add_argument("folders", nargs="*", help="compare: two exported model folders")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("section", choices=[*SECTIONS, "smoke_model", "compare"])
+    p.add_argument(
+        "folders", nargs="*", help="smoke_model: the folder to write; compare: two model folders"
+    )
+    p.add_argument("--device", default="cuda", help="cuda (the default), cuda:N or cpu")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="auto (the default): bfloat16 on a GPU that computes it natively, else float32",
+    )
+    p.add_argument(
+        "--small", action="store_true", help="small shapes: a dry run of the script on a CPU"
+    )
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", default=None, help="also write the figures to this file")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        if args.section == "compare":
-            if len(args.folders) != 2:
-                raise ValueError("compare needs two model folders")
-            figures = compare(*args.folders)
+        if args.section in ("smoke_model", "compare"):
+            wanted = {"smoke_model": 1, "compare": 2}[args.section]
+            if len(args.folders) != wanted:
+                raise ValueError(f"{args.section} takes {wanted} folder(s)")
+            if args.section == "smoke_model":
+                figures = smoke_model(*args.folders)
+            else:
+                figures = compare(*args.folders)
         else:
-            figures = SECTIONS[args.section](M.parse_device(args.device), getattr(torch, args.dtype))
+            device = M.parse_device(args.device)
+            figures = SECTIONS[args.section](device, M.parse_dtype(args.dtype, device), args.small)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -2,8 +2,9 @@
 
 Two suites that never mix. By default every test runs on the CPU: CUDA is hidden before torch
 starts (from the subprocesses the tests start, too), so no test can follow `auto` onto a GPU the
-machine happens to have. With MTP_GPU_TESTS=1 only the tests marked `gpu` run, on CUDA (their
-`device` fixture), in the dtype each names:
+machine happens to have; there the tests marked `gpu` meet attention outputs laid out as CUDA's
+memory-efficient kernel lays them out (`cuda_attention_layout`). With MTP_GPU_TESTS=1 only the
+tests marked `gpu` run, on CUDA (their `device` fixture), in the dtype each names:
 
     MTP_GPU_TESTS=1 python -m pytest -q tests
 """
@@ -16,6 +17,7 @@ if not GPU:
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -33,12 +35,32 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" not in item.keywords:
                 item.add_marker(skip)
+        return
+    # On the CPU the gpu-marked tests meet attention outputs laid out as a GPU kernel lays them out.
+    for item in items:
+        if "gpu" in item.keywords:
+            item.fixturenames.append("cuda_attention_layout")
 
 
 @pytest.fixture
 def device():
     """Where a `gpu`-marked test runs: the CPU by default, CUDA in the GPU suite."""
     return torch.device("cuda" if GPU else "cpu")
+
+
+@pytest.fixture
+def cuda_attention_layout(monkeypatch):
+    """Attention outputs laid out in memory as CUDA's memory-efficient kernel returns them.
+
+    That kernel allocates its output as (B, T, H, hd) and returns it transposed to (B, H, T, hd):
+    the right values with other strides, so a `.view` that works on the CPU can fail on a GPU.
+    Here every scaled_dot_product_attention call returns that layout, on any device."""
+    sdpa = F.scaled_dot_product_attention
+
+    def transposed_in_memory(*args, **kwargs):
+        y = sdpa(*args, **kwargs)                                 # (B, H, T, hd), contiguous
+        return y.transpose(1, 2).contiguous().transpose(1, 2)     # the same, laid out (B, T, H, hd)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", transposed_in_memory)
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ processes, GSM8K scoring as lm-evaluation-harness does it, export to transformer
 The tiny base model is written by transformers itself (LlamaForCausalLM.save_pretrained) with
 the word-problem tokenizer beside it, exactly as a downloaded checkpoint would look.
 """
+import argparse
 import json
 import math
 import os
@@ -269,6 +270,26 @@ def test_fsdp2_on_two_cpu_processes_matches_one_process(tiny, tmp_path):
         torch.testing.assert_close(a[n], b[n], atol=2e-6, rtol=1e-5)
 
 
+def test_fsdp2_teacher_gives_back_its_gathered_root_after_each_forward(tiny, tmp_path):
+    """The frozen teacher runs no backward, so FSDP2 must reshard its root (the embedding and the
+    output layer, about 2 GB for an 8B model) right after its forward, or every rank keeps them
+    whole for the run. One process in a gloo group of one is enough to see it."""
+    from torch.distributed.tensor import DTensor
+
+    store = f"file://{tmp_path / 'store'}"
+    torch.distributed.init_process_group("gloo", init_method=store, rank=0, world_size=1)
+    try:
+        d = F.Dist(rank=0, world=1, device=torch.device("cpu"), dtype=torch.float32, sharded=True)
+        args = argparse.Namespace(model=str(tiny / "base"))
+        _, teacher, _, _ = F.load_student_and_teacher(args, d)
+        with torch.no_grad():
+            teacher(torch.zeros(1, 4, dtype=torch.long))
+        assert isinstance(teacher.tok_emb.weight, DTensor)          # sharded again, not held whole
+        assert isinstance(teacher.layers[0].attn.wq.weight, DTensor)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 def test_qwen3_tied_checkpoint_reuses_a_spare_row_and_uses_the_qwen_recipe(tmp_path):
     """Qwen3 layout: tied embeddings, spare rows after the tokenizer, <|endoftext|> first."""
     from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -408,6 +429,16 @@ def test_bfloat16_training_on_cpu(tiny, tmp_path):
     assert F.main(train_args(tiny, tmp_path / "bf16", "--steps", "2", "--dtype", "bfloat16")) == 0
     log = [json.loads(line) for line in (tmp_path / "bf16" / "log.jsonl").read_text().splitlines()]
     assert len(log) == 2 and all(math.isfinite(r["loss"]) for r in log)
+
+
+def test_auto_compute_dtype_on_a_gpu_that_only_emulates_bfloat16(monkeypatch):
+    """A T4 or V100 says yes to torch.cuda.is_bf16_supported() counting emulation: float32 there."""
+    def t4(including_emulation=True):
+        return including_emulation
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", t4)
+    assert F.compute_dtype("cuda") == torch.float32
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert F.compute_dtype("cuda") == torch.bfloat16
 
 
 def test_bad_input_gives_one_error_line(tiny, tmp_path, capsys):

@@ -12,7 +12,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from model import KVCache, ModelConfig, Transformer, add_mask_token, attend, config_from_hf, parse_device  # noqa: E402
+from model import (KVCache, ModelConfig, Transformer, add_mask_token, attend,  # noqa: E402
+                   config_from_hf, parse_device, parse_dtype, plan_cached_pass, rope_inv_freq)
 
 LLAMA3 = dict(
     model_type="llama", vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
@@ -128,6 +129,67 @@ def test_attend_matches_the_definition(heads, device):
                                atol=1e-5, rtol=1e-5)
 
 
+def every_attention_path(model: Transformer) -> list[torch.Tensor]:
+    """Logits and gradients of each way the model calls attention: the packed training layout
+    (a boolean mask, forward and backward), causal training, a cached prefill, a cached pass of
+    several tokens, a ragged pass and a one-token prompt (a key length of 1)."""
+    from data import mtp_layout
+
+    model.zero_grad()
+    seqs = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(0))
+    batch = mtp_layout(seqs, k=3, offset=1, n_regions=4, mask_id=96)
+    packed = model(batch.input_ids, positions=batch.positions, attn_mask=batch.attn_mask)
+    causal = model(seqs)
+    (packed.square().mean() + causal.square().mean()).backward()
+    out = [packed, causal, model.layers[0].attn.wq.weight.grad, model.tok_emb.weight.grad]
+    with torch.no_grad():
+        cache = model.new_cache(2, 64)
+        out.append(model(seqs[:, :10], cache=cache))                         # prefill
+        out.append(model(seqs[:, 10:14], cache=cache))                       # 4 cached tokens
+        out.append(model(seqs[:, 14:20], cache=cache, n_tokens=[6, 2]))      # ragged
+        out.append(model(seqs[:1, :1], cache=model.new_cache(1, 8)))         # one-token prompt
+    return out
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+def test_every_attention_path_takes_the_gpu_output_layout(heads, request):
+    """On a GPU, attention outputs may come back transposed in memory (conftest.py's
+    cuda_attention_layout emulates it): every path must give the same logits and gradients."""
+    H, n_kv = heads
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=97, dim=64, n_layers=2, n_heads=H, n_kv_heads=n_kv, ffn_dim=96)
+    model = Transformer(cfg)
+    plain = every_attention_path(model)
+    request.getfixturevalue("cuda_attention_layout")
+    for want, got in zip(plain, every_attention_path(model)):
+        assert torch.equal(want, got)
+
+
+def test_casting_the_model_keeps_rope_frequencies_in_float32():
+    """`.to(bfloat16)` casts every floating-point buffer; the RoPE frequencies must stay exact,
+    or a position's angle is off by up to 0.4 radians below position 2048."""
+    cfg = ModelConfig(vocab_size=97, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=96,
+                      rope_theta=500000.0)
+    model = Transformer(cfg).to(torch.bfloat16)
+    assert model.tok_emb.weight.dtype == torch.bfloat16
+    assert model.inv_freq.dtype == torch.float32
+    assert torch.equal(model.inv_freq, rope_inv_freq(cfg))
+
+
+def test_auto_dtype_is_bfloat16_only_on_a_gpu_that_computes_it(monkeypatch):
+    """--dtype auto: float32 on the CPU and on GPUs that only emulate bfloat16 (a T4 or V100,
+    where torch.cuda.is_bf16_supported() says yes by default), bfloat16 from Ampere on."""
+    cuda = torch.device("cuda")
+    assert parse_dtype("auto", torch.device("cpu")) == torch.float32
+    def t4(including_emulation=True):
+        return including_emulation
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", t4)
+    assert parse_dtype("auto", cuda) == torch.float32
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert parse_dtype("auto", cuda) == torch.bfloat16                               # an A100
+    assert parse_dtype("float32", cuda) == torch.float32
+
+
 def test_older_and_newer_config_styles_agree():
     old = dict(LLAMA3, torch_dtype="bfloat16")
     new = {k: v for k, v in LLAMA3.items() if k not in ("rope_theta", "rope_scaling")}
@@ -198,6 +260,30 @@ def test_ragged_pass_matches_full_recompute_and_caches_only_real_tokens(device):
             assert torch.allclose(got[b, :n], full[b, done[b]:done[b] + n], atol=1e-5)
     with pytest.raises(ValueError, match="needs a KV cache"):
         model(seq, n_tokens=torch.tensor([1, 2, 3]))
+
+
+def test_cached_passes_reading_whole_key_blocks_match_full_recompute():
+    """On a GPU a cached pass reads the key slots in blocks of 64 (KVCache.key_block), so the
+    attention shapes change once per block: the unwritten slots it reads must change nothing."""
+    model = small_random_model()
+    seq = torch.randint(0, 97, (3, 40))
+    with torch.no_grad():
+        full = model(seq)
+        cache = model.new_cache(3, 100)
+        cache.key_block = 64
+        assert plan_cached_pass(cache, 5).S == 64 and plan_cached_pass(cache, 99).S == 100
+        done = [0, 0, 0]
+        for feed in ([5, 1, 9], [3, 7, 0], [1, 12, 4], [9, 2, 2]):
+            T = max(feed)
+            tokens = torch.zeros(3, T, dtype=torch.long)
+            for b, n in enumerate(feed):
+                tokens[b, :n] = seq[b, done[b]:done[b] + n]
+            got = model(tokens, cache=cache, n_tokens=feed)
+            for b, n in enumerate(feed):
+                want = full[b, done[b]:done[b] + n]
+                torch.testing.assert_close(got[b, :n], want, atol=1e-5, rtol=1e-5)
+                done[b] += n
+        assert cache.lengths.tolist() == done
 
 
 def test_a_ragged_pass_reads_the_device_once_whatever_the_depth():
