@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from data import Tokenizer
+from data import FORMATS, Tokenizer, default_format, end_token, prompt_tokens
 from model import Transformer, parse_device, parse_dtype
 
 MODES = ("greedy", "static", "confadapt", "lossless")
@@ -403,7 +403,11 @@ def add_model_args(p):
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and compute; auto (the default): bfloat16 on a GPU that computes "
                    "it natively (Ampere and newer), float32 on the CPU and older GPUs")
-    g.add_argument("--no-bos", action="store_true", help="do not prepend the model's BOS token to the prompt")
+    g.add_argument("--format", default="auto", choices=["auto", "raw", *FORMATS],
+                   help="how --prompt becomes tokens. auto (the default): the model's chat format "
+                   "(llama3-chat, chatml or qwen) with --prompt as the user's message, when its tokenizer "
+                   "has one, else raw; raw: the text itself after the model's BOS token")
+    g.add_argument("--no-bos", action="store_true", help="raw: do not put the model's BOS token first")
     g.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch (default: torch's "
                    "choice; small models on a busy machine: 1 is fastest and steadiest)")
 
@@ -441,7 +445,25 @@ def load(args, mode: DecodeConfig):
                          f"tokenizer): only --greedy works; add one with model.add_mask_token and fine-tune")
     return model, tokenizer, mask_id, stop_ids
 
-def encode_prompt(tokenizer, model, text: str, no_bos: bool) -> list[int]:
+def prompt_format(name: str, tokenizer, model) -> str:
+    """--format auto: the model's chat format when its tokenizer has one, else raw text."""
+    if name != "auto":
+        return name
+    fmt = default_format(tokenizer, model.config.model_type)
+    return "raw" if fmt == "plain" else fmt
+
+def chat_stop_ids(stop_ids: set, tokenizer, fmt: str) -> set:
+    """In a chat format the end of the assistant's turn stops generation too."""
+    return stop_ids if fmt == "raw" else stop_ids | {end_token(tokenizer, fmt)}
+
+def encode_prompt(tokenizer, model, text: str, fmt: str, no_bos: bool = False) -> list[int]:
+    """raw: BOS (unless no_bos) + the text; a chat format: the text as the user's message, up to
+    where the assistant's answer starts, with the special tokens the format's template adds."""
+    if fmt != "raw":
+        if no_bos:
+            raise CliError(f"--no-bos applies to raw prompts; this one is in the {fmt} format "
+                           "(--format raw gives the text as it is)")
+        return prompt_tokens(tokenizer, fmt, text)
     bos = model.config.bos_token_id
     return ([] if no_bos or bos is None else [bos]) + tokenizer.encode(text)
 
@@ -482,7 +504,9 @@ def generate_main(argv):
     k_max = 16 if args.k_max is None else args.k_max
     mode = DecodeConfig(kind, k=args.static_k or k_max, tau=0.9 if args.tau is None else args.tau, k_max=k_max)
     model, tokenizer, mask_id, stop_ids = load(args, mode)
-    prompt = encode_prompt(tokenizer, model, args.prompt, args.no_bos)
+    fmt = prompt_format(args.format, tokenizer, model)
+    stop_ids = chat_stop_ids(stop_ids, tokenizer, fmt)
+    prompt = encode_prompt(tokenizer, model, args.prompt, fmt, args.no_bos)
     generate(model, [prompt[-8:]], 2, mode, mask_id)         # untimed warm-up: first calls are slow
     [gen], s = generate(model, [prompt], args.max_new_tokens, mode, mask_id, stop_ids)
     texts = chunk_texts(tokenizer, gen.tokens, gen.chunk_sizes)
@@ -501,7 +525,12 @@ def generate_main(argv):
               f"accepted/pass   {' '.join(f'{n}:{c}' for n, c in s.accept_hist.items())}\n"
               f"wall time       {s.seconds:.3f} s (prefill {s.prefill_seconds:.3f} s)\n"
               f"tokens/second   {s.tokens_per_second:.1f} (decoding)\nchunk ends      {gen.boundaries}", sep="\n")
+    context_full = not gen.stopped and len(gen.tokens) < args.max_new_tokens
+    if context_full:
+        print(f"note: stopped at the end of the model's context ({model.config.max_seq_len} tokens)",
+              file=sys.stderr)
     if args.png:
+        os.makedirs(os.path.dirname(args.png) or ".", exist_ok=True)
         save_chunks_png(args.png, args.prompt, texts, gen.chunk_sizes, title=f"{s.mode}: {s.tokens} tokens in "
                         f"{s.forward_passes} passes (effective k {s.effective_k:.2f})")
 

@@ -64,9 +64,10 @@ def mtp_layout(seqs: torch.Tensor, k: int, offset: int, n_regions: int, mask_id:
     """
     (B, N), device = seqs.shape, seqs.device
     S, M, R = k - 1, n_regions, N // n_regions                    # slots per region, regions, region length
-    if not (M >= 1 and R >= 1 and 0 <= offset < R):
-        raise ValueError(f"need 1 <= n_regions <= seq_len and 0 <= offset < {R}, "
-                         f"got n_regions={M}, offset={offset}, seq_len={N}")
+    if not 1 <= M <= N:
+        raise ValueError(f"need 1 <= n_regions <= seq_len, got n_regions={M}, seq_len={N}")
+    if not 0 <= offset < R:
+        raise ValueError(f"need 0 <= offset < seq_len // n_regions = {R}, got offset={offset}")
     ends = offset + R * torch.arange(M, device=device)                            # (M,) prefix ends e_r
     L = N + M * S
     steps = torch.arange(N, device=device)
@@ -433,6 +434,17 @@ def toy_tokenizer() -> Tokenizer:
 # Prompt and response are tokenized apart, as transformers' apply_chat_template does.
 FORMATS = ("llama3-chat", "chatml", "qwen", "plain")
 CHATML_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"   # if none
+
+def default_format(tok: Tokenizer, model_type: str) -> str:
+    """The prompt format this tokenizer was made for; plain if it has no chat tokens."""
+    has = set(tok.special_tokens).issuperset
+    if has({"<|start_header_id|>", "<|eot_id|>"}):
+        return "llama3-chat"
+    if model_type in ("qwen2", "qwen3") and has({"<|endoftext|>"}):
+        return "qwen"
+    if has({"<|im_start|>", "<|im_end|>", "<|endoftext|>"}):
+        return "chatml"
+    return "plain"
 
 def start_tokens(tok: Tokenizer, fmt: str) -> list[int]:
     """What every sequence of this format starts with (also put before few-shot eval prompts)."""

@@ -27,8 +27,9 @@ import torch
 from confadapt import (CliError, DecodeConfig, Parser, Progress, accept_confadapt, count, decode_modes, format_seconds,
                        generate, input_path, load_model, load_tokenizer, number, output_folder, positive_float,
                        positive_int, probability, run_cli, stop_ids_of)
-from data import (DOMAINS, FORMATS, PROMPTS, Tokenizer, default_n_regions, domain_prompts, end_token, mtp_layout,
-                  padding_token, prompt_tokens, sample_k_and_offset, start_tokens, training_sequences)
+from data import (DOMAINS, FORMATS, PROMPTS, Tokenizer, default_format, default_n_regions, domain_prompts,
+                  end_token, mtp_layout, padding_token, prompt_tokens, sample_k_and_offset, start_tokens,
+                  training_sequences)
 from distill import MODES, frozen_teacher, mtp_loss
 from model import (ModelConfig, Transformer, add_mask_token, atomic_save, native_bfloat16_gpu,
                    parse_device, read_checkpoint, read_json, read_model_config, write_json)
@@ -42,12 +43,12 @@ def train(args) -> Path:
     # 1. The student (with <mask>) and a frozen copy of it as teacher; the gt ablation needs none.
     student, teacher, tok, mask_id = load_student_and_teacher(args, d, args.mode != "gt")
     # 2. Data: (prompt, response) rows in the model's prompt format, cut, padded: (rows, seq_len).
-    args.format = args.format if args.format != "auto" else default_format(tok, student.config)
+    args.format = args.format if args.format != "auto" else default_format(tok, student.config.model_type)
     pad = padding_token(tok, args.format)             # also a row's end for the layout's EOS rule
     args.regions = args.regions or default_n_regions(args.seq_len, args.k_max)
-    fields = [("query", "response"), ("prompt", "response")]     # MetaMathQA, or generic
-    pairs = [p for path in args.data for p in read_rows(path, fields)][: args.limit_rows or None]
+    pairs = training_pairs(args, d)
     seqs, response = training_sequences(pairs, tok, args.format, args.seq_len)
+    check_targets(seqs, response if args.response_only else None, tok, args, d)
     if args.activation_checkpointing:                 # recompute blocks in backward (same names)
         from torch.distributed._composable import checkpoint
         for block in student.layers:
@@ -62,8 +63,18 @@ def train(args) -> Path:
         shutil.rmtree(out / "final", ignore_errors=True)
         log.unlink(missing_ok=True)
     if args.resume and (ckpt := latest_checkpoint(out)) is not None:
-        start = load_checkpoint(ckpt, student, optimizer, scheduler, args)
-        d.log(f"resumed from {ckpt} at step {start}")
+        start, planned = load_checkpoint(ckpt, student, optimizer, scheduler, args)
+        if start > args.steps:
+            raise ValueError(f"--steps {args.steps}: the run in {out} has done {start} steps already; "
+                             f"resume it with --steps {start} or more")
+        # The rate from here is this run's schedule at step `start`, whatever --steps was before.
+        scheduler.last_epoch = start - 1
+        scheduler.step()
+        d.log(f"resumed from {ckpt} at step {start} of {args.steps}")
+        if planned != args.steps:
+            d.log(f"note: steps 1-{start} followed the schedule of a {planned}-step run; from here the "
+                  f"learning rate follows a {args.steps}-step one ({optimizer.param_groups[0]['lr']:.2e} "
+                  f"at step {start + 1})")
         if d.main and log.is_file():                  # the steps after `start` are redone
             kept = [line + "\n" for line in log.read_text().splitlines() if json.loads(line)["step"] <= start]
             atomic_save(lambda p: Path(p).write_text("".join(kept)), log)
@@ -72,8 +83,14 @@ def train(args) -> Path:
     if d.main:
         out.mkdir(parents=True, exist_ok=True)
         write_json(out / "train_args.json", vars(args))
-    d.log(f"{args.mode} training: {len(pairs):,} rows, format {args.format}, {d.world} process(es) on "
-          f"{d.device}, {args.batch_size // d.world // args.micro_batch} micro-batch(es) of {args.micro_batch} each")
+    micro_batches = args.batch_size // d.world // args.micro_batch
+    d.log(f"{args.mode} training: {len(pairs):,} rows, format {args.format}, {args.steps:,} steps of "
+          f"{args.batch_size} sequences of {args.seq_len} tokens, {d.world} process(es) on {d.device}, "
+          f"{micro_batches} micro-batch(es) of {args.micro_batch} each")
+    if d.device.type == "cpu" and args.steps * args.batch_size >= 1_000_000:
+        d.log(f"note: that is {args.steps * args.batch_size:,} sequences, the scale of the paper's multi-GPU "
+              "recipe (the defaults); the first progress line, after step 1, says how long a step takes "
+              "here and what the run will cost. A CPU-sized run: the README's walkthrough")
     # 4. The loop: rows of the step -> this process's micro-batches -> train_step -> log, save.
     region_len, per, t0, progress = args.seq_len // args.regions, args.micro_batch, time.perf_counter(), Progress()
     try:
@@ -83,18 +100,23 @@ def train(args) -> Path:
             rows = rows_of_step(step, args.batch_size, len(seqs), args.seed)
             micro = [rows[i * per:(i + 1) * per] for i in range(d.rank, len(rows) // per, d.world)]
             micro = [(seqs[r].long(), response[r] if args.response_only else None) for r in micro]  # i: rank i % world
+            lr = optimizer.param_groups[0]["lr"]                  # the rate this step trains at
             stats = train_step(student, teacher, optimizer, scheduler, micro, k, offset, args, d, mask_id, pad)
-            last, lr, elapsed = step + 1 == args.steps, scheduler.get_last_lr()[0], time.perf_counter() - t0
+            last, elapsed = step + 1 == args.steps, time.perf_counter() - t0
             if d.main and ((step + 1) % args.log_every == 0 or last):
                 with open(log, "a") as f:
                     f.write(json.dumps({"step": step + 1, **stats, "lr": lr}) + "\n")
             if d.main and progress.due(last):
+                per_step = elapsed / (step + 1 - start)
                 d.log(f"step {step + 1}/{args.steps} | loss {stats['loss']:.4f} | agree {stats['agree']:.3f} "
                       f"| k {stats['k']:2d} | lr {lr:.2e} | grad {stats['grad_norm']:.3f} "
-                      f"| {(step + 1 - start) * args.batch_size * args.seq_len / elapsed:,.0f} tok/s "
-                      f"| ETA {format_seconds(elapsed / (step + 1 - start) * (args.steps - step - 1))}")
+                      f"| {per_step:.2f} s/step, {args.batch_size * args.seq_len / per_step:,.0f} tok/s "
+                      f"| ETA {format_seconds(per_step * (args.steps - step - 1))}")
             if (step + 1) % args.save_every == 0 or last:
-                d.log(f"saved checkpoint {save_checkpoint(student, optimizer, scheduler, step + 1, args, d)}")
+                saved = save_checkpoint(student, optimizer, scheduler, step + 1, args, d)
+                if d.main:                                # weights and AdamW state: 3x the model in float32
+                    size = sum(f.stat().st_size for f in saved.rglob("*") if f.is_file()) / 2**30
+                    d.log(f"saved checkpoint {saved} ({size:.2f} GB; the last {args.keep} are kept)")
     except KeyboardInterrupt:                         # checkpoints are atomic: the last is whole
         saved = latest_checkpoint(out)
         raise KeyboardInterrupt(f"{'the last checkpoint is ' + str(saved) if saved else 'no checkpoint yet'}; "
@@ -136,13 +158,6 @@ def rows_of_step(step: int, global_batch: int, n_rows: int, seed: int) -> list[i
     order = torch.cat([torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed * 1_000_003 + e))
                        for e in epochs])
     return order[first - epochs[0] * n_rows:][:global_batch].tolist()
-
-def default_format(tok: Tokenizer, cfg: ModelConfig) -> str:
-    """The prompt format this tokenizer was made for (data.py, "Prompt formats"); plain if none."""
-    has = set(tok.special_tokens).issuperset
-    return ("llama3-chat" if has({"<|start_header_id|>", "<|eot_id|>"}) else
-            "qwen" if cfg.model_type in ("qwen2", "qwen3") and has({"<|endoftext|>"}) else
-            "chatml" if has({"<|im_start|>", "<|im_end|>", "<|endoftext|>"}) else "plain")
 
 # === eval: GSM8K, scored as lm-evaluation-harness's `gsm8k_cot` task scores it ===============
 # Prompt: Wei et al.'s (2022) 8 exemplars "Q: ...\nA: ... The answer is N." and "Q: {question}\nA:".
@@ -192,6 +207,10 @@ def evaluate(args) -> list[dict]:
         raise ValueError("nothing to evaluate: give --static-k and/or --taus")
     model, tok, mask_id, fmt, stop_ids = load_for_inference(args)
     questions = read_rows(args.data, [("question", "answer")])[: args.limit or None]
+    need_mask = list(dict.fromkeys(m.kind for m in modes if m.block > 1))
+    if need_mask and mask_id is None:               # before any decoding, not after the first decoder
+        raise ValueError(f"{args.model} has no <mask> token, which {' and '.join(need_mask)} decoding "
+                         "needs: evaluate it with --static-k 1 --taus (greedy only), or tune it first")
     golds = [answer.split("####")[-1].strip() for _, answer in questions]    # after the last '####'
     fewshot, out = args.prompt_style == "fewshot", Path(args.out)
     prompts = [start_tokens(tok, fmt) + tok.encode(fewshot_prompt(q, args.n_shot)) if fewshot
@@ -204,13 +223,22 @@ def evaluate(args) -> list[dict]:
             raise ValueError(f"{path}: {len(greedy)} greedy (k=1) completions, {len(golds)} needed; run "
                              "that eval with --static-k 1")
         reference = [r["completion"] for r in sorted(greedy, key=lambda r: r["index"])][:len(golds)]
+    name = "/".join(Path(args.model).resolve().parts[-2:])
+    title = f"{name}: GSM8K chain of thought, {args.n_shot}-shot" if fewshot \
+        else f"{name}: GSM-style questions, zero-shot ({fmt} format)"
+    meta = {"model": args.model, "data": args.data, "prompt_style": args.prompt_style, "format": fmt,
+            "n_shot": args.n_shot if fewshot else 0, "max_new_tokens": args.max_new_tokens,
+            "device": str(next(model.parameters()).device)}
     out.mkdir(parents=True, exist_ok=True)
+    same = reference is not None
+    header = ["| decoding | flexible-extract acc. | strict-match acc. | effective k (mean ± std) | tokens/s |"
+              + (" same as reference |" if same else ""), "|---|---|---|---|---|" + "---|" * same]
+    print(f"### {title}", *header, sep="\n", flush=True)
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))    # longest first
-    results, table, same = [], [], reference is not None        # table: the rows of results.md
-    with open(out / "samples.jsonl", "w", encoding="utf-8") as f:
-        for mode in modes:  # a finished row's place in the batch goes to the next prompt
-            gens, stats = generate(model, [prompts[i] for i in order], args.max_new_tokens, mode, mask_id, stop_ids,
-                                   batch_size=args.batch_size)
+    results, table, samples_text = [], [], []                   # table: the rows of results.md
+    try:
+        for mode in modes:
+            gens, seconds = decode_with_progress(model, [prompts[i] for i in order], mode, mask_id, stop_ids, args)
             samples = [None] * len(order)
             for i, gen in zip(order, gens):
                 text, n_tokens, passes = completion_of(tok, gen, stop_ids)
@@ -226,8 +254,7 @@ def evaluate(args) -> list[dict]:
                    "flexible_acc": flex, "flexible_se": flex_se, "strict_acc": strict, "strict_se": strict_se,
                    "effective_k_mean": statistics.mean(eff), "effective_k_std": statistics.pstdev(eff),
                    "effective_k_overall": tokens / max(1, sum(s["passes"] for s in samples)),
-                   "tokens_per_second": tokens / max(stats.seconds - stats.prefill_seconds, 1e-9),
-                   "batch_size": args.batch_size}
+                   "tokens_per_second": tokens / max(seconds, 1e-9), "batch_size": args.batch_size}
             if reference is not None:  # how often the answer is the reference's, word for word
                 row["same_as_reference"] = mean_and_stderr(s["completion"] == r for s, r in zip(samples, reference))[0]
             results.append(row)
@@ -236,24 +263,39 @@ def evaluate(args) -> list[dict]:
                          f"{row['tokens_per_second']:,.1f} |"
                          + (f" {100 * row['same_as_reference']:.0f}% |" if same else ""))
             print(table[-1], flush=True)
-            f.writelines(json.dumps({"decoding": row["decoding"], **s}) + "\n" for s in samples)
-    name = "/".join(Path(args.model).resolve().parts[-2:])
-    title = f"{name}: GSM8K chain of thought, {args.n_shot}-shot" if fewshot \
-        else f"{name}: GSM-style questions, zero-shot ({fmt} format)"
-    meta = {"model": args.model, "data": args.data, "prompt_style": args.prompt_style, "format": fmt,
-            "n_shot": args.n_shot if fewshot else 0, "max_new_tokens": args.max_new_tokens,
-            "device": str(next(model.parameters()).device)}
-    write_json(out / "results.json", {"meta": meta, "results": results})
-    md = [f"### {title}", "", "| decoding | flexible-extract acc. | strict-match acc. | effective k (mean ± std) "
-          "| tokens/s |" + (" same as reference |" if same else ""), "|---|---|---|---|---|" + "---|" * same, *table]
-    md += ["", f"n = {len(golds)} questions; accuracy in % ± standard error; effective k = tokens / forward passes "
-           "per completion (not a wall-clock speed-up); tokens/s = decoding throughput at batch size "
-           f"{args.batch_size}, prefill excluded"
-           + ("; same as reference = share of answers identical to the reference's k=1 answer." if same else "."), ""]
-    (out / "results.md").write_text("\n".join(md), encoding="utf-8")
-    pareto_plot(results, out / "pareto.png", title)
+            samples_text += [json.dumps({"decoding": row["decoding"], **s}) + "\n" for s in samples]
+            # Written after each decoder: an interrupted eval keeps the decoders it finished.
+            write_eval(out, title, meta, header, table, results, samples_text, len(golds), args.batch_size, same)
+    except KeyboardInterrupt:
+        kept = f"{out} holds the results of the {len(results)} finished decoder(s)" if results else "nothing written"
+        raise KeyboardInterrupt(kept) from None
     print(f"wrote {out / 'results.md'}, results.json, pareto.png, samples.jsonl")
     return results
+
+def decode_with_progress(model, prompts, mode: DecodeConfig, mask_id, stop_ids, args):
+    """generate() in parts of 4 batches, a progress line between them -> (generations, decoding
+    seconds, prefill excluded)."""
+    part, gens, seconds, progress = 4 * args.batch_size, [], 0.0, Progress()
+    for first in range(0, len(prompts), part):
+        done, stats = generate(model, prompts[first:first + part], args.max_new_tokens, mode, mask_id, stop_ids,
+                               batch_size=args.batch_size)
+        gens += done
+        seconds += stats.seconds - stats.prefill_seconds
+        if len(gens) < len(prompts) and progress.due():
+            print(f"  {mode.describe()}: {len(gens)}/{len(prompts)} answers, {format_seconds(seconds)}",
+                  file=sys.stderr, flush=True)
+    return gens, seconds
+
+def write_eval(out: Path, title, meta, header, table, results, samples_text, n, batch_size, same):
+    write_json(out / "results.json", {"meta": meta, "results": results})
+    md = [f"### {title}", "", *header, *table]
+    md += ["", f"n = {n} questions; accuracy in % ± standard error; effective k = tokens / forward passes "
+           "per completion (not a wall-clock speed-up); tokens/s = decoding throughput at batch size "
+           f"{batch_size}, prefill excluded"
+           + ("; same as reference = share of answers identical to the reference's k=1 answer." if same else "."), ""]
+    atomic_save(lambda p: Path(p).write_text("\n".join(md), encoding="utf-8"), out / "results.md")
+    atomic_save(lambda p: Path(p).write_text("".join(samples_text), encoding="utf-8"), out / "samples.jsonl")
+    pareto_plot(results, out / "pareto.png", title)
 
 def pareto_plot(rows: list[dict], path, title: str):
     from matplotlib.figure import Figure
@@ -280,7 +322,7 @@ def pareto_plot(rows: list[dict], path, title: str):
 def load_for_inference(args) -> tuple[Transformer, Tokenizer, int | None, str, set]:
     device = parse_device(args.device)
     model, tok, mask_id, _ = load_model(args.model, device, compute_dtype(device.type, args.dtype))
-    fmt = args.format if args.format != "auto" else default_format(tok, model.config)
+    fmt = args.format if args.format != "auto" else default_format(tok, model.config.model_type)
     stop_ids = stop_ids_of(model, tok) | {end_token(tok, fmt)}    # the format's end of turn too
     return model, tok, mask_id, fmt, stop_ids
 
@@ -291,7 +333,9 @@ def load_for_inference(args) -> tuple[Transformer, Tokenizer, int | None, str, s
 #   per-token (optimistic)  position j of a pass is accepted while every c it covers is >= tau;
 #   joint (conservative)    accepted while c_t * c_{t+1} * ... * c_{t+j} >= tau: the probability of
 #                           the whole greedy run, a lower bound on the marginal of its last token.
-# Both assume a student that learns all the teacher knows: read them as ceilings.
+# Both read the UNTUNED model's confidences, and tuning with the hard teacher sharpens them: on
+# this project's SmolLM2 word problems the estimate at tau 0.9 was 1.2-1.3 tokens per pass and
+# tuned models reached 1.8-2.5. Read them as a floor of what tuning can give, not a forecast.
 def simulated_passes(conf: list[float], tau: float, k_max: int, joint: bool) -> int:
     """Forward passes ConfAdapt(tau, k_max) needs for an answer with these confidences (per token or joint)."""
     t, passes = 0, 0
@@ -329,15 +373,17 @@ def analyze(args) -> dict:
                     for key, joint in (("per_token", False), ("joint", True))}} for tau in args.taus]
         ref = min(rows, key=lambda r: abs(r["tau"] - 0.9))
         worth = ref["effective_k_per_token"] >= 2.0
-        verdict = (f"at tau={ref['tau']:g}, ConfAdapt could reach an effective k of about "
-                   f"{ref['effective_k_joint']:.1f} (joint estimate) to {ref['effective_k_per_token']:.1f} "
-                   "(per-token estimate): " + ("predictable enough to be worth tuning." if worth else
-                                               "little to gain; these answers are not predictable enough."))
+        verdict = (f"at tau={ref['tau']:g} the untuned model's own confidences already allow about "
+                   f"{ref['effective_k_joint']:.1f} (joint) to {ref['effective_k_per_token']:.1f} (per token) "
+                   "tokens per pass; " + ("predictable enough to be worth tuning." if worth else
+                                          "a floor: tuning sharpens confidences (SmolLM2's word problems: "
+                                          "1.2-1.3 here, 1.8-2.5 after tuning)."))
         reports[name] = {"answers": len(confs), "tokens": len(flat), "mean_confidence": sum(flat) / len(flat),
                          "estimates": rows, "worth_tuning": worth, "verdict": verdict}
     md = [f"### Predictability for {'/'.join(Path(args.model).resolve().parts[-2:])}", "",
-          f"Greedy answers (at most {args.max_new_tokens} tokens) to held-out prompts, {fmt} format; "
-          f"ConfAdapt k_max = {args.k_max}; estimated effective k, joint to per-token.", "",
+          f"Greedy answers (at most {min(args.max_new_tokens, model.config.max_seq_len)} tokens) to "
+          f"held-out prompts, {fmt} format; ConfAdapt k_max = {args.k_max}; effective k estimated from the "
+          "untuned model's confidences (a floor: tuning sharpens them), joint to per-token.", "",
           "| prompts | answers | tokens | mean confidence | " + " | ".join(f"tau {t:g}" for t in args.taus) + " |",
           "|---|---|---|---|" + "---|" * len(args.taus)]
     md += [f"| {name} | {r['answers']} | {r['tokens']} | {r['mean_confidence']:.3f} | " + " | ".join(
@@ -358,21 +404,29 @@ def analyze(args) -> dict:
 # greedy answers to prompts of the target domains serve, from the distribution ConfAdapt decodes.
 def make_data(args):
     model, tok, _, fmt, stop_ids = load_for_inference(args)
-    rows = []
+    rows, out = [], Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     for domain in args.domains:
         questions = domain_prompts(domain, args.per_domain, args.split)
         prompts = [prompt_tokens(tok, fmt, q) for q in questions]
-        gens, stats = generate(model, prompts, args.max_new_tokens, DecodeConfig("greedy"),
-                               stop_ids=stop_ids, batch_size=args.batch_size)
+        try:
+            gens, stats = generate(model, prompts, args.max_new_tokens, DecodeConfig("greedy"),
+                                   stop_ids=stop_ids, batch_size=args.batch_size)
+        except KeyboardInterrupt:
+            done = sorted({r["domain"] for r in rows})
+            kept = f"{out} holds the {len(rows)} rows of {', '.join(done)}" if rows else f"{out} not written"
+            raise KeyboardInterrupt(f"{kept}; {domain} and the domains after it were not made") from None
         for q, g in zip(questions, gens):
             finished = bool(g.tokens) and g.tokens[-1] in stop_ids
-            rows.append({"domain": domain, "prompt": q, "response": tok.decode(g.tokens[:-1] if finished else g.tokens),
-                         "finished": finished})
-        print(f"{domain}: {len(questions)} answers, {sum(len(g.tokens) for g in gens):,} tokens, "
+            answer = g.tokens[:-1] if finished else g.tokens
+            rows.append({"domain": domain, "prompt": q, "response": tok.decode(answer), "finished": finished})
+        cut = sum(not r["finished"] for r in rows if r["domain"] == domain)
+        print(f"{domain}: {len(questions)} answers ({cut} cut at --max-new-tokens {args.max_new_tokens}: "
+              f"marked unfinished, train skips them), {sum(len(g.tokens) for g in gens):,} tokens, "
               f"{stats.seconds:.0f} s", flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    atomic_save(lambda p: Path(p).write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8"), args.out)
-    print(f"wrote {len(rows)} rows to {args.out}")
+        text = "".join(json.dumps(r) + "\n" for r in rows)       # after each domain: Ctrl-C keeps them
+        atomic_save(lambda p: Path(p).write_text(text, encoding="utf-8"), out)
+    print(f"wrote {len(rows)} rows to {out}")
 
 # === export: a Hugging Face folder any transformers-based stack loads ========================
 def export(student, tok: Tokenizer, path: Path, args, d: Dist) -> Path:
@@ -386,10 +440,15 @@ def export(student, tok: Tokenizer, path: Path, args, d: Dist) -> Path:
         dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(base.get("dtype") or base.get("torch_dtype"))
         model.save_pretrained(path, dtype=dtype or torch.float32)
         tok.save_pretrained(path)
+        generation = Path(args.model) / "generation_config.json"   # sampling defaults, stop ids
+        if generation.is_file():
+            shutil.copyfile(generation, Path(path) / generation.name)
         (Path(path) / "README.md").write_text(model_card(model.config, args), encoding="utf-8")
     d.barrier()
     d.log(f"exported {path}")
     return Path(path)
+
+MODEL_CARD_TAGS = "tags: [multi-token-prediction, self-distillation]"   # also marks our exports
 
 def model_card(cfg: ModelConfig, args) -> str:
     how = "the naive ground-truth loss" if args.mode == "gt" else f"{args.mode}-target self-distillation"
@@ -397,14 +456,15 @@ def model_card(cfg: ModelConfig, args) -> str:
     decay = f" then linear to 0 over the last {args.decay}," if getattr(args, "decay", 0) else ""
     return f"""---
 library_name: transformers
-tags: [multi-token-prediction, self-distillation]
+{MODEL_CARD_TAGS}
 ---
 # Multi-token prediction by self-distillation
 
 `{args.model}` tuned on {', '.join(f'`{d}`' for d in args.data)} with {how} (arXiv 2602.06019). One token is added, \
 `<mask>` (`mask_token_id` {cfg.mask_token_id} in config.json): after the text and k-1 `<mask>`, `logits[0, -k:]` \
 predict the next k tokens. Prompt format `{args.format}`. Decode with ConfAdapt (keep the leading predictions of \
-top-1 probability >= tau): `python confadapt.py --model THIS_FOLDER --prompt "..." --tau 0.9 --k-max {args.k_max}`.
+top-1 probability >= tau), the prompt as the user's message: \
+`python confadapt.py --model THIS_FOLDER --format {args.format} --prompt "..." --tau 0.9 --k-max {args.k_max}`.
 
 Training: {args.steps} steps of {args.batch_size} sequences of {args.seq_len} tokens, k in [2, {args.k_max}], \
 {args.regions} regions each{where}; AdamW lr {args.lr:g}, warm-up {args.warmup} steps,{decay} betas \
@@ -542,8 +602,9 @@ def latest_checkpoint(out) -> Path | None:
     path = pointer.parent / pointer.read_text().strip() if pointer.is_file() else None
     return path if path is not None and (path / "trainer.pt").is_file() else None
 
-def load_checkpoint(path: Path, student, optimizer, scheduler, args) -> int:
-    """Restore model, optimizer, scheduler and RNG from `path` if the run's settings match; the next step."""
+def load_checkpoint(path: Path, student, optimizer, scheduler, args) -> tuple[int, int]:
+    """Restore model, optimizer, scheduler and RNG from `path` if the run's settings match ->
+    (steps done, the --steps that run was asked for)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     trainer = read_checkpoint(path / "trainer.pt", "training checkpoint", weights_only=True)
@@ -564,7 +625,48 @@ def load_checkpoint(path: Path, student, optimizer, scheduler, args) -> int:
     set_state_dict(student, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     scheduler.load_state_dict(trainer["scheduler"])
     torch.set_rng_state(trainer["rng_cpu"])           # per-GPU states, where saved, are unused
-    return trainer["step"]
+    return trainer["step"], trainer["args"]["steps"]
+
+def training_pairs(args, d: Dist) -> list[tuple[str, str]]:
+    """(prompt, response) pairs of every --data file, without the rows `data` marked unfinished
+    (answers cut at its --max-new-tokens: a cut answer would teach the model to stop mid-text)."""
+    fields = [("query", "response"), ("prompt", "response")]     # MetaMathQA, or generic
+    pairs, unfinished = [], 0
+    for path in args.data:
+        rows = read_rows(path)
+        finished = [row for row in rows if row.get("finished") is not False]
+        unfinished += len(rows) - len(finished)
+        pairs += fields_of(finished, path, fields) if finished else []
+    if unfinished:
+        d.log(f"skipped {unfinished:,} rows marked unfinished (answers cut at data's --max-new-tokens)")
+    if not pairs:
+        raise ValueError(f"every row of {' '.join(args.data)} is marked unfinished: nothing to train on")
+    return pairs[: args.limit_rows or None]
+
+def check_targets(seqs: torch.Tensor, trained: torch.Tensor | None, tok: Tokenizer, args, d: Dist):
+    """Refuse data and settings that give nothing to predict; warn when many rows give nothing.
+    A row's targets are the tokens it trains on (`trained`: the response's, with --response-only)
+    that are text: not the first token, not padding, not the end of a turn."""
+    end, pad = end_token(tok, args.format), padding_token(tok, args.format)
+    text = (seqs != pad) & (seqs != end)
+    text[:, 0] = False
+    if trained is not None:
+        text &= trained
+    empty = ~text.any(1)
+    if not empty.any():
+        return
+    if trained is None:
+        why = "no row has a token to predict"
+    else:
+        cut = (~trained).all(1)                                  # the prompt fills the whole row
+        why = (f"{int((empty & cut).sum()):,} rows are cut by --seq-len {args.seq_len} before their "
+               f"response starts and {int((empty & ~cut).sum()):,} have an empty response")
+    if empty.all():
+        raise ValueError(f"no training targets in {' '.join(args.data)}: {why} (--response-only trains on "
+                         f"response tokens only)" if trained is not None else f"no training targets: {why}")
+    if empty.float().mean() >= 0.1:
+        d.log(f"warning: {int(empty.sum()):,} of {len(seqs):,} rows give no target ({why}): they only take "
+              f"places in the batches")
 
 def read_rows(path, choices=None) -> list:
     """Rows (dicts) of a JSON array or JSONL file; with `choices`, the first field tuple they have."""
@@ -583,8 +685,10 @@ def read_rows(path, choices=None) -> list:
         raise ValueError(f"{path} holds no rows")
     if not all(isinstance(r, dict) for r in rows):
         raise ValueError(f"{path}: every row must be a JSON object")
-    if choices is None:
-        return rows
+    return rows if choices is None else fields_of(rows, path, choices)
+
+def fields_of(rows: list[dict], path, choices) -> list[tuple]:
+    """The first tuple of fields in `choices` that the rows have, as tuples of text."""
     fields = next((fs for fs in choices if all(f in rows[0] for f in fs)), None)
     if fields is None:
         raise ValueError(f"{path}: expected rows with {' or '.join(' and '.join(map(repr, fs)) for fs in choices)}"
@@ -602,7 +706,8 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--model", required=True, help=f"Hugging Face layout folder{model_help}")
         c.add_argument("--format", default="auto", choices=("auto", *FORMATS), help="prompt format (auto: detect)")
         if max_new_tokens:
-            c.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens)
+            c.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens,
+                           help="most tokens of each answer (an answer cut there is marked unfinished)")
             c.add_argument("--batch-size", type=positive_int, default=16, help="prompts per batch")
         c.add_argument("--device", default="auto", help="auto (cuda if any), cpu, cuda or cuda:N")
         c.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
@@ -646,7 +751,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="GSM8K sweep over static k and ConfAdapt thresholds")
     common(e, " (a tuned model, or any for k = 1)", 256)
     e.add_argument("--data", required=True, help="GSM8K test JSONL (question, answer)")
-    e.add_argument("--out", default="gsm8k_eval", help="folder for results.json/.md, pareto.png, samples.jsonl")
+    e.add_argument("--out", default="runs/gsm8k_eval", help="folder for results.json/.md, pareto.png, samples.jsonl")
+    e.add_argument("--overwrite", action="store_true", help="replace an earlier eval's files in --out")
     e.add_argument("--prompt-style", default="fewshot", choices=("fewshot", "zeroshot"),
                    help="fewshot: lm-eval gsm8k_cot; zeroshot: the question in the training format (small models)")
     e.add_argument("--n-shot", type=number(int, 0, 8), default=8, help="fewshot: exemplars before the question")
@@ -665,15 +771,18 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--taus", type=probability, nargs="+", default=taus, help="ConfAdapt thresholds, each in (0, 1]")
     a.add_argument("--k-max", type=number(int, 2), default=16, help="most tokens per pass")
     a.add_argument("--out", help="also write analysis.json and analysis.md here")
+    a.add_argument("--overwrite", action="store_true", help="replace an earlier analysis in --out")
     r = sub.add_parser("data", help="training rows from the model itself: its greedy answers to domain prompts")
     common(r, "", 128)
     r.add_argument("--out", required=True, help="JSONL file of {domain, prompt, response} rows (train --data takes it)")
+    r.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     r.add_argument("--domains", nargs="+", choices=DOMAINS, default=list(DOMAINS), help="domains")
     r.add_argument("--per-domain", type=positive_int, default=100, help="prompts per domain (fewer if it has fewer)")
     r.add_argument("--split", default="train", choices=("train", "test"), help="prompt split")
     x = sub.add_parser("export", help="a training checkpoint -> a Hugging Face folder")
     x.add_argument("--checkpoint", required=True, help="a run's --out folder or one checkpoints/step_N folder")
-    x.add_argument("--out", required=True, help="the Hugging Face folder to write")
+    x.add_argument("--out", required=True, help="the Hugging Face folder to write: new or empty")
+    x.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out")
     x.add_argument("--threads", type=positive_int, help="CPU threads (default: one per core)")
     return p
 
@@ -692,8 +801,11 @@ def check_args(args):
         if os.path.isdir(args.out):
             raise CliError(f"--out {args.out}: is a folder, expected a file name")
         output_folder(os.path.dirname(args.out) or ".", f"--out {args.out}: its folder")
+        if os.path.exists(args.out) and not args.overwrite:
+            raise CliError(f"--out {args.out} exists: add --overwrite to replace it")
     elif a.get("out") is not None:
         output_folder(args.out, "--out")
+        check_out_folder(args)
     if args.command != "train":
         return
     used = [f for f in ("checkpoints", "log.jsonl", "final") if (Path(args.out) / f).exists()]
@@ -714,6 +826,33 @@ def check_args(args):
         print(f"warning: --warmup {args.warmup} is over half of --steps {args.steps}: the learning rate "
               f"{f'only reaches {100 * reached:.2g}% of' if reached < 1 else 'reaches'} --lr "
               f"{args.lr:g}{'' if reached < 1 else ' only at step ' + str(args.warmup)}", flush=True)
+
+# What each command writes into its --out folder; a folder holding anything else is not its own.
+WRITES = {"eval": ("results.json", "results.md", "pareto.png", "samples.jsonl"),
+          "analyze": ("analysis.json", "analysis.md")}
+
+def check_out_folder(args):
+    """eval, analyze and export write into a new or empty folder, or (--overwrite) over their own
+    earlier output; never into a model folder or a training run they did not write."""
+    out = Path(args.out)
+    if args.command == "train" or not out.is_dir() or not any(out.iterdir()):
+        return
+    if any((out / f).exists() for f in ("checkpoints", "log.jsonl", "train_args.json")):
+        raise CliError(f"--out {out} holds a training run: write into a new folder")
+    if args.command == "export":
+        card = out / "README.md"
+        ours = card.is_file() and MODEL_CARD_TAGS in card.read_text(encoding="utf-8", errors="replace")
+        if not ours:
+            what = "a model" if (out / "config.json").exists() else "files"
+            raise CliError(f"--out {out} holds {what} that export did not write: export into a new or "
+                           "empty folder")
+    else:
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in WRITES[args.command])
+        if foreign:
+            raise CliError(f"--out {out} holds files {args.command} does not write ({', '.join(foreign[:3])}): "
+                           f"write into a new or empty folder")
+    if not args.overwrite:
+        raise CliError(f"--out {out} holds an earlier {args.command}'s output: add --overwrite to replace it")
 
 COMMANDS = {"train": train, "eval": evaluate, "analyze": analyze, "data": make_data, "export": export_checkpoint}
 

@@ -489,9 +489,13 @@ def write_json(path, obj):
     atomic_save(lambda p: open(p, "w").write(json.dumps(obj, indent=2) + "\n"), path)
 
 def atomic_save(write, path):
-    """Call write(tmp_path), then rename over `path`: a crash never leaves a half-written file."""
+    """Call write(tmp_path), then rename over `path`: a crash never leaves a half-written file.
+    The file gets the mode open() gives (safetensors writes its files readable by the owner only)."""
     tmp = f"{path}.tmp{os.getpid()}"
     write(tmp)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
     os.replace(tmp, path)
 
 def read_safetensors(path) -> dict:

@@ -17,8 +17,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from confadapt import (DecodeConfig, Parser, _sync, add_model_args, encode_prompt, generate, load,  # noqa: E402
-                       positive_int, probability, run_cli)
+from confadapt import (DecodeConfig, Parser, _sync, add_model_args, chat_stop_ids, encode_prompt,  # noqa: E402
+                       generate, load, positive_int, probability, prompt_format, run_cli)
 
 
 @torch.inference_mode()
@@ -159,7 +159,9 @@ def bench_main(argv):
     for m in modes:
         m.validate()
     model, tokenizer, mask_id, stop_ids = load(args, modes[1])
-    prompts = [encode_prompt(tokenizer, model, t, args.no_bos) for t in args.prompt]
+    fmt = prompt_format(args.format, tokenizer, model)
+    stop_ids = chat_stop_ids(stop_ids, tokenizer, fmt)
+    prompts = [encode_prompt(tokenizer, model, t, fmt, args.no_bos) for t in args.prompt]
     report = bench(model, prompts, args.max_new_tokens, modes, args.batch_sizes, mask_id,
                    () if args.ignore_stop else stop_ids, args.repeats, range(1, args.latency_max + 1), args.rows)
     dtype = str(model.tok_emb.weight.dtype).removeprefix("torch.")       # what --dtype resolved to

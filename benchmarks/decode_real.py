@@ -38,9 +38,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_modes import bench, forward_latency  # noqa: E402
 from confadapt import (CliError, DecodeStats, Generation, Parser, _sync, chunk_texts, decode_modes,  # noqa: E402
-                       stop_ids_of)
-from data import FORMATS, Tokenizer, end_token, prompt_tokens, word_problem_split  # noqa: E402
-from finetune_hf import default_format  # noqa: E402
+                       positive_int, stop_ids_of)
+from data import (FORMATS, Tokenizer, default_format, end_token, prompt_tokens,  # noqa: E402
+                  word_problem_split)
 from model import Transformer, add_mask_token, atomic_save, parse_device, parse_dtype  # noqa: E402
 
 HF_GREEDY, HF_LOOKUP = "transformers greedy", "transformers prompt lookup"
@@ -201,7 +201,7 @@ def run(args) -> dict:
         modes += decode_modes(lossless_k=args.lossless_k or max(args.k_max))
     dtype = parse_dtype(args.dtype, device)
     ours, tok, hf = load(args, device, dtype, need_mask=any(m.block > 1 for m in modes))
-    fmt = args.format if args.format != "auto" else default_format(tok, ours.config)
+    fmt = args.format if args.format != "auto" else default_format(tok, ours.config.model_type)
     stop_ids = stop_ids_of(ours, tok) | {end_token(tok, fmt)}    # the format's end of turn too
     requests = chat_prompts(args.prompts_per_domain)
     prompts = [prompt_tokens(tok, fmt, text) for _, text in requests]
@@ -413,7 +413,8 @@ def parse(argv):
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="dtype of the decoding runs; auto (the default): bfloat16 on a GPU that "
                    "computes it natively, float32 on the CPU and older GPUs")
-    g.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    g.add_argument("--threads", type=positive_int, default=None,
+                   help="CPU threads for torch (default: torch's choice)")
     g.add_argument("--format", default="auto", choices=("auto",) + FORMATS,
                    help="prompt format (auto: the one finetune_hf.py picks for this tokenizer)")
     r = p.add_argument_group("workload (--quick: 4 prompts, 48 tokens, batch 1 and 4, one round, latency at 6 sizes)")

@@ -46,6 +46,7 @@ def root(tmp_path_factory):
                                     max_seq_len=64, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id))
     model.save_pretrained(root / "base")
     tok.save_pretrained(root / "base")
+    (root / "base" / "generation_config.json").write_text(json.dumps({"eos_token_id": tok.eos_id}) + "\n")
     data.write_word_problems(root / "wp", n_train=8, n_test=2, seed=0)
     (root / "a_file").write_text("not a folder\n")
     cwd = os.getcwd()
@@ -90,6 +91,18 @@ def broken_models(root) -> dict:
                 (folder / "config.json").write_text(text)
         (made / "bad_tokenizer" / "tokenizer.json").write_bytes(b'{"model": {"vocab": ')
     return {p.name: str(p) for p in made.iterdir()}
+
+
+def targetless_data_files(root) -> dict:
+    """Well-formed rows that give nothing to train on: empty responses (with --response-only),
+    answers that `data` marked unfinished."""
+    made = root / "targetless"
+    made.mkdir(exist_ok=True)
+    rows = {"empty_responses": {"prompt": "Tom has 3 pens.", "response": ""},
+            "unfinished": {"prompt": "Tom has 3 pens.", "response": "He", "finished": False}}
+    for name, row in rows.items():
+        (made / name).write_text((json.dumps(row) + "\n") * 3)
+    return {name: str(made / name) for name in rows}
 
 
 def bad_data_files(root) -> dict:
@@ -193,6 +206,17 @@ def finetune_cases(r, broken, bad):
     cases += [["export", "--checkpoint", c, "--out", "exp"] for c in ("missing", "a_file", "wp", "truncated")]
     cases += [["export", "--checkpoint", "ft", "--out", "a_file"], ["export", "--checkpoint", "ft"], ["serve"], [],
               ["export", "--checkpoint", "ft", "--out", "exp", "--threads", "0"]]
+    # Nothing written over what the command did not make, nothing trained on nothing.
+    cases += [["export", "--checkpoint", "ft", "--out", out] for out in ("base", "ft", "ft/final", "wp")]
+    cases += [[*rows[:4], "wp/test.jsonl", *rows[5:]], [*ev[:-2], "--out", "base"], [*ev[:-2], "--out", "ft"],
+              [*an, "--out", "wp"]]
+    cases += [ev[:5]]                                  # the default decoders need a <mask>: base has none
+    tr, targetless = ["train", "--model", "base", "--out", "o", *TRAIN], targetless_data_files(r)
+    cases += [[*tr, "--data", targetless["empty_responses"], "--response-only"],
+              [*tr, "--data", targetless["unfinished"]],
+              [*tr, "--data", "wp/train.json", "--response-only", "--seq-len", "8"],
+              ["train", "--model", "base", "--data", "wp/train.json", "--out", "ft", *TRAIN, "--steps", "1",
+               "--resume"]]
     return [("finetune_hf", c) for c in cases]
 
 
@@ -356,3 +380,162 @@ def test_ctrl_c_in_the_toy_says_what_is_saved(at_root, capsys, monkeypatch):
     err = capsys.readouterr().err.strip()
     assert err == (f"interrupted: {os.path.join('runs', 'toy-seed5-teacher2-mtp1-eval1')}/checkpoints holds "
                    f"teacher; run the same command again to continue from there")
+
+
+# ----------------------------------------------------------------------------------------------
+# No command writes over what it did not make; interrupted work keeps what it finished
+# ----------------------------------------------------------------------------------------------
+
+def test_export_writes_a_new_folder_and_replaces_only_its_own(at_root, capsys, tmp_path):
+    out = tmp_path / "exp"
+    assert finetune_hf.main(["export", "--checkpoint", "ft", "--out", str(out)]) == 0
+    assert (out / "generation_config.json").read_text() == (at_root / "base" / "generation_config.json").read_text()
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {p.stat().st_mode & 0o777 for p in out.iterdir()} == {0o666 & ~umask}   # safetensors' too
+    assert finetune_hf.main(["export", "--checkpoint", "ft", "--out", str(out)]) == 2
+    assert "holds an earlier export's output: add --overwrite" in capsys.readouterr().err
+    assert finetune_hf.main(["export", "--checkpoint", "ft", "--out", str(out), "--overwrite"]) == 0
+    for foreign in ("base", "ft"):                      # a model it did not write, a run: never
+        assert finetune_hf.main(["export", "--checkpoint", "ft", "--out", foreign, "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert "holds a model that export did not write" in err and "holds a training run" in err
+
+
+def test_data_keeps_finished_domains_on_ctrl_c_and_never_replaces_a_file_unasked(at_root, capsys, monkeypatch,
+                                                                                  tmp_path):
+    real, calls = finetune_hf.generate, []
+
+    def interrupted_in_the_second_domain(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+    monkeypatch.setattr(finetune_hf, "generate", interrupted_in_the_second_domain)
+    rows = tmp_path / "rows.jsonl"
+    argv = ["data", "--model", "base", "--out", str(rows), "--domains", "lists", "writing", "--per-domain", "2",
+            "--max-new-tokens", "4"]
+    assert finetune_hf.main(argv) == 130
+    assert capsys.readouterr().err.strip() == (f"interrupted: {rows} holds the 2 rows of lists; writing and the "
+                                               "domains after it were not made")
+    assert [json.loads(line)["domain"] for line in rows.read_text().splitlines()] == ["lists", "lists"]
+    monkeypatch.setattr(finetune_hf, "generate", real)
+    assert finetune_hf.main(argv) == 2                                  # the rows are kept
+    assert finetune_hf.main([*argv, "--overwrite"]) == 0
+    assert len(rows.read_text().splitlines()) == 4
+
+
+def test_eval_checks_its_decoders_first_and_keeps_finished_ones_on_ctrl_c(at_root, capsys, monkeypatch, tmp_path):
+    out = tmp_path / "ev"
+    argv = ["eval", "--model", "ft/final", "--data", "wp/test.jsonl", "--out", str(out), "--prompt-style",
+            "zeroshot", "--max-new-tokens", "4", "--static-k", "1", "2", "--taus"]
+    real, calls = finetune_hf.generate, []
+
+    def interrupted_in_the_second_decoder(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+    monkeypatch.setattr(finetune_hf, "generate", interrupted_in_the_second_decoder)
+    assert finetune_hf.main(argv) == 130
+    captured = capsys.readouterr()
+    assert captured.out.splitlines()[1].startswith("| decoding |")      # the header comes first
+    assert captured.err.strip() == f"interrupted: {out} holds the results of the 1 finished decoder(s)"
+    assert [r["decoding"] for r in json.loads((out / "results.json").read_text())["results"]] == ["k=1 (greedy)"]
+    assert finetune_hf.build_parser().parse_args(argv[:5]).out == os.path.join("runs", "gsm8k_eval")
+
+
+def test_eval_shows_progress_within_a_decoder(at_root, capsys, tmp_path):
+    data.write_word_problems(tmp_path / "wp", n_train=1, n_test=6, seed=3)
+    assert finetune_hf.main(["eval", "--model", "ft/final", "--data", str(tmp_path / "wp" / "test.jsonl"),
+                             "--out", str(tmp_path / "ev"), "--prompt-style", "zeroshot", "--max-new-tokens", "2",
+                             "--batch-size", "1", "--static-k", "1", "--taus"]) == 0
+    assert "greedy: 4/6 answers" in capsys.readouterr().err           # parts of 4 batches of 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Training on nothing is refused; resuming continues the run
+# ----------------------------------------------------------------------------------------------
+
+def test_training_on_nothing_is_refused_with_its_cause(at_root, capsys):
+    bad = targetless_data_files(at_root)
+    tr = ["train", "--model", "base", "--out", "o", *TRAIN]
+    assert finetune_hf.main([*tr, "--data", bad["empty_responses"], "--response-only"]) == 2
+    assert "no training targets" in capsys.readouterr().err
+    assert finetune_hf.main([*tr, "--data", "wp/train.json", "--response-only", "--seq-len", "8"]) == 2
+    assert "8 rows are cut by --seq-len 8 before their response starts" in capsys.readouterr().err
+    assert finetune_hf.main([*tr, "--data", bad["unfinished"]]) == 2
+    assert "marked unfinished: nothing to train on" in capsys.readouterr().err
+
+
+def test_unfinished_rows_are_skipped_and_rows_without_targets_announced(at_root, capsys, tmp_path):
+    bad = targetless_data_files(at_root)
+    assert finetune_hf.main(["train", "--model", "base", "--out", str(tmp_path / "t"), *TRAIN, "--steps", "1",
+                             "--response-only", "--data", "wp/train.json", bad["unfinished"],
+                             bad["empty_responses"]]) == 0
+    out = capsys.readouterr().out
+    assert "skipped 3 rows marked unfinished" in out
+    assert "warning: 3 of 11 rows give no target (0 rows are cut by --seq-len 32 before their response starts " \
+           "and 3 have an empty response)" in out
+    assert "GB; the last 2 are kept" in out
+
+
+def test_a_full_scale_run_on_a_cpu_says_so_before_its_first_step(at_root, capsys, monkeypatch, tmp_path):
+    def stop(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(finetune_hf, "train_step", stop)
+    assert finetune_hf.main(["train", "--model", "base", "--data", "wp/train.json", "--out",
+                             str(tmp_path / "big"), "--micro-batch", "2", "--seq-len", "32"]) == 130
+    out = capsys.readouterr().out
+    assert "100,000 steps of 128 sequences of 32 tokens" in out
+    assert "note: that is 12,800,000 sequences, the scale of the paper's multi-GPU recipe" in out
+
+
+def test_resume_to_more_steps_continues_the_schedule_and_fewer_is_refused(at_root, capsys, tmp_path):
+    def run(out, steps, *extra):
+        return finetune_hf.main(["train", "--model", "base", "--data", "wp/train.json", "--out", str(out), *TRAIN,
+                                 "--steps", str(steps), "--seed", "1", *extra])
+    assert run(tmp_path / "straight", 6) == 0
+    assert run(tmp_path / "cut", 4) == 0
+    assert run(tmp_path / "cut", 6, "--resume") == 0
+    assert "steps 1-4 followed the schedule of a 4-step run" in capsys.readouterr().out
+    logs = [[json.loads(line) for line in (tmp_path / run_ / "log.jsonl").read_text().splitlines()]
+            for run_ in ("straight", "cut")]
+    assert [r["lr"] for r in logs[0]] == [r["lr"] for r in logs[1]]      # step 5 is not at rate 0
+    assert logs[0][-1]["loss"] == pytest.approx(logs[1][-1]["loss"], rel=1e-5)
+    assert run(tmp_path / "cut", 3, "--resume") == 2
+    assert "has done 6 steps already; resume it with --steps 6 or more" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------
+# The decoding command line speaks the model's prompt format; smaller things
+# ----------------------------------------------------------------------------------------------
+
+def test_confadapt_formats_the_prompt_as_asked(at_root, capsys, tmp_path):
+    tok = data.Tokenizer.from_pretrained(at_root / "ft" / "final")
+    base = ["--model", "ft/final", "--prompt", "Tom has 3 pens.", "--greedy", "--max-new-tokens", "2", "--json"]
+    for fmt, want in [("auto", [tok.bos_id, *tok.encode("Tom has 3 pens.")]),        # no chat tokens: raw
+                      ("raw", [tok.bos_id, *tok.encode("Tom has 3 pens.")]),
+                      ("plain", data.prompt_tokens(tok, "plain", "Tom has 3 pens."))]:
+        assert confadapt.main([*base, "--format", fmt]) == 0
+        assert json.loads(capsys.readouterr().out)["prompt_tokens"] == len(want), fmt
+    png = tmp_path / "new" / "folder" / "chunks.png"                       # a folder to make, after decoding
+    assert confadapt.main([*base[:-1], "--png", str(png)]) == 0 and png.is_file()
+    assert confadapt.main([*base[:5], "--max-new-tokens", "500"]) == 0
+    assert "stopped at the end of the model's context (64 tokens)" in capsys.readouterr().err
+
+
+def test_help_says_what_max_new_tokens_and_dtype_do(capsys):
+    for command in ("eval", "analyze", "data"):
+        with pytest.raises(SystemExit):
+            finetune_hf.build_parser().parse_args([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "most tokens of each answer" in text and "auto (the default): bfloat16" in text
+
+
+def test_analyze_calls_its_estimate_a_floor(at_root, capsys):
+    assert finetune_hf.main(["analyze", "--model", "base", "--domains", "lists", "--limit", "2",
+                             "--max-new-tokens", "4", "--taus", "0.9"]) == 0
+    out = capsys.readouterr().out
+    assert "a floor: tuning sharpens confidences" in out or "predictable enough" in out
+    assert "little to gain" not in out

@@ -231,4 +231,4 @@ def test_show_layout_script_prints_the_table_and_draws_the_figure(tmp_path, caps
     assert table[3].split()[1:].count("M") == 2 * 2                   # two regions of k-1 = 2 slots
     assert (tmp_path / "m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert show_layout.run_cli(show_layout.show, ["--offset", "99", "--png", str(tmp_path / "x.png")]) == 2
-    assert capsys.readouterr().err.startswith("error: need 1 <= n_regions")
+    assert capsys.readouterr().err.startswith("error: need 0 <= offset < seq_len // n_regions")

@@ -89,3 +89,29 @@ def test_converter_tokenizer_matches_llama_cpp_references(tmp_path):
         ids = [int(i) for i in want.split()]
         assert hf.encode(text, add_special_tokens=False).ids == ids, repr(text)
         assert ours.encode(text) == ids, repr(text)
+
+
+def test_confadapt_command_speaks_the_chat_format_as_transformers_does(hf, tmp_path, capsys):
+    """confadapt.py on a SmolLM2 folder with <mask> (an export's layout), --format auto: the prompt
+    becomes the user's message in ChatML, with no BOS the template does not add; its greedy answer
+    is transformers' apply_chat_template + generate."""
+    import json
+
+    import confadapt
+    from model import add_mask_token
+
+    model, tok = Transformer.from_pretrained(SMOLLM2), Tokenizer.from_pretrained(SMOLLM2)
+    add_mask_token(model, tok)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    question = "What is the capital of France?"
+    assert confadapt.main(["--model", str(tmp_path), "--prompt", question, "--greedy", "--max-new-tokens", "16",
+                           "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    hf_model, hf_tok = hf
+    ids = hf_tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                     return_tensors="pt", return_dict=False)
+    want = hf_model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
+    assert got["prompt_tokens"] == ids.shape[1]
+    assert got["tokens"] == want[:len(got["tokens"])]
+    assert "Paris" in got["text"]
