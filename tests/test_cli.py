@@ -351,15 +351,20 @@ def test_warmup_longer_than_the_run_is_announced(at_root, capsys, tmp_path):
 # Ctrl-C: one line, saying what is saved and how to continue
 # ----------------------------------------------------------------------------------------------
 
-def test_ctrl_c_in_finetune_says_how_to_resume(at_root, capsys, monkeypatch, tmp_path):
-    real, calls = finetune_hf.train_step, []
+def interrupted_at_call(n: int, real):
+    """`real`, except that its n-th call raises KeyboardInterrupt: Ctrl-C there."""
+    calls = []
 
-    def interrupted_at_step_2(*args, **kwargs):
+    def wrapped(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 2:
+        if len(calls) == n:
             raise KeyboardInterrupt
         return real(*args, **kwargs)
-    monkeypatch.setattr(finetune_hf, "train_step", interrupted_at_step_2)
+    return wrapped
+
+
+def test_ctrl_c_in_finetune_says_how_to_resume(at_root, capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(finetune_hf, "train_step", interrupted_at_call(2, finetune_hf.train_step))
     out = tmp_path / "cut"
     assert finetune_hf.main(["train", "--model", "base", "--data", "wp/train.json", "--out", str(out), "--steps", "3",
                              *TRAIN]) == 130
@@ -404,14 +409,8 @@ def test_export_writes_a_new_folder_and_replaces_only_its_own(at_root, capsys, t
 
 def test_data_keeps_finished_domains_on_ctrl_c_and_never_replaces_a_file_unasked(at_root, capsys, monkeypatch,
                                                                                   tmp_path):
-    real, calls = finetune_hf.generate, []
-
-    def interrupted_in_the_second_domain(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-    monkeypatch.setattr(finetune_hf, "generate", interrupted_in_the_second_domain)
+    real = finetune_hf.generate
+    monkeypatch.setattr(finetune_hf, "generate", interrupted_at_call(2, real))    # in the second domain
     rows = tmp_path / "rows.jsonl"
     argv = ["data", "--model", "base", "--out", str(rows), "--domains", "lists", "writing", "--per-domain", "2",
             "--max-new-tokens", "4"]
@@ -429,14 +428,7 @@ def test_eval_checks_its_decoders_first_and_keeps_finished_ones_on_ctrl_c(at_roo
     out = tmp_path / "ev"
     argv = ["eval", "--model", "ft/final", "--data", "wp/test.jsonl", "--out", str(out), "--prompt-style",
             "zeroshot", "--max-new-tokens", "4", "--static-k", "1", "2", "--taus"]
-    real, calls = finetune_hf.generate, []
-
-    def interrupted_in_the_second_decoder(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-    monkeypatch.setattr(finetune_hf, "generate", interrupted_in_the_second_decoder)
+    monkeypatch.setattr(finetune_hf, "generate", interrupted_at_call(2, finetune_hf.generate))  # 2nd decoder
     assert finetune_hf.main(argv) == 130
     captured = capsys.readouterr()
     assert captured.out.splitlines()[1].startswith("| decoding |")      # the header comes first
