@@ -405,9 +405,10 @@ def add_model_args(p):
                    "it natively (Ampere and newer), float32 on the CPU and older GPUs")
     g.add_argument("--format", default="auto", choices=["auto", "raw", *FORMATS],
                    help="how --prompt becomes tokens. auto (the default): the model's chat format "
-                   "(llama3-chat, chatml or qwen) with --prompt as the user's message, when its tokenizer "
-                   "has one, else raw; raw: the text itself after the model's BOS token")
-    g.add_argument("--no-bos", action="store_true", help="raw: do not put the model's BOS token first")
+                   "(llama3-chat, chatml or qwen) with --prompt as the user's message, when its "
+                   "tokenizer has one, else raw; raw: the text itself after the model's BOS token")
+    g.add_argument("--no-bos", action="store_true",
+                   help="raw: do not put the model's BOS token first")
     g.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch (default: torch's "
                    "choice; small models on a busy machine: 1 is fastest and steadiest)")
 
@@ -527,8 +528,8 @@ def generate_main(argv):
               f"tokens/second   {s.tokens_per_second:.1f} (decoding)\nchunk ends      {gen.boundaries}", sep="\n")
     context_full = not gen.stopped and len(gen.tokens) < args.max_new_tokens
     if context_full:
-        print(f"note: stopped at the end of the model's context ({model.config.max_seq_len} tokens)",
-              file=sys.stderr)
+        context = model.config.max_seq_len
+        print(f"note: stopped at the end of the model's context ({context} tokens)", file=sys.stderr)
     if args.png:
         os.makedirs(os.path.dirname(args.png) or ".", exist_ok=True)
         save_chunks_png(args.png, args.prompt, texts, gen.chunk_sizes, title=f"{s.mode}: {s.tokens} tokens in "

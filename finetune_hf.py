@@ -27,9 +27,9 @@ import torch
 from confadapt import (CliError, DecodeConfig, Parser, Progress, accept_confadapt, count, decode_modes, format_seconds,
                        generate, input_path, load_model, load_tokenizer, number, output_folder, positive_float,
                        positive_int, probability, run_cli, stop_ids_of)
-from data import (DOMAINS, FORMATS, PROMPTS, Tokenizer, default_format, default_n_regions, domain_prompts,
-                  end_token, mtp_layout, padding_token, prompt_tokens, sample_k_and_offset, start_tokens,
-                  training_sequences)
+from data import (DOMAINS, FORMATS, PROMPTS, Tokenizer, default_format, default_n_regions,
+                  domain_prompts, end_token, mtp_layout, padding_token, prompt_tokens,
+                  sample_k_and_offset, start_tokens, training_sequences)
 from distill import MODES, frozen_teacher, mtp_loss
 from model import (ModelConfig, Transformer, add_mask_token, atomic_save, native_bfloat16_gpu,
                    parse_device, read_checkpoint, read_json, read_model_config, write_json)
@@ -43,7 +43,8 @@ def train(args) -> Path:
     # 1. The student (with <mask>) and a frozen copy of it as teacher; the gt ablation needs none.
     student, teacher, tok, mask_id = load_student_and_teacher(args, d, args.mode != "gt")
     # 2. Data: (prompt, response) rows in the model's prompt format, cut, padded: (rows, seq_len).
-    args.format = args.format if args.format != "auto" else default_format(tok, student.config.model_type)
+    if args.format == "auto":
+        args.format = default_format(tok, student.config.model_type)
     pad = padding_token(tok, args.format)             # also a row's end for the layout's EOS rule
     args.regions = args.regions or default_n_regions(args.seq_len, args.k_max)
     pairs = training_pairs(args, d)
@@ -65,16 +66,16 @@ def train(args) -> Path:
     if args.resume and (ckpt := latest_checkpoint(out)) is not None:
         start, planned = load_checkpoint(ckpt, student, optimizer, scheduler, args)
         if start > args.steps:
-            raise ValueError(f"--steps {args.steps}: the run in {out} has done {start} steps already; "
-                             f"resume it with --steps {start} or more")
+            raise ValueError(f"--steps {args.steps}: the run in {out} has done {start} steps "
+                             f"already; resume it with --steps {start} or more")
         # The rate from here is this run's schedule at step `start`, whatever --steps was before.
         scheduler.last_epoch = start - 1
         scheduler.step()
         d.log(f"resumed from {ckpt} at step {start} of {args.steps}")
         if planned != args.steps:
-            d.log(f"note: steps 1-{start} followed the schedule of a {planned}-step run; from here the "
-                  f"learning rate follows a {args.steps}-step one ({optimizer.param_groups[0]['lr']:.2e} "
-                  f"at step {start + 1})")
+            rate = optimizer.param_groups[0]["lr"]
+            d.log(f"note: steps 1-{start} followed the schedule of a {planned}-step run; from here "
+                  f"the learning rate follows a {args.steps}-step one ({rate:.2e} at step {start + 1})")
         if d.main and log.is_file():                  # the steps after `start` are redone
             kept = [line + "\n" for line in log.read_text().splitlines() if json.loads(line)["step"] <= start]
             atomic_save(lambda p: Path(p).write_text("".join(kept)), log)
@@ -84,12 +85,13 @@ def train(args) -> Path:
         out.mkdir(parents=True, exist_ok=True)
         write_json(out / "train_args.json", vars(args))
     micro_batches = args.batch_size // d.world // args.micro_batch
-    d.log(f"{args.mode} training: {len(pairs):,} rows, format {args.format}, {args.steps:,} steps of "
-          f"{args.batch_size} sequences of {args.seq_len} tokens, {d.world} process(es) on {d.device}, "
-          f"{micro_batches} micro-batch(es) of {args.micro_batch} each")
-    if d.device.type == "cpu" and args.steps * args.batch_size >= 1_000_000:
-        d.log(f"note: that is {args.steps * args.batch_size:,} sequences, the scale of the paper's multi-GPU "
-              "recipe (the defaults); the first progress line, after step 1, says how long a step takes "
+    d.log(f"{args.mode} training: {len(pairs):,} rows, format {args.format}, {args.steps:,} steps "
+          f"of {args.batch_size} sequences of {args.seq_len} tokens, {d.world} process(es) on "
+          f"{d.device}, {micro_batches} micro-batch(es) of {args.micro_batch} each")
+    sequences = args.steps * args.batch_size
+    if d.device.type == "cpu" and sequences >= 1_000_000:
+        d.log(f"note: that is {sequences:,} sequences, the scale of the paper's multi-GPU recipe "
+              "(the defaults); the first progress line, after step 1, says how long a step takes "
               "here and what the run will cost. A CPU-sized run: the README's walkthrough")
     # 4. The loop: rows of the step -> this process's micro-batches -> train_step -> log, save.
     region_len, per, t0, progress = args.seq_len // args.regions, args.micro_batch, time.perf_counter(), Progress()
@@ -108,13 +110,14 @@ def train(args) -> Path:
                     f.write(json.dumps({"step": step + 1, **stats, "lr": lr}) + "\n")
             if d.main and progress.due(last):
                 per_step = elapsed / (step + 1 - start)
-                d.log(f"step {step + 1}/{args.steps} | loss {stats['loss']:.4f} | agree {stats['agree']:.3f} "
-                      f"| k {stats['k']:2d} | lr {lr:.2e} | grad {stats['grad_norm']:.3f} "
-                      f"| {per_step:.2f} s/step, {args.batch_size * args.seq_len / per_step:,.0f} tok/s "
+                tokens_per_s = args.batch_size * args.seq_len / per_step
+                d.log(f"step {step + 1}/{args.steps} | loss {stats['loss']:.4f} "
+                      f"| agree {stats['agree']:.3f} | k {stats['k']:2d} | lr {lr:.2e} "
+                      f"| grad {stats['grad_norm']:.3f} | {per_step:.2f} s/step, {tokens_per_s:,.0f} tok/s "
                       f"| ETA {format_seconds(per_step * (args.steps - step - 1))}")
             if (step + 1) % args.save_every == 0 or last:
                 saved = save_checkpoint(student, optimizer, scheduler, step + 1, args, d)
-                if d.main:                                # weights and AdamW state: 3x the model in float32
+                if d.main:                     # weights and AdamW state: 3x the model in float32
                     size = sum(f.stat().st_size for f in saved.rglob("*") if f.is_file()) / 2**30
                     d.log(f"saved checkpoint {saved} ({size:.2f} GB; the last {args.keep} are kept)")
     except KeyboardInterrupt:                         # checkpoints are atomic: the last is whole
@@ -208,9 +211,10 @@ def evaluate(args) -> list[dict]:
     model, tok, mask_id, fmt, stop_ids = load_for_inference(args)
     questions = read_rows(args.data, [("question", "answer")])[: args.limit or None]
     need_mask = list(dict.fromkeys(m.kind for m in modes if m.block > 1))
-    if need_mask and mask_id is None:               # before any decoding, not after the first decoder
-        raise ValueError(f"{args.model} has no <mask> token, which {' and '.join(need_mask)} decoding "
-                         "needs: evaluate it with --static-k 1 --taus (greedy only), or tune it first")
+    if need_mask and mask_id is None:        # before any decoding, not after the first decoder
+        raise ValueError(f"{args.model} has no <mask> token, which {' and '.join(need_mask)} "
+                         "decoding needs: evaluate it with --static-k 1 --taus (greedy only), or "
+                         "tune it first")
     golds = [answer.split("####")[-1].strip() for _, answer in questions]    # after the last '####'
     fewshot, out = args.prompt_style == "fewshot", Path(args.out)
     prompts = [start_tokens(tok, fmt) + tok.encode(fewshot_prompt(q, args.n_shot)) if fewshot
@@ -231,14 +235,16 @@ def evaluate(args) -> list[dict]:
             "device": str(next(model.parameters()).device)}
     out.mkdir(parents=True, exist_ok=True)
     same = reference is not None
-    header = ["| decoding | flexible-extract acc. | strict-match acc. | effective k (mean ± std) | tokens/s |"
-              + (" same as reference |" if same else ""), "|---|---|---|---|---|" + "---|" * same]
+    columns = "decoding | flexible-extract acc. | strict-match acc. | effective k (mean ± std) | tokens/s"
+    header = [f"| {columns} |" + (" same as reference |" if same else ""),
+              "|---|---|---|---|---|" + "---|" * same]
     print(f"### {title}", *header, sep="\n", flush=True)
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))    # longest first
     results, table, samples_text = [], [], []                   # table: the rows of results.md
     try:
         for mode in modes:
-            gens, seconds = decode_with_progress(model, [prompts[i] for i in order], mode, mask_id, stop_ids, args)
+            ordered = [prompts[i] for i in order]
+            gens, seconds = decode_with_progress(model, ordered, mode, mask_id, stop_ids, args)
             samples = [None] * len(order)
             for i, gen in zip(order, gens):
                 text, n_tokens, passes = completion_of(tok, gen, stop_ids)
@@ -265,9 +271,12 @@ def evaluate(args) -> list[dict]:
             print(table[-1], flush=True)
             samples_text += [json.dumps({"decoding": row["decoding"], **s}) + "\n" for s in samples]
             # Written after each decoder: an interrupted eval keeps the decoders it finished.
-            write_eval(out, title, meta, header, table, results, samples_text, len(golds), args.batch_size, same)
+            write_eval(out, title, meta, header, table, results, samples_text, len(golds),
+                       args.batch_size, same)
     except KeyboardInterrupt:
-        kept = f"{out} holds the results of the {len(results)} finished decoder(s)" if results else "nothing written"
+        kept = "nothing written"
+        if results:
+            kept = f"{out} holds the results of the {len(results)} finished decoder(s)"
         raise KeyboardInterrupt(kept) from None
     print(f"wrote {out / 'results.md'}, results.json, pareto.png, samples.jsonl")
     return results
@@ -277,24 +286,27 @@ def decode_with_progress(model, prompts, mode: DecodeConfig, mask_id, stop_ids, 
     seconds, prefill excluded)."""
     part, gens, seconds, progress = 4 * args.batch_size, [], 0.0, Progress()
     for first in range(0, len(prompts), part):
-        done, stats = generate(model, prompts[first:first + part], args.max_new_tokens, mode, mask_id, stop_ids,
-                               batch_size=args.batch_size)
+        done, stats = generate(model, prompts[first:first + part], args.max_new_tokens, mode, mask_id,
+                               stop_ids, batch_size=args.batch_size)
         gens += done
         seconds += stats.seconds - stats.prefill_seconds
         if len(gens) < len(prompts) and progress.due():
-            print(f"  {mode.describe()}: {len(gens)}/{len(prompts)} answers, {format_seconds(seconds)}",
-                  file=sys.stderr, flush=True)
+            print(f"  {mode.describe()}: {len(gens)}/{len(prompts)} answers, "
+                  f"{format_seconds(seconds)}", file=sys.stderr, flush=True)
     return gens, seconds
 
 def write_eval(out: Path, title, meta, header, table, results, samples_text, n, batch_size, same):
     write_json(out / "results.json", {"meta": meta, "results": results})
     md = [f"### {title}", "", *header, *table]
-    md += ["", f"n = {n} questions; accuracy in % ± standard error; effective k = tokens / forward passes "
-           "per completion (not a wall-clock speed-up); tokens/s = decoding throughput at batch size "
-           f"{batch_size}, prefill excluded"
-           + ("; same as reference = share of answers identical to the reference's k=1 answer." if same else "."), ""]
+    note = (f"n = {n} questions; accuracy in % ± standard error; effective k = tokens / forward "
+            "passes per completion (not a wall-clock speed-up); tokens/s = decoding throughput at "
+            f"batch size {batch_size}, prefill excluded")
+    if same:
+        note += "; same as reference = share of answers identical to the reference's k=1 answer"
+    md += ["", note + ".", ""]
     atomic_save(lambda p: Path(p).write_text("\n".join(md), encoding="utf-8"), out / "results.md")
-    atomic_save(lambda p: Path(p).write_text("".join(samples_text), encoding="utf-8"), out / "samples.jsonl")
+    samples = "".join(samples_text)
+    atomic_save(lambda p: Path(p).write_text(samples, encoding="utf-8"), out / "samples.jsonl")
     pareto_plot(results, out / "pareto.png", title)
 
 def pareto_plot(rows: list[dict], path, title: str):
@@ -374,16 +386,20 @@ def analyze(args) -> dict:
         ref = min(rows, key=lambda r: abs(r["tau"] - 0.9))
         worth = ref["effective_k_per_token"] >= 2.0
         verdict = (f"at tau={ref['tau']:g} the untuned model's own confidences already allow about "
-                   f"{ref['effective_k_joint']:.1f} (joint) to {ref['effective_k_per_token']:.1f} (per token) "
-                   "tokens per pass; " + ("predictable enough to be worth tuning." if worth else
-                                          "a floor: tuning sharpens confidences (SmolLM2's word problems: "
-                                          "1.2-1.3 here, 1.8-2.5 after tuning)."))
+                   f"{ref['effective_k_joint']:.1f} (joint) to {ref['effective_k_per_token']:.1f} "
+                   "(per token) tokens per pass; ")
+        if worth:
+            verdict += "predictable enough to be worth tuning."
+        else:
+            verdict += ("a floor: tuning sharpens confidences (SmolLM2's word problems: 1.2-1.3 "
+                        "here, 1.8-2.5 after tuning).")
         reports[name] = {"answers": len(confs), "tokens": len(flat), "mean_confidence": sum(flat) / len(flat),
                          "estimates": rows, "worth_tuning": worth, "verdict": verdict}
     md = [f"### Predictability for {'/'.join(Path(args.model).resolve().parts[-2:])}", "",
-          f"Greedy answers (at most {min(args.max_new_tokens, model.config.max_seq_len)} tokens) to "
-          f"held-out prompts, {fmt} format; ConfAdapt k_max = {args.k_max}; effective k estimated from the "
-          "untuned model's confidences (a floor: tuning sharpens them), joint to per-token.", "",
+          f"Greedy answers (at most {min(args.max_new_tokens, model.config.max_seq_len)} tokens) "
+          f"to held-out prompts, {fmt} format; ConfAdapt k_max = {args.k_max}; effective k estimated "
+          "from the untuned model's confidences (a floor: tuning sharpens them), joint to per-token.",
+          "",
           "| prompts | answers | tokens | mean confidence | " + " | ".join(f"tau {t:g}" for t in args.taus) + " |",
           "|---|---|---|---|" + "---|" * len(args.taus)]
     md += [f"| {name} | {r['answers']} | {r['tokens']} | {r['mean_confidence']:.3f} | " + " | ".join(
@@ -413,18 +429,20 @@ def make_data(args):
             gens, stats = generate(model, prompts, args.max_new_tokens, DecodeConfig("greedy"),
                                    stop_ids=stop_ids, batch_size=args.batch_size)
         except KeyboardInterrupt:
-            done = sorted({r["domain"] for r in rows})
-            kept = f"{out} holds the {len(rows)} rows of {', '.join(done)}" if rows else f"{out} not written"
+            kept = f"{out} not written"
+            if rows:
+                done = sorted({r["domain"] for r in rows})
+                kept = f"{out} holds the {len(rows)} rows of {', '.join(done)}"
             raise KeyboardInterrupt(f"{kept}; {domain} and the domains after it were not made") from None
         for q, g in zip(questions, gens):
             finished = bool(g.tokens) and g.tokens[-1] in stop_ids
-            answer = g.tokens[:-1] if finished else g.tokens
-            rows.append({"domain": domain, "prompt": q, "response": tok.decode(answer), "finished": finished})
+            answer = tok.decode(g.tokens[:-1] if finished else g.tokens)
+            rows.append({"domain": domain, "prompt": q, "response": answer, "finished": finished})
         cut = sum(not r["finished"] for r in rows if r["domain"] == domain)
-        print(f"{domain}: {len(questions)} answers ({cut} cut at --max-new-tokens {args.max_new_tokens}: "
-              f"marked unfinished, train skips them), {sum(len(g.tokens) for g in gens):,} tokens, "
-              f"{stats.seconds:.0f} s", flush=True)
-        text = "".join(json.dumps(r) + "\n" for r in rows)       # after each domain: Ctrl-C keeps them
+        print(f"{domain}: {len(questions)} answers ({cut} cut at --max-new-tokens "
+              f"{args.max_new_tokens}: marked unfinished, train skips them), "
+              f"{sum(len(g.tokens) for g in gens):,} tokens, {stats.seconds:.0f} s", flush=True)
+        text = "".join(json.dumps(r) + "\n" for r in rows)   # after each domain: Ctrl-C keeps them
         atomic_save(lambda p: Path(p).write_text(text, encoding="utf-8"), out)
     print(f"wrote {len(rows)} rows to {out}")
 
@@ -463,8 +481,8 @@ library_name: transformers
 `{args.model}` tuned on {', '.join(f'`{d}`' for d in args.data)} with {how} (arXiv 2602.06019). One token is added, \
 `<mask>` (`mask_token_id` {cfg.mask_token_id} in config.json): after the text and k-1 `<mask>`, `logits[0, -k:]` \
 predict the next k tokens. Prompt format `{args.format}`. Decode with ConfAdapt (keep the leading predictions of \
-top-1 probability >= tau), the prompt as the user's message: \
-`python confadapt.py --model THIS_FOLDER --format {args.format} --prompt "..." --tau 0.9 --k-max {args.k_max}`.
+top-1 probability >= tau), the prompt as the user's message: `python confadapt.py --model THIS_FOLDER \
+--format {args.format} --prompt "..." --tau 0.9 --k-max {args.k_max}`.
 
 Training: {args.steps} steps of {args.batch_size} sequences of {args.seq_len} tokens, k in [2, {args.k_max}], \
 {args.regions} regions each{where}; AdamW lr {args.lr:g}, warm-up {args.warmup} steps,{decay} betas \
@@ -638,9 +656,11 @@ def training_pairs(args, d: Dist) -> list[tuple[str, str]]:
         unfinished += len(rows) - len(finished)
         pairs += fields_of(finished, path, fields) if finished else []
     if unfinished:
-        d.log(f"skipped {unfinished:,} rows marked unfinished (answers cut at data's --max-new-tokens)")
+        d.log(f"skipped {unfinished:,} rows marked unfinished (answers cut at data's "
+              "--max-new-tokens)")
     if not pairs:
-        raise ValueError(f"every row of {' '.join(args.data)} is marked unfinished: nothing to train on")
+        raise ValueError(f"every row of {' '.join(args.data)} is marked unfinished: nothing to "
+                         "train on")
     return pairs[: args.limit_rows or None]
 
 def check_targets(seqs: torch.Tensor, trained: torch.Tensor | None, tok: Tokenizer, args, d: Dist):
@@ -658,15 +678,15 @@ def check_targets(seqs: torch.Tensor, trained: torch.Tensor | None, tok: Tokeniz
     if trained is None:
         why = "no row has a token to predict"
     else:
-        cut = (~trained).all(1)                                  # the prompt fills the whole row
-        why = (f"{int((empty & cut).sum()):,} rows are cut by --seq-len {args.seq_len} before their "
-               f"response starts and {int((empty & ~cut).sum()):,} have an empty response")
+        cut = (~trained).all(1)                              # the prompt fills the whole row
+        why = (f"{int((empty & cut).sum()):,} rows are cut by --seq-len {args.seq_len} before "
+               f"their response starts and {int((empty & ~cut).sum()):,} have an empty response")
+        why += " (--response-only trains on response tokens only)" if empty.all() else ""
     if empty.all():
-        raise ValueError(f"no training targets in {' '.join(args.data)}: {why} (--response-only trains on "
-                         f"response tokens only)" if trained is not None else f"no training targets: {why}")
+        raise ValueError(f"no training targets in {' '.join(args.data)}: {why}")
     if empty.float().mean() >= 0.1:
-        d.log(f"warning: {int(empty.sum()):,} of {len(seqs):,} rows give no target ({why}): they only take "
-              f"places in the batches")
+        d.log(f"warning: {int(empty.sum()):,} of {len(seqs):,} rows give no target ({why}): they "
+              "only take places in the batches")
 
 def read_rows(path, choices=None) -> list:
     """Rows (dicts) of a JSON array or JSONL file; with `choices`, the first field tuple they have."""
@@ -707,7 +727,7 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--format", default="auto", choices=("auto", *FORMATS), help="prompt format (auto: detect)")
         if max_new_tokens:
             c.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens,
-                           help="most tokens of each answer (an answer cut there is marked unfinished)")
+                           help="most tokens of each answer (data: a cut answer is marked unfinished)")
             c.add_argument("--batch-size", type=positive_int, default=16, help="prompts per batch")
         c.add_argument("--device", default="auto", help="auto (cuda if any), cpu, cuda or cuda:N")
         c.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
@@ -751,7 +771,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="GSM8K sweep over static k and ConfAdapt thresholds")
     common(e, " (a tuned model, or any for k = 1)", 256)
     e.add_argument("--data", required=True, help="GSM8K test JSONL (question, answer)")
-    e.add_argument("--out", default="runs/gsm8k_eval", help="folder for results.json/.md, pareto.png, samples.jsonl")
+    e.add_argument("--out", default="runs/gsm8k_eval",
+                   help="folder for results.json/.md, pareto.png, samples.jsonl")
     e.add_argument("--overwrite", action="store_true", help="replace an earlier eval's files in --out")
     e.add_argument("--prompt-style", default="fewshot", choices=("fewshot", "zeroshot"),
                    help="fewshot: lm-eval gsm8k_cot; zeroshot: the question in the training format (small models)")
@@ -844,15 +865,16 @@ def check_out_folder(args):
         ours = card.is_file() and MODEL_CARD_TAGS in card.read_text(encoding="utf-8", errors="replace")
         if not ours:
             what = "a model" if (out / "config.json").exists() else "files"
-            raise CliError(f"--out {out} holds {what} that export did not write: export into a new or "
-                           "empty folder")
+            raise CliError(f"--out {out} holds {what} that export did not write: export into a new "
+                           "or empty folder")
     else:
         foreign = sorted(p.name for p in out.iterdir() if p.name not in WRITES[args.command])
         if foreign:
-            raise CliError(f"--out {out} holds files {args.command} does not write ({', '.join(foreign[:3])}): "
-                           f"write into a new or empty folder")
+            raise CliError(f"--out {out} holds files {args.command} does not write "
+                           f"({', '.join(foreign[:3])}): write into a new or empty folder")
     if not args.overwrite:
-        raise CliError(f"--out {out} holds an earlier {args.command}'s output: add --overwrite to replace it")
+        raise CliError(f"--out {out} holds an earlier {args.command}'s output: add --overwrite to "
+                       "replace it")
 
 COMMANDS = {"train": train, "eval": evaluate, "analyze": analyze, "data": make_data, "export": export_checkpoint}
 

@@ -490,7 +490,7 @@ def write_json(path, obj):
 
 def atomic_save(write, path):
     """Call write(tmp_path), then rename over `path`: a crash never leaves a half-written file.
-    The file gets the mode open() gives (safetensors writes its files readable by the owner only)."""
+    The file gets the mode open() gives (safetensors writes its files for the owner only)."""
     tmp = f"{path}.tmp{os.getpid()}"
     write(tmp)
     umask = os.umask(0)

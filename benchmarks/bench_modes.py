@@ -17,8 +17,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from confadapt import (DecodeConfig, Parser, _sync, add_model_args, chat_stop_ids, encode_prompt,  # noqa: E402
-                       generate, load, positive_int, probability, prompt_format, run_cli)
+from confadapt import (DecodeConfig, Parser, _sync, add_model_args, chat_stop_ids,  # noqa: E402
+                       encode_prompt, generate, load, positive_int, probability, prompt_format,
+                       run_cli)
 
 
 @torch.inference_mode()
