@@ -1,6 +1,6 @@
 """The method on a CPU in minutes: NTP teacher -> naive vs distilled MTP -> evaluation -> plots.
 
-    python train_toy.py                     full run (about 11 minutes on 2 CPU cores), into runs/toy
+    python train_toy.py                     full run (about 8 minutes on 2 CPU cores), into runs/toy
     python train_toy.py --quick             smoke test (about 12 seconds), into runs/toy-quick
     python train_toy.py --export-hf hf_toy  a finished run's three models in Hugging Face layout
     python train_toy.py --word-problems runs/wp   the base model of finetune_hf.py's miniature
