@@ -142,17 +142,23 @@ def random_mtp_layout(seqs: torch.Tensor, k_max: int, mask_id: int, eos_id=None,
     return mtp_layout(seqs, k, offset, n_regions, mask_id, eos_id, pad_id, trained)
 
 # ========================================= Toy tasks =========================================
-# Four tasks a CPU transformer learns in minutes: <|bos|> prompt answer <|eos|>, one token per item.
+# Five tasks a CPU transformer learns in minutes: <|bos|> prompt answer <|eos|>, one token per item.
 #   task        prompt                              answer (one valid continuation)
 #   count       count 17 18 19                      20 21 22 ... 32
 #   repeat      repeat cat red pie cat red pie      cat red pie cat red pie ...
 #   count_free  count from 17                       18 19 20 ...  or  16 15 14 ...          BRANCHING
 #   alternate   alternate the with cat red pie fox  the cat the cat ...  or  red the red ...  BRANCHING
+#   zoo         zoo cat owl fox                     cat red pie fox gold corn ...            BRANCHING
 # Branching tasks show naive MTP's two failures: trained on ground truth, count_free's prediction j
 # mixes a+j and a-j, each position picking a branch ("18 15 20 13"); in alternate "the" is likeliest
 # at EVERY position, so marginals say "the the the the". A token-by-token teacher mixes no branches.
-TOY_TASKS = ("count", "repeat", "count_free", "alternate")
-BRANCHING_TASKS = ("count_free", "alternate")
+# count_free and alternate choose only at their first one or two tokens; zoo chooses every third
+# token (which prompt animal comes next), and the choice fixes the two after it (the animal's colour
+# and food, the same in every prompt). A mask slot after a choice made inside the same forward pass
+# cannot read it from the text: trained on the ground truth it learns the mix of all branches and
+# is unsure; distilled, it learns the branch its own model takes, and is sure (README, Results).
+TOY_TASKS = ("count", "repeat", "count_free", "alternate", "zoo")
+BRANCHING_TASKS = ("count_free", "alternate", "zoo")
 NUM_ITEMS = 12                               # items in every answer but count's
 COUNT_STARTS = range(12, 150)                # start numbers: every count stays within 0..164
 COUNT_SHOWN = (3, 4, 5)                      # count: how many numbers the prompt shows
@@ -162,14 +168,20 @@ REPEAT_GROUP = 3                             # repeat: words in the repeated gro
 ALTERNATE_GLUE = "the"                       # alternate: the word every answer alternates with
 ALTERNATE_WORDS = 4                          # alternate: prompt words, to pick the other one from
 ALTERNATE_GLUE_FIRST = 0.4                   # alternate: how often the glue comes first
+ZOO_ANIMALS = 3                              # zoo: prompt animals, to visit in any order
+ZOO_VISITS = 4                               # zoo: visits, 3 items each (animal, colour, food)
+ZOO_STAY = 0.7                               # zoo: how often a visit repeats the animal before it
 DEGENERATE_RUN = 3                           # "the the the": this many equal items in a row
-TOY_PROMPT_WORDS = "count from by repeat then and step times alternate with".split()
+TOY_PROMPT_WORDS = "count from by repeat then and step times alternate with zoo".split()
 TOY_WORDS = TOY_PROMPT_WORDS + """the a is to of in up down sum list add next
     cat dog cow pig hen fox owl bee ant bat rat yak eel ape duck frog bird fish goat lion
     red blue green pink gray gold black white tan
     pie jam egg tea rice corn bean fig nut pea ham bun cake soup milk
     box cup pen hat key bag map car bus bed pot jar mug cap bell book ring lamp drum kite""".split()
 TOY_CONTENT_WORDS = TOY_WORDS[TOY_WORDS.index("cat"):]   # animals, colours, foods, objects
+ANIMALS = TOY_WORDS[TOY_WORDS.index("cat"):TOY_WORDS.index("red")]
+COLOURS = TOY_WORDS[TOY_WORDS.index("red"):TOY_WORDS.index("pie")]
+FOODS = TOY_WORDS[TOY_WORDS.index("pie"):TOY_WORDS.index("box")]
 
 def is_heldout(task: str, key: tuple) -> bool:
     """Held-out: count starts 13, 18, ...; count_free starts 15, 20, ...; one word tuple in eight."""
@@ -184,7 +196,30 @@ def toy_prompt(task: str, key: tuple) -> str:
         return f"count from {key[0]}"
     if task == "repeat":
         return "repeat " + " ".join(key + key)
+    if task == "zoo":
+        return "zoo " + " ".join(key)
     return f"alternate {ALTERNATE_GLUE} with " + " ".join(key)
+
+def zoo_traits(animal: str) -> list[str]:
+    """The two items after an animal in zoo, the same in every prompt: its colour and food."""
+    i = ANIMALS.index(animal)
+    return [COLOURS[i % len(COLOURS)], FOODS[i % len(FOODS)]]
+
+def zoo_visits(key: tuple, rng: random.Random) -> list[str]:
+    """zoo's free choices: ZOO_VISITS prompt animals. Each visit is, with probability ZOO_STAY, the
+    animal visited last (the first visit: the prompt's first animal; either way the item three
+    places back), else one of the other two: a clear favourite, which a greedy model takes every
+    time and the data only a ZOO_STAY share of the time."""
+    visits = []
+    favourite = key[0]
+    for _ in range(ZOO_VISITS):
+        if rng.random() < ZOO_STAY:
+            animal = favourite
+        else:
+            animal = rng.choice([a for a in key if a != favourite])
+        visits.append(animal)
+        favourite = animal
+    return visits
 
 def toy_answer(task: str, key: tuple, rng: random.Random) -> list[str]:
     """One valid answer, as items; for a branching task the branch is drawn with rng."""
@@ -195,6 +230,8 @@ def toy_answer(task: str, key: tuple, rng: random.Random) -> list[str]:
         return [str(key[0] + i * step) for i in range(1, NUM_ITEMS + 1)]
     if task == "repeat":
         return [key[i % len(key)] for i in range(NUM_ITEMS)]
+    if task == "zoo":                         # each visit: the animal, then its colour and food
+        return [item for animal in zoo_visits(key, rng) for item in [animal, *zoo_traits(animal)]]
     glue_first = rng.random() < ALTERNATE_GLUE_FIRST                             # alternate
     pair = (ALTERNATE_GLUE, key[0]) if glue_first else (rng.choice(key), ALTERNATE_GLUE)
     return [pair[i % 2] for i in range(NUM_ITEMS)]
@@ -215,6 +252,8 @@ def toy_example(task: str, rng: random.Random, split: str = "train") -> ToyExamp
             key = rng.choice(COUNT_STARTS), rng.choice(COUNT_SHOWN)              # (start, numbers shown)
         elif task == "count_free":
             key = (rng.choice(COUNT_STARTS),)
+        elif task == "zoo":
+            key = tuple(rng.sample(ANIMALS, ZOO_ANIMALS))
         else:
             key = tuple(rng.sample(TOY_CONTENT_WORDS, REPEAT_GROUP if task == "repeat" else ALTERNATE_WORDS))
         if is_heldout(task, key) == {"train": False, "heldout": True}[split]:
@@ -271,6 +310,13 @@ def follows_rule(task: str, key: tuple, items: list[str]) -> bool:
         return step in DIRECTIONS.values() and all(b - a == step for a, b in zip([last] + nums, nums))
     if task == "repeat":
         return all(item == key[i % len(key)] for i, item in enumerate(items))
+    if task == "zoo":
+        # visits of prompt animals, each followed by its colour and food
+        visits = items[::3]
+        if not all(animal in key for animal in visits):
+            return False
+        expected = [item for animal in visits for item in [animal, *zoo_traits(animal)]]
+        return items == expected[:len(items)]
     pair = (items[0], items[1])                                               # alternate
     drawable = pair == (ALTERNATE_GLUE, key[0]) or (pair[0] in key and pair[1] == ALTERNATE_GLUE)
     return drawable and all(item == pair[i % 2] for i, item in enumerate(items))

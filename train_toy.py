@@ -1,11 +1,11 @@
 """The method on a CPU in minutes: NTP teacher -> naive vs distilled MTP -> evaluation -> plots.
 
-    python train_toy.py                     full run (about 11 minutes on 2 CPU cores), into runs/toy
+    python train_toy.py                     full run (about 8 minutes on 2 CPU cores), into runs/toy
     python train_toy.py --quick             smoke test (about 12 seconds), into runs/toy-quick
     python train_toy.py --export-hf hf_toy  a finished run's three models in Hugging Face layout
     python train_toy.py --word-problems runs/wp   the base model of finetune_hf.py's miniature
 
-1. teacher: a small Llama-style transformer learns data.py's four toy tasks by next-token prediction
+1. teacher: a small Llama-style transformer learns data.py's five toy tasks by next-token prediction
 2. students: two copies with a `<mask>` token learn multi-token prediction on the same batches and
    layouts: "naive" against the true next k tokens, "distill" by student-forced self-distillation
 3. evaluation: static k, ConfAdapt and lossless decoding -> OUT/results.json, a table, plots
@@ -142,7 +142,7 @@ def sweep(cfg: RunConfig, multi_token: bool) -> list[DecodeConfig]:
     return [DecodeConfig("static", k=1) if m.kind == "greedy" else m for m in modes]
 
 def evaluate(models: dict, tokenizer, eval_sets: dict, cfg: RunConfig, plan: dict) -> tuple[list[dict], dict]:
-    """One results row per (model, decoding, task) and one sample output each."""
+    """One results row per (model, decoding, task) and one sample output each (passes marked |)."""
     rows, samples = [], {name: {} for name in models}
     done, total, start, progress = 0, plan["evaluation"], time.perf_counter(), Progress()
     for name, model in models.items():
@@ -162,7 +162,10 @@ def evaluate(models: dict, tokenizer, eval_sets: dict, cfg: RunConfig, plan: dic
                              "forward_passes": stats.row_passes / n,         # per prompt, on average
                              "batch_forward_passes": stats.forward_passes,   # batched, all n at once
                              "n_prompts": n})
-                samples[name][f"{task} | {mode.describe()}"] = examples[0].prompt + answers[0][0]
+                # the first prompt's answer, each forward pass's tokens after a "|"
+                passes = chunk_texts(tokenizer, gens[0].tokens, gens[0].chunk_sizes)
+                marked = "".join(" |" + text for text in passes)
+                samples[name][f"{task} | {mode.describe()}"] = examples[0].prompt + marked
                 done += n
                 if progress.due(last=done == total):
                     elapsed = time.perf_counter() - start

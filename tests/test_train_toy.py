@@ -93,6 +93,46 @@ def test_alternate_marginals_collapse_while_greedy_stays_coherent():
     assert data.check_toy("alternate", key, " the red" * 6).accuracy
 
 
+def test_zoo_checker():
+    key = ("cat", "owl", "fox")                                       # "zoo cat owl fox"
+    assert data.zoo_traits("cat") == ["red", "pie"] and data.zoo_traits("owl") == ["black", "bean"]
+    answer = " cat red pie owl black bean fox gold corn cat red pie"
+    for valid in (answer, " fox gold corn fox gold corn owl black bean cat red pie"):   # any order
+        assert data.check_toy("zoo", key, valid).accuracy
+    invalid = (" cat red pie owl gold corn fox black bean cat red pie",   # another animal's traits
+               " dog blue jam cat red pie owl black bean cat red pie",    # not a prompt animal
+               " cat pie red owl black bean fox gold corn cat red pie",   # colour and food swapped
+               " red pie cat owl black bean")                             # no animal first
+    for output in invalid:
+        score = data.check_toy("zoo", key, output)
+        assert (score.accuracy, score.coherence) == (False, False), output
+    short = data.check_toy("zoo", key, " cat red pie owl black")
+    assert short.coherence and not short.accuracy                     # right rule, wrong length
+    assert not data.check_toy("zoo", key, answer, stopped=False).accuracy
+    assert not data.check_toy("zoo", key, answer + " owl black bean").accuracy
+    assert data.check_toy("zoo", key, " cat cat cat owl black bean").degenerate
+
+
+def test_zoo_chooses_every_third_item_and_the_choice_fixes_the_next_two():
+    """Why zoo separates the students under ConfAdapt: at every visit the data branches (the
+    favourite animal 70% of the time, so before the choice is made no guess of the animal, or of
+    the colour and food after it, is 90% sure), yet given the animal its colour and food are
+    certain, and taking the favourite every time, as a greedy model does, gives a valid answer."""
+    rng = random.Random(0)
+    key = ("cat", "owl", "fox")
+    answers = [data.toy_answer("zoo", key, rng) for _ in range(4000)]
+    for i in range(data.NUM_ITEMS):
+        share = Counter(a[i] for a in answers).most_common(1)[0][1] / len(answers)
+        assert share < 0.75, (i, share)                               # a mix at every item
+    for a in answers:
+        for visit in range(0, data.NUM_ITEMS, 3):
+            # no choice after the animal
+            assert a[visit + 1:visit + 3] == data.zoo_traits(a[visit])
+    greedy = ["cat", "red", "pie"] * data.ZOO_VISITS                 # the favourite each time
+    assert Counter(tuple(a) for a in answers).most_common(1)[0][0] == tuple(greedy)
+    assert data.check_toy("zoo", key, " " + " ".join(greedy)).accuracy
+
+
 def test_degeneration_is_a_run_of_one_item():
     collapsed = data.check_toy("alternate", ("red", "pie", "fox", "cup"), " the" * 12)   # "the the the"
     assert collapsed.degenerate and not collapsed.coherence
