@@ -238,7 +238,7 @@ def latency(device, dtype, small) -> dict:
             bs: {T: 1e3 * s for T, s in forward_latency(model, bs, 256, sizes, repeats=5).items()}
             for bs in (1, 16)
         }
-        out[name] = {
+        out[f"{name} (small stand-in)" if small else name] = {
             "layers": model.config.n_layers,
             "dtype": str(dtype),
             "context": 256,
