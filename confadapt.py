@@ -163,7 +163,7 @@ class Row:
     drafts: list[int] = field(default_factory=list)     # lossless: guesses for the tokens after `pending`
     done: bool = False
 
-def _sync(device):                        # a timer must read finished GPU work (no-op on the CPU)
+def synchronize(device):                  # a timer must read finished GPU work (no-op on the CPU)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -176,7 +176,7 @@ def prefill(model, cache, prompts: dict[int, list[int]], pad_id: int) -> float:
     cache.rollback(lengths)                                  # a row's previous sequence is forgotten
     if any(heads):                                           # only the cache is wanted: no logits
         decode_pass(model, cache, heads, [0] * len(heads), [0] * len(heads), pad_id)
-    _sync(cache.lengths.device)
+    synchronize(cache.lengths.device)
     return time.perf_counter() - start
 
 def decode_pass(model, cache, inputs: list[list[int]], firsts: list[int], n_preds: list[int], pad_id: int):

@@ -160,6 +160,7 @@ def random_mtp_layout(seqs: torch.Tensor, k_max: int, mask_id: int, eos_id=None,
 TOY_TASKS = ("count", "repeat", "count_free", "alternate", "zoo")
 BRANCHING_TASKS = ("count_free", "alternate", "zoo")
 NUM_ITEMS = 12                               # items in every answer but count's
+TOY_SEQ_LEN = 21                             # every toy sequence fits: the longest, repeat's, is 21
 COUNT_STARTS = range(12, 150)                # start numbers: every count stays within 0..164
 COUNT_SHOWN = (3, 4, 5)                      # count: how many numbers the prompt shows
 COUNT_LENGTH = 16                            # count: numbers in prompt + answer

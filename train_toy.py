@@ -43,7 +43,7 @@ class RunConfig:
     n_heads: int = 4
     ffn_dim: int = 384
     tasks: tuple = data.TOY_TASKS      # the data: tasks drawn uniformly
-    seq_len: int = 21                  # every toy sequence fits (the longest, repeat, is 21 tokens)
+    seq_len: int = data.TOY_SEQ_LEN    # every toy sequence fits (the longest, repeat, is 21 tokens)
     batch_size: int = 32               # phase 1, the teacher: next-token prediction
     teacher_steps: int = 3000          # near the floor: 2,000 steps failed one seed of three
     teacher_lr: float = 4e-3

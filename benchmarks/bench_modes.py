@@ -17,9 +17,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from confadapt import (DecodeConfig, Parser, _sync, add_model_args, chat_stop_ids,  # noqa: E402
+from confadapt import (DecodeConfig, Parser, add_model_args, chat_stop_ids,  # noqa: E402
                        encode_prompt, generate, load, positive_int, probability, prompt_format,
-                       run_cli)
+                       run_cli, synchronize)
 
 
 @torch.inference_mode()
@@ -39,10 +39,10 @@ def forward_latency(model, batch_size: int, context: int, sizes, repeats: int = 
         tokens = torch.arange(T, device=device).expand(batch_size, T) % vocab        # (B, T)
         times = []
         for i in range(repeats + 1):                                                  # run 0 warms up
-            _sync(device)
+            synchronize(device)
             t0 = time.perf_counter()
             model(tokens, cache=cache, output_index=tokens.new_tensor(range(T)).expand(batch_size, T))
-            _sync(device)
+            synchronize(device)
             if i > 0:
                 times.append(time.perf_counter() - t0)
             cache.rollback(context)

@@ -37,8 +37,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_modes import bench, forward_latency  # noqa: E402
-from confadapt import (CliError, DecodeStats, Generation, Parser, _sync, chunk_texts, decode_modes,  # noqa: E402
-                       positive_int, stop_ids_of)
+from confadapt import (CliError, DecodeStats, Generation, Parser, chunk_texts, decode_modes,  # noqa: E402
+                       positive_int, stop_ids_of, synchronize)
 from data import (FORMATS, Tokenizer, default_format, end_token, prompt_tokens,  # noqa: E402
                   word_problem_split)
 from model import Transformer, add_mask_token, atomic_save, parse_device, parse_dtype  # noqa: E402
@@ -119,12 +119,12 @@ def hf_decode(hf, rows: list[list[int]], max_new_tokens: int, batch_size: int, s
         log = PassLog()
         handle = hf.register_forward_pre_hook(log.hook, with_kwargs=True)
         try:
-            _sync(device)
+            synchronize(device)
             t0 = time.perf_counter()
             out = hf.generate(ids, attention_mask=attention, max_new_tokens=max_new_tokens, do_sample=False,
                               eos_token_id=sorted(stop_ids), pad_token_id=pad, prompt_lookup_num_tokens=lookup,
                               streamer=log)
-            _sync(device)
+            synchronize(device)
             t1 = time.perf_counter()
         finally:
             handle.remove()

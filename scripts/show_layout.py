@@ -18,7 +18,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402
 from confadapt import Parser, count, positive_int, run_cli  # noqa: E402
 from data import MASK, PAD, MTPBatch  # noqa: E402
-from train_toy import RunConfig  # noqa: E402
 
 
 def token_labels(batch: MTPBatch, row: int, token_str) -> list[str]:
@@ -80,7 +79,7 @@ def show(argv):
     tokenizer = data.toy_tokenizer()
     tokenizer.add_special_token("<mask>")                 # the id a toy student's <mask> gets
     seqs, _ = data.toy_batch(tokenizer, random.Random(args.seed), 1, tasks=(args.task,),
-                             seq_len=RunConfig.seq_len)
+                             seq_len=data.TOY_SEQ_LEN)
     batch = data.mtp_layout(seqs, args.k, args.offset, args.regions, mask_id=tokenizer.mask_id,
                             eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
     token_str = lambda t: tokenizer.decode([t]).strip()   # noqa: E731
