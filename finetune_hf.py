@@ -283,7 +283,8 @@ def evaluate(args) -> list[dict]:
 
 def decode_with_progress(model, prompts, mode: DecodeConfig, mask_id, stop_ids, args):
     """generate() in parts of 4 batches, a progress line between them -> (generations, decoding
-    seconds, prefill excluded)."""
+    seconds, prefill excluded). A part's last passes run with a partly empty batch, so tokens/s
+    is a little under one continuous generate() over all prompts."""
     part, gens, seconds, progress = 4 * args.batch_size, [], 0.0, Progress()
     for first in range(0, len(prompts), part):
         done, stats = generate(model, prompts[first:first + part], args.max_new_tokens, mode, mask_id,

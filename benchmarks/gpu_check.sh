@@ -157,8 +157,8 @@ if os.path.isfile(latency):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     curves = json.load(open(latency))
-    fig, axes = plt.subplots(1, len(curves), figsize=(5 * len(curves), 3.6))
-    for ax, (shape, c) in zip(axes, curves.items()):
+    fig, axes = plt.subplots(1, len(curves), figsize=(5 * len(curves), 3.6), squeeze=False)
+    for ax, (shape, c) in zip(axes[0], curves.items()):
         for batch, points in c["ms"].items():
             sizes = [int(t) for t in points]
             ax.plot(sizes, list(points.values()), marker=".", label=f"batch {batch}")

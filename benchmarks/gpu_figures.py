@@ -53,6 +53,11 @@ SMALL = dict(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_di
              max_seq_len=2048)
 
 
+def shapes(small: bool) -> dict:
+    """The shapes a section measures, by name: the two real ones, or the small stand-in."""
+    return {"small stand-in": SMALL} if small else {"smollm2": SMOLLM2, "llama8b": LLAMA8B}
+
+
 class HostSyncs(TorchDispatchMode):
     """Count, by kind, the operations that make the host wait for the device.
 
@@ -177,8 +182,7 @@ def kernels(device, dtype, small) -> dict:
         return y
 
     out = {}
-    for shape_name, shape in {"smollm2": SMOLLM2, "llama8b": LLAMA8B}.items():
-        shape = SMALL if small else shape
+    for shape_name, shape in shapes(small).items():
         H, n_kv, hd = shape["n_heads"], shape["n_kv_heads"], shape["dim"] // shape["n_heads"]
         for call, (B, T, S, mask, backward) in attention_calls(shape, small).items():
             for dt in ([torch.float32, torch.bfloat16] if device.type == "cuda" else [dtype]):
@@ -225,11 +229,9 @@ def latency(device, dtype, small) -> dict:
 
     sizes = [1, 2, 4, 8] if small else list(range(1, 33))
     out = {}
-    for name, shape in {"smollm2": SMOLLM2, "llama8b": LLAMA8B}.items():
+    for name, shape in shapes(small).items():
         n_layers = None
-        if small:
-            shape = SMALL
-        elif name == "llama8b" and device.type == "cuda":
+        if name == "llama8b" and device.type == "cuda":
             # 32 layers in bfloat16: 16 GB; fewer where memory is tight
             free = torch.cuda.mem_get_info(device)[0] / 2**30
             n_layers = 32 if free > 40 else 8
@@ -238,7 +240,7 @@ def latency(device, dtype, small) -> dict:
             bs: {T: 1e3 * s for T, s in forward_latency(model, bs, 256, sizes, repeats=5).items()}
             for bs in (1, 16)
         }
-        out[f"{name} (small stand-in)" if small else name] = {
+        out[name] = {
             "layers": model.config.n_layers,
             "dtype": str(dtype),
             "context": 256,
@@ -284,7 +286,7 @@ def decode(device, dtype, small) -> dict:
             if key.startswith(f"batch {bs} |"):
                 out[key]["vs_greedy"] = out[key]["tokens_per_second"] / greedy
     return {
-        "model": "SmolLM2-135M shape, random weights, logits x1000",
+        "model": f"{'small stand-in' if small else 'SmolLM2-135M'} shape, random weights, logits x1000",
         "dtype": str(dtype),
         "new_tokens": n_new,
         **out,
