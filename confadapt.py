@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 import torch
 
 from data import FORMATS, Tokenizer, default_format, end_token, prompt_tokens
-from model import Transformer, parse_device, parse_dtype
+from model import (Transformer, add_mask_token, is_adapter_folder, load_mask_adapter, parse_device, parse_dtype,
+                   read_adapter_config)
 
 MODES = ("greedy", "static", "confadapt", "lossless")
 
@@ -87,7 +88,11 @@ def accept(mode: DecodeConfig, preds: list[int], confs: list[float] | None, draf
     stop = next((i for i, t in enumerate(tokens) if t in stop_ids), None)
     return (tokens if stop is None else tokens[: stop + 1]), verified, next_drafts
 
-def top1(mode: DecodeConfig, logits: torch.Tensor) -> tuple[list, list | None]:
+def top1(mode: DecodeConfig, logits: torch.Tensor, mask_id=None) -> tuple[list, list | None]:
+    """The top prediction at each place (and its probability, for ConfAdapt). <mask> is an input,
+    never an output: fed back, it would be read as a mask slot."""
+    if mask_id is not None:
+        logits[..., mask_id] = float("-inf")
     if mode.kind != "confadapt":
         return logits.argmax(-1).tolist(), None
     confs, preds = logits.softmax(-1).max(-1)
@@ -110,7 +115,7 @@ def generate_uncached(model, prompt: list[int], max_new_tokens: int, mode: Decod
         drafts, tail = pass_tail(mode, drafts, budget - len(out), mask_id)
         x = torch.tensor([prompt + out + tail], device=next(model.parameters()).device)
         logits = model(x)[0, len(prompt) + len(out) - 1:].float()    # (1 + len(tail), V): the predictions
-        new, _, drafts = accept(mode, *top1(mode, logits), drafts, stop_ids)
+        new, _, drafts = accept(mode, *top1(mode, logits, mask_id), drafts, stop_ids)
         out += new
         chunks.append(len(new))
     return out, chunks
@@ -227,7 +232,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, mode: DecodeC
         n_preds = [len(x) - len(r.pending) + 1 for x, r in zip(inputs, batch)]
         passes, fed = passes + 1, fed + sum(len(x) for x in inputs)
         logits = decode_pass(model, cache, inputs, [len(r.pending) - 1 for r in batch], n_preds, pad_id).float()
-        preds, confs = top1(mode, logits)                          # logits (B, N, V) -> (B, N) each
+        preds, confs = top1(mode, logits, mask_id)                 # logits (B, N, V) -> (B, N) each
         # 3) each row keeps what the accept rule allows. Verified drafts were fed as themselves,
         # so their K/V stays; the other kept tokens become pending; masks and rejected drafts go.
         for b, (r, n) in enumerate(zip(batch, n_preds)):
@@ -420,9 +425,18 @@ def load_tokenizer(path):
             raise
         raise ValueError(f"cannot read the tokenizer in {path} (tokenizer.json): {type(e).__name__}: {e}") from None
 
+def base_folder(path) -> str:
+    """The model folder itself, or the base model a gated mask adapter folder names."""
+    return read_adapter_config(path)["base_model"] if is_adapter_folder(path) else path
+
 def load_model(path, device="cpu", dtype=torch.float32):
-    """Model (eval mode), tokenizer, mask id (None without one) and stop ids of a model folder."""
-    model, tokenizer = Transformer.from_pretrained(path, device=device, dtype=dtype), load_tokenizer(path)
+    """Model (eval mode), tokenizer, mask id (None without one) and stop ids of a model folder,
+    or of a gated mask adapter folder: its base model with <mask> added, then the adapter."""
+    base = base_folder(path)
+    model, tokenizer = Transformer.from_pretrained(base, device=device, dtype=dtype), load_tokenizer(base)
+    if base != path:
+        add_mask_token(model, tokenizer)
+        load_mask_adapter(model, path)
     cfg = model.config
     mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else tokenizer.mask_id
     if mask_id is not None and not 0 <= mask_id < cfg.vocab_size:

@@ -30,6 +30,17 @@ MODES = ("hard", "soft", "gt")
 def frozen_teacher(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model).eval().requires_grad_(False)       # a copy that never changes
 
+def adapter_off_teacher(student: torch.nn.Module):
+    """The gated mask adapter's teacher: the student itself with its adapter off, which is the
+    frozen base model exactly, with no second copy in memory (model.add_mask_adapter)."""
+    def teacher(*args, **kwargs):
+        student.adapter_on = False
+        try:
+            return student(*args, **kwargs)
+        finally:
+            student.adapter_on = True
+    return teacher
+
 def teacher_input(batch: MTPBatch, proposals: torch.Tensor) -> torch.Tensor:
     """The student input with each region's mask slots holding the student's guesses -> (B, L).
 

@@ -24,15 +24,16 @@ from pathlib import Path
 
 import torch
 
-from confadapt import (CliError, DecodeConfig, Parser, Progress, accept_confadapt, count, decode_modes, format_seconds,
-                       generate, input_path, load_model, load_tokenizer, number, output_folder, positive_float,
+from confadapt import (CliError, DecodeConfig, Parser, Progress, accept_confadapt, base_folder, count, decode_modes,
+                       format_seconds, generate, input_path, load_model, load_tokenizer, number, output_folder, positive_float,
                        positive_int, probability, run_cli, stop_ids_of)
 from data import (DOMAINS, FORMATS, PROMPTS, Tokenizer, default_format, default_n_regions,
                   domain_prompts, end_token, mtp_layout, padding_token, prompt_tokens,
                   sample_k_and_offset, start_tokens, training_sequences)
-from distill import MODES, frozen_teacher, mtp_loss
-from model import (ModelConfig, Transformer, add_mask_token, atomic_save, native_bfloat16_gpu,
-                   parse_device, read_checkpoint, read_json, read_model_config, write_json)
+from distill import MODES, adapter_off_teacher, frozen_teacher, mtp_loss
+from model import (ADAPTER_TARGETS, ModelConfig, Transformer, add_mask_adapter, add_mask_token, atomic_save,
+                   native_bfloat16_gpu, parse_device, read_checkpoint, read_json, read_model_config,
+                   save_mask_adapter, write_json)
 
 # === train: student + frozen teacher -> data rows -> AdamW -> the step loop -> export ==========
 # A step's --batch-size rows are split over the processes and, in each, into --micro-batch rows
@@ -449,9 +450,20 @@ def make_data(args):
 
 # === export: a Hugging Face folder any transformers-based stack loads ========================
 def export(student, tok: Tokenizer, path: Path, args, d: Dist) -> Path:
+    """A Hugging Face folder of the tuned model, or with the gated adapter the adapter's folder
+    (its weights and config, naming the unchanged base model; confadapt.load_model reads both)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    state = get_model_state_dict(student, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if d.main:
+    adapter = getattr(args, "adapter", "none") != "none"
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=adapter)
+    state = get_model_state_dict(student, options=options)
+    if d.main and adapter:
+        with torch.device("meta"):
+            model = Transformer(student.config)
+            add_mask_adapter(model, args.adapter_rank, args.adapter_alpha, args.adapter_targets)
+        model.load_state_dict(state, assign=True, strict=False)  # the adapter's tensors only
+        save_mask_adapter(model, path, args.model)
+        (Path(path) / "README.md").write_text(model_card(model.config, args), encoding="utf-8")
+    elif d.main:
         with torch.device("meta"):
             model = Transformer(student.config)
         model.load_state_dict(state, assign=True, strict=True)   # a tied lm_head is not saved
@@ -473,15 +485,27 @@ def model_card(cfg: ModelConfig, args) -> str:
     how = "the naive ground-truth loss" if args.mode == "gt" else f"{args.mode}-target self-distillation"
     where = ", targets in the responses only" if getattr(args, "response_only", False) else ""
     decay = f" then linear to 0 over the last {args.decay}," if getattr(args, "decay", 0) else ""
-    return f"""---
-library_name: transformers
-{MODEL_CARD_TAGS}
----
-# Multi-token prediction by self-distillation
+    if getattr(args, "adapter", "none") != "none":
+        what = f"""# A gated mask adapter for multi-token prediction (not a LoRA)
+
+A low-rank update (rank {args.adapter_rank}, alpha {args.adapter_alpha:g}, on {', '.join(args.adapter_targets)}) \
+and a `<mask>` embedding for `{args.model}`, trained with {how} (arXiv 2602.06019). The update applies ONLY at \
+input positions holding `<mask>` (token {cfg.mask_token_id}); every other position computes exactly the base \
+model, so its own predictions are unchanged. A plain LoRA loader would apply it everywhere: load it with this \
+project's `confadapt.load_model` (`mask_adapter.json` names the base folder). Prompt format"""
+        library = "mtp-distill"
+    else:
+        what = f"""# Multi-token prediction by self-distillation
 
 `{args.model}` tuned on {', '.join(f'`{d}`' for d in args.data)} with {how} (arXiv 2602.06019). One token is added, \
 `<mask>` (`mask_token_id` {cfg.mask_token_id} in config.json): after the text and k-1 `<mask>`, `logits[0, -k:]` \
-predict the next k tokens. Prompt format `{args.format}`. Decode with ConfAdapt (keep the leading predictions of \
+predict the next k tokens. Prompt format"""
+        library = "transformers"
+    return f"""---
+library_name: {library}
+{MODEL_CARD_TAGS}
+---
+{what} `{args.format}`. Decode with ConfAdapt (keep the leading predictions of \
 top-1 probability >= tau), the prompt as the user's message: `python confadapt.py --model THIS_FOLDER \
 --format {args.format} --prompt "..." --tau 0.9 --k-max {args.k_max}`.
 
@@ -552,7 +576,8 @@ def compute_dtype(device_type: str, dtype: str = "auto") -> torch.dtype:
 # models on the meta device (no memory), shards each block (one all-gather unit), then the root;
 # rank 0 alone reads the checkpoint, broadcasting its weights straight into every process's shards.
 def load_student_and_teacher(args, d: Dist, with_teacher: bool = True):
-    """(student, teacher or None, tokenizer, mask id) on d.device, sharded when d.sharded."""
+    """(student, teacher or None, tokenizer, mask id) on d.device, sharded when d.sharded. With
+    the gated adapter the base is frozen and the teacher is the student with its adapter off."""
     tok = load_tokenizer(args.model)
     full = Transformer.from_pretrained(args.model, dtype=torch.float32) if d.main else None
     meta = [(full.config, add_mask_token(full, tok))] if d.main else [None]
@@ -560,7 +585,13 @@ def load_student_and_teacher(args, d: Dist, with_teacher: bool = True):
         torch.distributed.broadcast_object_list(meta, src=0)
     cfg, mask_id = meta[0]
     tok.add_special_token("<mask>", mask_id)        # rank 0's has it already
+    adapter = getattr(args, "adapter", "none") != "none"      # checkpoints from before it: none
+    adapter_settings = (args.adapter_rank, args.adapter_alpha, args.adapter_targets) if adapter else None
     if not d.sharded:
+        if adapter:             # the frozen base in the compute dtype, like a teacher copy; the adapter float32
+            full.to(device=d.device, dtype=d.dtype)
+            add_mask_adapter(full, *adapter_settings)
+            return full.train(), adapter_off_teacher(full) if with_teacher else None, tok, mask_id
         teacher = None
         if with_teacher:                                          # copied on the CPU, then moved
             teacher = frozen_teacher(full).to(device=d.device, dtype=d.dtype)
@@ -570,7 +601,11 @@ def load_student_and_teacher(args, d: Dist, with_teacher: bool = True):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     with torch.device("meta"):
         student = Transformer(cfg)
-    teacher = frozen_teacher(student).to(d.dtype) if with_teacher else None
+    if adapter:                            # every rank the same modules; rank 0's values arrive below
+        add_mask_adapter(student, *adapter_settings)
+        if d.main:
+            add_mask_adapter(full, *adapter_settings)
+    teacher = frozen_teacher(student).to(d.dtype) if with_teacher and not adapter else None
     # A mesh for d.device: fully_shard's default would put a `--device cpu` run's shards on a GPU.
     mesh = init_device_mesh(d.device.type, (d.world,))
     mp = MixedPrecisionPolicy(param_dtype=d.dtype, reduce_dtype=torch.float32)
@@ -585,12 +620,14 @@ def load_student_and_teacher(args, d: Dist, with_teacher: bool = True):
         model.to_empty(device=d.device)                           # RoPE frequencies recomputed
         set_model_state_dict(model, full.state_dict() if d.main else {},
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    if adapter and with_teacher:
+        teacher = adapter_off_teacher(student)
     return student.train(), teacher, tok, mask_id
 
 # A checkpoint is checkpoints/step_000123/: torch.distributed.checkpoint's files (each process its
 # shards of model and optimizer state) and trainer.pt (step, scheduler, CPU RNG, arguments), renamed
 # from a temporary name when complete, then named in `latest`: a crash leaves the last one whole.
-RESUME_MUST_MATCH = ("model", "data", "format", "seq_len", "response_only", "mode", "prefix_ntp_weight", "k_max",
+RESUME_MUST_MATCH = ("model", "data", "format", "seq_len", "response_only", "mode", "prefix_ntp_weight", "adapter", "k_max",
                      "regions", "batch_size", "lr", "warmup", "decay", "weight_decay", "beta1", "beta2", "seed")
 
 def save_checkpoint(student, optimizer, scheduler, step: int, args, d: Dist) -> Path:
@@ -602,7 +639,8 @@ def save_checkpoint(student, optimizer, scheduler, step: int, args, d: Dist) -> 
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     d.barrier()
-    dcp.save(dict(zip(("model", "optim"), get_state_dict(student, optimizer))), checkpoint_id=tmp)
+    dcp.save(dict(zip(("model", "optim"), get_state_dict(student, optimizer, options=state_options(args)))),
+             checkpoint_id=tmp)
     d.barrier()
     if d.main:                                        # no GPU RNG state: nothing draws on it
         torch.save({"step": step, "scheduler": scheduler.state_dict(), "args": vars(args),
@@ -616,6 +654,12 @@ def save_checkpoint(student, optimizer, scheduler, step: int, args, d: Dist) -> 
     d.barrier()
     return final
 
+def state_options(args):
+    """What a checkpoint holds: every weight, or with the gated adapter only the trained ones."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    adapter = getattr(args, "adapter", "none") != "none"
+    return StateDictOptions(ignore_frozen_params=adapter, strict=not adapter)
+
 def latest_checkpoint(out) -> Path | None:
     pointer = Path(out) / "checkpoints" / "latest"
     path = pointer.parent / pointer.read_text().strip() if pointer.is_file() else None
@@ -628,20 +672,24 @@ def load_checkpoint(path: Path, student, optimizer, scheduler, args) -> tuple[in
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     trainer = read_checkpoint(path / "trainer.pt", "training checkpoint", weights_only=True)
     def setting(name, args):                          # paths compare as real paths
-        value = args.get(name)
+        value = args.get(name, "none" if name == "adapter" else None)  # runs from before --adapter
         paths = [value] if isinstance(value, str) else value
         return [os.path.realpath(p) for p in paths] if name in ("model", "data") and value is not None else value
-    changed = [f"--{k.replace('_', '-')} {trainer['args'].get(k)} -> {getattr(args, k)}" for k in RESUME_MUST_MATCH
+    keys = RESUME_MUST_MATCH
+    if setting("adapter", vars(args)) != "none":
+        keys += ("adapter_rank", "adapter_alpha", "adapter_targets")
+    changed = [f"--{k.replace('_', '-')} {setting(k, trainer['args'])} -> {setting(k, vars(args))}" for k in keys
                if setting(k, trainer["args"]) != setting(k, vars(args))]
     if changed:
         raise ValueError(f"cannot resume from {path}: settings differ from the interrupted run ({'; '.join(changed)})")
-    state = dict(zip(("model", "optim"), get_state_dict(student, optimizer)))   # as save_checkpoint names them
+    state = dict(zip(("model", "optim"), get_state_dict(student, optimizer, options=state_options(args))))
     try:
         dcp.load(state, checkpoint_id=str(path))
     except Exception as e:  # dcp wraps the reader's error in its own exception type
         raise ValueError(f"cannot read the checkpoint {path}: truncated or corrupt ({type(e).__name__}); "
                          f"resume from an earlier one by pointing {path.parent}/latest at it") from None
-    set_state_dict(student, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(student, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=state_options(args))
     scheduler.load_state_dict(trainer["scheduler"])
     torch.set_rng_state(trainer["rng_cpu"])           # per-GPU states, where saved, are unused
     return trainer["step"], trainer["args"]["steps"]
@@ -760,6 +808,16 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--k-max", type=number(int, 2), default=16, help="k is drawn uniformly from [2, k_max] every step")
     m.add_argument("--regions", type=positive_int, help="MTP problems per sequence (default seq_len / (2 k_max))")
     m.add_argument("--prefix-ntp-weight", type=number(float, 0), default=0.0, help="plus this much plain NTP loss")
+    m.add_argument("--adapter", default="none", choices=("none", "gated-lora"),
+                   help="none (the default, the paper's recipe): tune every weight against a frozen "
+                   "copy; gated-lora: freeze the model and train a low-rank update that acts only at "
+                   "<mask> positions (the model's own predictions stay exactly the base model's; the "
+                   "teacher is the base itself, no copy); final/ then holds the adapter, not a model")
+    m.add_argument("--adapter-rank", type=positive_int, default=32, help="gated-lora: rank of each update")
+    m.add_argument("--adapter-alpha", type=positive_float, default=64.0,
+                   help="gated-lora: the update is scaled by alpha / rank")
+    m.add_argument("--adapter-targets", nargs="+", choices=ADAPTER_TARGETS, default=list(ADAPTER_TARGETS),
+                   help="gated-lora: the projections that get an update (default: all)")
     c = t.add_argument_group("checkpoints")
     c.add_argument("--out", required=True, help="output folder: checkpoints/, log.jsonl, final/ (the exported model)")
     c.add_argument("--save-every", type=positive_int, default=1000, help="checkpoint every N steps")
@@ -814,7 +872,7 @@ def check_args(args):
     for flag in ("model", "checkpoint"):
         if a.get(flag) is not None:
             input_path(a[flag], f"--{flag}", folder=True)
-    cfg = read_model_config(args.model) if "model" in a else None   # says most about a wrong folder
+    cfg = read_model_config(base_folder(args.model)) if "model" in a else None   # says most about a wrong folder
     for path in [args.data] if isinstance(a.get("data"), str) else a.get("data") or []:
         input_path(path, "--data")
     if a.get("reference") is not None:                # an earlier eval's --out
@@ -837,6 +895,12 @@ def check_args(args):
     if args.seq_len + args.k_max - 2 >= cfg.max_seq_len:
         raise CliError(f"--seq-len {args.seq_len} with --k-max {args.k_max} needs positions up to "
                        f"{args.seq_len + args.k_max - 2}; the model supports {cfg.max_seq_len}")
+    if args.adapter != "none" and args.prefix_ntp_weight > 0:
+        raise CliError("--prefix-ntp-weight trains the next-token predictions, which the gated adapter "
+                       "cannot change (it acts only at <mask> positions): leave it at 0")
+    if base_folder(args.model) != args.model:
+        raise CliError(f"--model {args.model} is a gated mask adapter: train from its base model "
+                       f"({base_folder(args.model)})")
     if args.regions is not None and args.regions > args.seq_len:
         raise CliError(f"--regions {args.regions}: at most --seq-len ({args.seq_len}) regions fit in a sequence")
     world = int(os.environ.get("WORLD_SIZE", 1))

@@ -171,22 +171,51 @@ def attend(q, k, v, mask):
     # (B, g * T, n_kv, hd), and that layout cannot be split into (B, H, T, hd) without a copy.
     return y.reshape(B, H, T, hd)
 
+class GatedLowRank(nn.Module):
+    """The gated mask adapter's update to one projection: scale * up(down(x)), computed and added
+    only at the rows whose input token is <mask>. `up` starts at zero, so a new adapter changes
+    nothing. Not a LoRA to merge into the weight: applied at every row it would change them all."""
+    def __init__(self, d_in: int, d_out: int, rank: int, alpha: float, generator=None):
+        super().__init__()
+        self.down = nn.Parameter(torch.randn(rank, d_in, generator=generator) / math.sqrt(d_in))
+        self.up = nn.Parameter(torch.zeros(d_out, rank))
+        self.scale = alpha / rank
+
+    def forward(self, x, y, mask_rows):
+        """y = W x for x (..., d_in); return y with the update added at mask_rows of x.flatten(0, -2)."""
+        x_mask = x.reshape(-1, x.shape[-1]).index_select(0, mask_rows)            # (n_mask, d_in)
+        update = (x_mask @ self.down.T.to(x.dtype)) @ self.up.T.to(x.dtype) * self.scale
+        y_flat = y.reshape(-1, y.shape[-1]).index_add(0, mask_rows, update.to(y.dtype))
+        return y_flat.view(y.shape)
+
+class Linear(nn.Linear):
+    """nn.Linear that may carry a gated mask adapter, applied only at the rows in mask_rows."""
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.adapter: GatedLowRank | None = None
+
+    def forward(self, x, mask_rows=None):
+        y = super().forward(x)
+        if self.adapter is None or mask_rows is None:
+            return y
+        return self.adapter(x, y, mask_rows)
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.attn_bias)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.attn_bias)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.attn_bias)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.wq = Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.attn_bias)
+        self.wk = Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.attn_bias)
+        self.wv = Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.attn_bias)
+        self.wo = Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x, cos, sin, mask, cache=None, layer=0, plan: CachedPass | None = None):
+    def forward(self, x, cos, sin, mask, cache=None, layer=0, plan: CachedPass | None = None, mask_rows=None):
         B, T, _ = x.shape                                            # ragged: (1, N) real tokens
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)       # (B, T, n_heads, hd)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)    # (B, T, n_kv_heads, hd)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        q = self.wq(x, mask_rows).view(B, T, self.n_heads, self.head_dim)       # (B, T, n_heads, hd)
+        k = self.wk(x, mask_rows).view(B, T, self.n_kv_heads, self.head_dim)    # (B, T, n_kv_heads, hd)
+        v = self.wv(x, mask_rows).view(B, T, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:                               # Qwen3: per-head norm before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, heads, T, hd)
@@ -203,16 +232,18 @@ class Attention(nn.Module):
         y = attend(q, k, v, mask).transpose(1, 2)                    # (B, T, n_heads, hd)
         if ragged:
             y = y.reshape(-1, self.n_heads, self.head_dim).index_select(0, plan.grid)[None]  # (1, N, n_heads, hd)
-        return self.wo(y.reshape(B, T, self.n_heads * self.head_dim))
+        return self.wo(y.reshape(B, T, self.n_heads * self.head_dim), mask_rows)
 
 class SwiGLU(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.up = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
-    def forward(self, x):
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        self.gate = Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.up = Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.down = Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x, mask_rows=None):
+        hidden = F.silu(self.gate(x, mask_rows)) * self.up(x, mask_rows)
+        return self.down(hidden, mask_rows)
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -220,9 +251,9 @@ class Block(nn.Module):
         self.attn_norm, self.attn = RMSNorm(cfg.dim, cfg.norm_eps), Attention(cfg)
         self.mlp_norm, self.mlp = RMSNorm(cfg.dim, cfg.norm_eps), SwiGLU(cfg)
 
-    def forward(self, x, cos, sin, mask, cache=None, layer=0, plan=None):
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache, layer, plan)
-        return x + self.mlp(self.mlp_norm(x))
+    def forward(self, x, cos, sin, mask, cache=None, layer=0, plan=None, mask_rows=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache, layer, plan, mask_rows)
+        return x + self.mlp(self.mlp_norm(x), mask_rows)
 
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -235,6 +266,8 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.mask_embedding = None            # the gated mask adapter's <mask> input (add_mask_adapter)
+        self.adapter_on = True                # False: the base model, whatever adapter it carries
         for module in self.modules():                                # GPT-2's initialisation
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
@@ -274,11 +307,18 @@ class Transformer(nn.Module):
         elif positions is None:                                                           # (B, T)
             positions = plan.positions if plan is not None else torch.arange(T, device=device)[None].expand(B, T)
         x = self.tok_emb(tokens)                                        # (B, T, dim) or (1, N, dim)
+        mask_rows = None
+        if self.mask_embedding is not None and self.adapter_on:
+            # The gate of the mask adapter: its own <mask> embedding and its updates act only at
+            # the rows that hold <mask>; every other row computes exactly what the base model does.
+            is_mask = tokens == self.config.mask_token_id                         # (B, T)
+            x = torch.where(is_mask[..., None], self.mask_embedding.to(x.dtype), x)
+            mask_rows = is_mask.flatten().nonzero().squeeze(1)       # rows of the flattened (B*T, dim)
         angles = positions[..., None].float() * self.inv_freq                # (B, T, hd/2)
         angles = torch.cat([angles, angles], dim=-1)[:, None]           # (B, 1, T, hd): rotate_half
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, cache, i, plan)
+            x = layer(x, cos, sin, mask, cache, i, plan, mask_rows)
         if cache is not None:       # built with the plan: the host need not wait for the layers
             cache.lengths.copy_(plan.new_lengths)
         if ragged:
@@ -329,6 +369,90 @@ def add_mask_token(model: Transformer, tokenizer, text: str = "<mask>", seed: in
     cfg.mask_token_id = mask_id
     return mask_id
 
+# ---- the gated mask adapter ------------------------------------------------------------------
+# An alternative to tuning every weight: freeze the model, and train only a low-rank update to
+# chosen projections plus a <mask> embedding of its own, both acting only at the rows whose input
+# token is <mask>. Ordinary tokens never attend to mask slots (in training and in decoding), so at
+# every ordinary position the hidden states, cache entries and logits stay exactly the base
+# model's: greedy decoding and the lossless mode print the untuned model's text, and the
+# distillation teacher is the student itself with the adapter off (no second copy). Saved as a
+# small folder beside the unchanged base model; not a plain LoRA (applied everywhere, it would
+# change every position), so the files have names of their own.
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "mask_adapter.json", "mask_adapter.safetensors"
+ADAPTER_TYPE = "gated-mask-lora"
+ADAPTER_TARGETS = ("wq", "wk", "wv", "wo", "gate", "up", "down")
+
+def add_mask_adapter(model: Transformer, rank: int, alpha: float, targets=ADAPTER_TARGETS, seed: int = 0):
+    """Freeze `model` (which has <mask>) and give it a fresh gated mask adapter: a GatedLowRank on
+    each Linear named in targets (seeded), and a trainable <mask> embedding starting at the current one."""
+    if model.config.mask_token_id is None:
+        raise ValueError("the gated mask adapter needs a model with a <mask> token (add_mask_token)")
+    unknown = sorted(set(targets) - set(ADAPTER_TARGETS))
+    if unknown:
+        raise ValueError(f"unknown adapter targets {unknown}; choose from {', '.join(ADAPTER_TARGETS)}")
+    model.requires_grad_(False)
+    device, generator = model.tok_emb.weight.device, torch.Generator().manual_seed(seed)
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and name.rsplit(".", 1)[-1] in targets:
+            with torch.device("cpu"):                         # the generator's device
+                adapter = GatedLowRank(module.in_features, module.out_features, rank, alpha, generator)
+            module.adapter = adapter.to(device)
+    row = model.tok_emb.weight[model.config.mask_token_id].detach()
+    model.mask_embedding = nn.Parameter(row.float().clone())
+    model.adapter_config = {"rank": rank, "alpha": alpha, "targets": list(targets)}
+
+def is_adapter_tensor(name: str) -> bool:
+    return ".adapter." in name or name == "mask_embedding"
+
+def adapter_state(model: Transformer) -> dict:
+    """The adapter's tensors by name: what a gated mask adapter saves and trains."""
+    return {name: t for name, t in model.state_dict().items() if is_adapter_tensor(name)}
+
+def save_mask_adapter(model: Transformer, path, base_model):
+    """Write the adapter (float32) and its config into folder `path`, naming the base folder."""
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    tensors = {n: t.detach().float().contiguous().cpu() for n, t in adapter_state(model).items()}
+    atomic_save(lambda p: save_file(tensors, p, metadata={"format": "pt"}), os.path.join(path, ADAPTER_WEIGHTS))
+    config = {"adapter_type": ADAPTER_TYPE,
+              "applies_at": "input positions holding mask_token_id only; every other position is the base model",
+              "base_model": os.path.relpath(base_model, path), **model.adapter_config,
+              "mask_token_id": model.config.mask_token_id}
+    write_json(os.path.join(path, ADAPTER_CONFIG), config)
+
+def is_adapter_folder(path) -> bool:
+    return os.path.isfile(os.path.join(path, ADAPTER_CONFIG))
+
+def read_adapter_config(path) -> dict:
+    """The adapter's config, with base_model resolved to a path (it is stored relative to `path`)."""
+    file = os.path.join(path, ADAPTER_CONFIG)
+    config = read_json(file, "mask adapter config")
+    missing = [k for k in ("adapter_type", "base_model", "rank", "alpha", "targets", "mask_token_id") if k not in config]
+    if missing or config["adapter_type"] != ADAPTER_TYPE:
+        problem = f"missing {', '.join(missing)}" if missing else f"adapter_type is not {ADAPTER_TYPE!r}"
+        raise ValueError(f"{file}: {problem}")
+    config["base_model"] = os.path.normpath(os.path.join(path, config["base_model"]))
+    return config
+
+def load_mask_adapter(model: Transformer, path):
+    """Attach the adapter saved in folder `path` to its base model (with <mask> added)."""
+    from safetensors.torch import load_file
+    config = read_adapter_config(path)
+    if model.config.mask_token_id != config["mask_token_id"]:
+        raise ValueError(f"{path}: the adapter's <mask> is token {config['mask_token_id']}, "
+                         f"the model's is {model.config.mask_token_id}")
+    add_mask_adapter(model, config["rank"], config["alpha"], config["targets"])
+    file = os.path.join(path, ADAPTER_WEIGHTS)
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"no {ADAPTER_WEIGHTS} in {path}")
+    tensors, expected = load_file(file), adapter_state(model)
+    wrong = sorted(set(tensors) ^ set(expected))
+    wrong += [n for n in expected if n in tensors and tensors[n].shape != expected[n].shape]
+    if wrong:
+        raise ValueError(f"{file} does not match its config: {', '.join(wrong[:3])}")
+    model.load_state_dict(tensors, strict=False)
+    return model
+
 # ---- plumbing: Hugging Face checkpoints, devices, files --------------------------------------
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 HF_NAMES = {"tok_emb": "model.embed_tokens", "norm": "model.norm", "lm_head": "lm_head",
@@ -341,6 +465,8 @@ def hf_names(model: Transformer) -> dict:
     """{Hugging Face name: our name} of each tensor in a checkpoint (a tied lm_head is not)."""
     names = {}
     for name in model.state_dict():
+        if is_adapter_tensor(name):                   # a gated mask adapter saves on its own
+            continue
         layer, module, suffix = re.fullmatch(r"(layers\.\d+\.)?(.+)\.(weight|bias)", name).groups()
         if not (name == "lm_head.weight" and model.config.tie_embeddings):
             names[f"{'model.' + layer if layer else ''}{HF_NAMES[module]}.{suffix}"] = name

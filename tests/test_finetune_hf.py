@@ -340,6 +340,85 @@ def test_gt_mode_and_activation_checkpointing(tiny, tmp_path):
     assert "the naive ground-truth" in (gt / "final" / "README.md").read_text()
 
 
+def test_gated_adapter_trains_only_itself_resumes_exactly_and_exports_a_small_folder(tiny, tmp_path, capsys,
+                                                                                     monkeypatch):
+    """--adapter gated-lora: the optimizer holds the adapter and the <mask> embedding only, the base
+    folder stays as it was, a resumed run equals an uninterrupted one, checkpoints hold no base
+    weight, and final/ (and export) hold the adapter, which every loader reads with its base."""
+    from model import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+    before = weights(tiny / "base")
+    adapter = ["--adapter", "gated-lora", "--adapter-rank", "4", "--adapter-alpha", "8"]
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    assert F.main(train_args(tiny, full, "--steps", "4", *adapter)) == 0
+    final = full / "final"
+    assert sorted(p.name for p in final.iterdir()) == sorted([ADAPTER_CONFIG, ADAPTER_WEIGHTS, "README.md"])
+    saved = load_file(str(final / ADAPTER_WEIGHTS))
+    assert all(".adapter." in n or n == "mask_embedding" for n in saved)
+    assert max(t.abs().max() for n, t in saved.items() if n.endswith(".up")) > 0          # it did train
+    base_after = weights(tiny / "base")
+    assert all(torch.equal(before[n], base_after[n]) for n in before)
+    ckpt_bytes = sum(f.stat().st_size for f in (full / "checkpoints" / "step_000004").rglob("*") if f.is_file())
+    base_bytes = (tiny / "base" / "model.safetensors").stat().st_size
+    assert ckpt_bytes < base_bytes                             # no base weight in a checkpoint
+    card = (final / "README.md").read_text()
+    assert "not a LoRA" in card and F.MODEL_CARD_TAGS in card
+
+    real, steps = F.train_step, []
+    def crash_after_3(*a, **kw):
+        steps.append(1)
+        if len(steps) == 4:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+    monkeypatch.setattr(F, "train_step", crash_after_3)
+    assert F.main(train_args(tiny, cut, "--steps", "4", *adapter)) != 0
+    monkeypatch.setattr(F, "train_step", real)
+    assert F.main(train_args(tiny, cut, "--steps", "4", *adapter[:2], "--resume")) == 2   # another rank
+    assert "--adapter-rank 4 -> 32" in capsys.readouterr().err
+    assert F.main(train_args(tiny, cut, "--steps", "4", *adapter, "--resume")) == 0
+    resumed = load_file(str(cut / "final" / ADAPTER_WEIGHTS))
+    assert saved.keys() == resumed.keys() and all(torch.equal(saved[n], resumed[n]) for n in saved)
+    assert F.main(["export", "--checkpoint", str(full), "--out", str(tmp_path / "exp")]) == 0
+    exported = load_file(str(tmp_path / "exp" / ADAPTER_WEIGHTS))
+    assert all(torch.equal(saved[n], exported[n]) for n in saved)
+
+    # eval reads base + adapter; its greedy answers are the untuned model's, word for word.
+    common = ["eval", "--data", str(tiny / "wp" / "test.jsonl"), "--prompt-style", "zeroshot",
+              "--max-new-tokens", "8", "--batch-size", "2", "--static-k", "1", "--taus"]
+    assert F.main(common + ["--model", str(tiny / "base"), "--out", str(tmp_path / "e0")]) == 0
+    assert F.main(common + ["--model", str(final), "--out", str(tmp_path / "e1"), "--lossless-k", "3"]) == 0
+    answers = [[json.loads(line)["completion"] for line in (tmp_path / e / "samples.jsonl").read_text().splitlines()]
+               for e in ("e0", "e1")]
+    assert answers[1][: len(answers[0])] == answers[0] and answers[1][len(answers[0]):] == answers[0]
+
+
+def test_gated_adapter_refuses_the_prefix_loss_and_an_adapter_as_base(tiny, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert F.main(train_args(tiny, run, "--adapter", "gated-lora", "--prefix-ntp-weight", "1")) == 2
+    assert "cannot change" in capsys.readouterr().err
+    assert F.main(train_args(tiny, run, "--steps", "1", "--adapter", "gated-lora")) == 0
+    again = ["train", "--model", str(run / "final"), "--data", str(tiny / "wp" / "train.json"),
+             "--out", str(tmp_path / "again"), *TRAIN, "--adapter", "gated-lora"]
+    assert F.main(again) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is a gated mask adapter" in err and "\n" not in err
+
+
+def test_gated_adapter_under_fsdp2_on_two_cpu_processes_matches_one_process(tiny, tmp_path):
+    from model import ADAPTER_WEIGHTS
+    adapter = ["--adapter", "gated-lora", "--adapter-rank", "4", "--steps", "3"]
+    single, sharded = tmp_path / "single", tmp_path / "fsdp"
+    assert F.main(train_args(tiny, single, *adapter, "--micro-batch", "4")) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(REPO / "finetune_hf.py"), *train_args(tiny, sharded, *adapter, "--micro-batch", "1")]
+    run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    a, b = (load_file(str(p / "final" / ADAPTER_WEIGHTS)) for p in (single, sharded))
+    assert a.keys() == b.keys()
+    for n in a:
+        torch.testing.assert_close(a[n], b[n], atol=2e-6, rtol=1e-5)
+
+
 # ----------------------------------------------------------------------------------------------
 # eval and analyze end to end, and bad input
 # ----------------------------------------------------------------------------------------------
