@@ -86,6 +86,9 @@ def train(args) -> Path:
         out.mkdir(parents=True, exist_ok=True)
         write_json(out / "train_args.json", vars(args))
     micro_batches = args.batch_size // d.world // args.micro_batch
+    state = training_state_bytes(student, d.dtype, teacher_copy=teacher is not None and args.adapter == "none")
+    d.log(f"training state: {sum(state.values()) / 2**30:.2f} GB over {d.world} process(es) ("
+          + ", ".join(f"{name} {size / 2**30:.2f}" for name, size in state.items()) + ")")
     d.log(f"{args.mode} training: {len(pairs):,} rows, format {args.format}, {args.steps:,} steps "
           f"of {args.batch_size} sequences of {args.seq_len} tokens, {d.world} process(es) on "
           f"{d.device}, {micro_batches} micro-batch(es) of {args.micro_batch} each")
@@ -154,6 +157,16 @@ def train_step(student, teacher, optimizer, scheduler, micro: list[tuple[torch.T
     optimizer.zero_grad(set_to_none=True)
     return {"loss": d.all_sum(loss_sum) / n_global, "agree": d.all_sum(agree) / n_global,
             "grad_norm": float(grad_norm), "k": batches[0].k, "offset": batches[0].offset, "n_pred": int(n_global)}
+
+def training_state_bytes(model, compute_dtype: torch.dtype, teacher_copy: bool) -> dict:
+    """Bytes the training state holds beside the activations, as built: the weights (float32
+    master weights; a gated adapter's frozen base in the compute dtype), a teacher copy in the
+    compute dtype, float32 gradients and AdamW's two float32 moments of each trained weight."""
+    params = list(model.parameters())
+    trained = sum(p.numel() for p in params if p.requires_grad)
+    return {"weights": sum(p.numel() * p.element_size() for p in params),
+            "teacher": sum(p.numel() for p in params) * compute_dtype.itemsize if teacher_copy else 0,
+            "gradients": 4 * trained, "AdamW": 8 * trained}
 
 def rows_of_step(step: int, global_batch: int, n_rows: int, seed: int) -> list[int]:
     """Row indices of the global batch of step `step` (0-based): a seeded permutation per epoch."""
