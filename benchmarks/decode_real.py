@@ -37,10 +37,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_modes import bench, forward_latency  # noqa: E402
-from confadapt import (CliError, DecodeStats, Generation, Parser, chunk_texts, decode_modes,  # noqa: E402
-                       positive_int, stop_ids_of, synchronize)
-from data import (FORMATS, Tokenizer, default_format, end_token, prompt_tokens,  # noqa: E402
-                  word_problem_split)
+from confadapt import (CliError, DecodeStats, Generation, Parser, base_folder, chunk_texts,  # noqa: E402
+                       decode_modes, load_model, positive_int, stop_ids_of, synchronize)
+from data import FORMATS, default_format, end_token, prompt_tokens, word_problem_split  # noqa: E402
 from model import Transformer, add_mask_token, atomic_save, parse_device, parse_dtype  # noqa: E402
 
 HF_GREEDY, HF_LOOKUP = "transformers greedy", "transformers prompt lookup"
@@ -167,9 +166,10 @@ def load(args, device, dtype, need_mask: bool):
     A model without <mask> (not MTP-tuned) gets an untrained one, so that every mode runs; its
     mask predictions are rarely accepted, which is fine for checking the benchmark. transformers
     then loads our weights, written to a temporary folder, so both sides decode the same matrices.
+    A gated mask adapter's folder: ours is base + adapter, transformers' the untuned base (which
+    is what our greedy and lossless modes print then).
     """
-    tok = Tokenizer.from_pretrained(args.model)
-    ours = Transformer.from_pretrained(args.model, device=device, dtype=dtype)
+    ours, tok, _, _ = load_model(args.model, device, dtype)
     if ours.config.mask_token_id is None and tok.mask_id is not None:
         ours.config.mask_token_id = tok.mask_id
     grown = need_mask and ours.config.mask_token_id is None
@@ -184,7 +184,8 @@ def load(args, device, dtype, need_mask: bool):
         with tempfile.TemporaryDirectory() as tmp:
             if grown:
                 ours.save_pretrained(tmp)
-            hf = AutoModelForCausalLM.from_pretrained(tmp if grown else args.model, dtype=dtype).to(device).eval()
+            folder = tmp if grown else base_folder(args.model)
+            hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
     return ours, tok, hf
 
 
@@ -256,8 +257,7 @@ def run(args) -> dict:
         for name in latency_dtypes:
             model = ours
             if name != dtype_name:
-                model = Transformer.from_pretrained(args.model, device=device,
-                                                    dtype=getattr(torch, name))
+                model = load_model(args.model, device, getattr(torch, name))[0]
             report["latency_ms"][name] = {
                 bs: {T: s * 1e3 for T, s in forward_latency(model, bs, context, args.latency_sizes,
                                                             args.latency_repeats).items()}

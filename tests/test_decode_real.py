@@ -137,3 +137,26 @@ def test_missing_model_and_file_as_out(tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     assert decode_real.main(["--model", str(tmp_path), "--out", str(tmp_path / "file")]) == 2
     assert "is a file" in capsys.readouterr().err
+
+
+def test_benchmark_reads_a_gated_adapter_and_compares_with_the_untuned_base(tiny_dir, tmp_path):
+    """On an adapter folder, transformers decodes the untuned base, and our greedy and lossless
+    modes (base + adapter) print exactly its greedy text."""
+    from confadapt import load_tokenizer
+    from model import add_mask_adapter, add_mask_token, save_mask_adapter
+
+    model = Transformer.from_pretrained(tiny_dir)
+    add_mask_token(model, load_tokenizer(tiny_dir))
+    add_mask_adapter(model, rank=2, alpha=4.0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.5)
+    save_mask_adapter(model, tmp_path / "adapter", tiny_dir)
+    out = tmp_path / "out"
+    assert decode_real.main(["--model", str(tmp_path / "adapter"), "--out", str(out), "--parts", "decoding",
+                             "--modes", "greedy", "hf-greedy", "lossless", "confadapt", "--quick",
+                             "--max-new-tokens", "12", "--k-max", "4", "--dtype", "float32"]) == 0
+    rows = json.loads((out / "results.json").read_text())["decoding"]
+    assert {r["mode"] for r in rows} >= {"greedy", "transformers greedy", "lossless k=4"}
+    assert all(r["equals_greedy"] for r in rows if r["mode"] in ("transformers greedy", "lossless k=4"))
