@@ -29,8 +29,8 @@ import data
 from confadapt import (CliError, DecodeConfig, Parser, Progress, chunk_texts, count, decode_modes, format_seconds,
                        generate, output_folder, positive_int, run_cli, save_chunks_png)
 from distill import frozen_teacher, mtp_loss
-from model import (ModelConfig, Transformer, add_mask_token, atomic_save, parse_device, read_checkpoint, read_json,
-                   write_json)
+from model import (ModelConfig, Transformer, add_mask_token, atomic_save, parse_device, provenance, read_checkpoint,
+                   read_json, write_json)
 
 MODELS = ("ntp", "naive", "distill")          # names used in results.json
 STUDENT_MODE = {"naive": "gt", "distill": "hard"}
@@ -223,7 +223,8 @@ def toy_run(args, cfg: RunConfig, out: str, device) -> dict:
     plot(rows, logs, models["distill"], s_tok, cfg, out)
     seconds["total"] = time.perf_counter() - t_start
     results = {"rows": rows, "summary": summary(rows), "samples": samples, "seconds": seconds,
-               "device": str(device), "threads": torch.get_num_threads(), "torch": torch.__version__,
+               "device": str(device), "threads": torch.get_num_threads(),
+               **provenance(next(teacher.parameters()).dtype),      # commit, cpu, dtype, torch
                "n_params": teacher.num_params(), "config": asdict(cfg), "quick": args.quick}
     write_json(os.path.join(out, "results.json"), results)
     print(format_summary(results["summary"]))
