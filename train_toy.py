@@ -259,11 +259,13 @@ def format_summary(table: dict) -> str:
                               "repeated); k=4: static k, tau=0.9: ConfAdapt; tok/pass: tokens per forward pass"])
 
 def plot(rows: list[dict], logs: dict, model, tokenizer, cfg: RunConfig, out: str):
-    """OUT/pareto.png (no coherence: it equals accuracy here), training_curves.png, chunks.png (a colour per pass)."""
+    """OUT/pareto.png (no coherence: it equals accuracy here), training_curves.png, chunks.png (a colour per pass).
+    pareto.png shows the branching tasks alone: on the others every curve sits at 0 or 1."""
     import matplotlib.pyplot as plt
     plt.switch_backend("Agg")                  # files only, no window
     style = {"ntp": ("black", "*"), "naive": ("tab:red", "o"), "distill": ("tab:blue", "s")}
-    tasks = sorted({r["task"] for r in rows}, key=data.TOY_TASKS.index)
+    present = sorted({r["task"] for r in rows}, key=data.TOY_TASKS.index)
+    tasks = [t for t in present if t in data.BRANCHING_TASKS] or present
     fig, axes = plt.subplots(2, len(tasks), figsize=(4 * len(tasks), 7.5), squeeze=False)
     for col, task in enumerate(tasks):
         for ax, metric in zip(axes[:, col], ("accuracy", "degeneration")):
@@ -280,12 +282,13 @@ def plot(rows: list[dict], logs: dict, model, tokenizer, cfg: RunConfig, out: st
                         ax.annotate(f"k{r['k']}" if decode == "static" else f"τ{r['tau']:g}",
                                     (r["effective_k"], r[metric]), textcoords="offset points", color=colour,
                                     xytext=(3, 4 if decode == "static" else -9), fontsize=6)
-            ax.set(title=task + (" (branching)" if task in data.BRANCHING_TASKS else ""), ylim=(-0.05, 1.05),
+            ax.set(title=task, ylim=(-0.05, 1.05),
                    xlabel="effective k (tokens per forward pass)",
                    ylabel=metric if metric == "accuracy" else "degeneration (one item repeated)")
             ax.grid(alpha=0.3)
     fig.legend(*axes[0][0].get_legend_handles_labels(), loc="lower center", ncol=4, fontsize=8)
-    fig.suptitle("held-out prompts: quality against tokens per forward pass (labels: static k, ConfAdapt tau)")
+    fig.suptitle("held-out prompts" + (" of the branching tasks" if set(tasks) <= set(data.BRANCHING_TASKS) else "")
+                 + ": quality against tokens per forward pass (labels: static k, ConfAdapt tau)")
     fig.tight_layout(rect=(0, 0.08, 1, 0.96))
     fig.savefig(os.path.join(out, "pareto.png"), dpi=110)
     titles = {"teacher": "teacher: next-token cross-entropy",         # the students add prefix_ntp_weight x that

@@ -280,6 +280,8 @@ def test_quick_run_end_to_end(tmp_path):
     assert on_disk["cpu"] and on_disk["dtype"] == "float32" and on_disk["torch"] == torch.__version__
     for png in ("pareto.png", "training_curves.png", "chunks.png"):
         assert (out / png).stat().st_size > 1000, png
+    width = int.from_bytes((out / "pareto.png").read_bytes()[16:20], "big")        # the PNG header's width
+    assert width == 4 * len(data.BRANCHING_TASKS) * 110                             # a column per branching task
 
     assert set(on_disk["summary"]) == set(data.TOY_TASKS)
     distill = {(r["decode"], r["tau"], r["task"]): r["accuracy"] for r in rows if r["model"] == "distill"}
