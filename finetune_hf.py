@@ -32,7 +32,7 @@ from data import (DOMAINS, FORMATS, PROMPTS, Tokenizer, default_format, default_
                   sample_k_and_offset, start_tokens, training_sequences)
 from distill import MODES, adapter_off_teacher, frozen_teacher, mtp_loss
 from model import (ADAPTER_TARGETS, ModelConfig, Transformer, add_mask_adapter, add_mask_token, atomic_save,
-                   native_bfloat16_gpu, parse_device, read_checkpoint, read_json, read_model_config,
+                   native_bfloat16_gpu, parse_device, provenance, read_checkpoint, read_json, read_model_config,
                    save_mask_adapter, write_json)
 
 # === train: student + frozen teacher -> data rows -> AdamW -> the step loop -> export ==========
@@ -246,7 +246,7 @@ def evaluate(args) -> list[dict]:
         else f"{name}: GSM-style questions, zero-shot ({fmt} format)"
     meta = {"model": args.model, "data": args.data, "prompt_style": args.prompt_style, "format": fmt,
             "n_shot": args.n_shot if fewshot else 0, "max_new_tokens": args.max_new_tokens,
-            "device": str(next(model.parameters()).device)}
+            "device": str(next(model.parameters()).device), **provenance(next(model.parameters()).dtype)}
     out.mkdir(parents=True, exist_ok=True)
     same = reference is not None
     columns = "decoding | flexible-extract acc. | strict-match acc. | effective k (mean ± std) | tokens/s"

@@ -15,7 +15,9 @@ import json
 import math
 import os
 import pickle
+import platform
 import re
+import subprocess
 from dataclasses import dataclass
 
 import torch
@@ -613,6 +615,28 @@ def read_checkpoint(path, what="checkpoint", weights_only=False):
 
 def write_json(path, obj):
     atomic_save(lambda p: open(p, "w").write(json.dumps(obj, indent=2) + "\n"), path)
+
+def cpu_name() -> str:
+    """The CPU's model name, core count and widest bfloat16 support ("AMD EPYC ..., 2 cores,
+    avx512_bf16"): two CPUs of one name can round differently, so results.json names both."""
+    name, flags = platform.processor() or platform.machine(), ""
+    if os.path.isfile("/proc/cpuinfo"):
+        info = open("/proc/cpuinfo").read()
+        name = next((l.split(":", 1)[1].strip() for l in info.splitlines() if l.startswith("model name")), name)
+        flags = next((f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in info.split()), "")
+    return f"{name}, {os.cpu_count()} cores" + (f", {flags}" if flags else "")
+
+def provenance(dtype: torch.dtype) -> dict:
+    """What every results.json records, so that its figures are compared only with figures of the
+    same code, CPU and dtype: the commit (None outside git), the CPU, the compute dtype, torch."""
+    try:
+        git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
+                             capture_output=True, text=True, timeout=10)
+        commit = git.stdout.strip() if git.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {"commit": commit or None, "cpu": cpu_name(), "dtype": str(dtype).removeprefix("torch."),
+            "torch": torch.__version__}
 
 def atomic_save(write, path):
     """Call write(tmp_path), then rename over `path`: a crash never leaves a half-written file.

@@ -29,8 +29,8 @@ import data
 from confadapt import (CliError, DecodeConfig, Parser, Progress, chunk_texts, count, decode_modes, format_seconds,
                        generate, output_folder, positive_int, run_cli, save_chunks_png)
 from distill import frozen_teacher, mtp_loss
-from model import (ModelConfig, Transformer, add_mask_token, atomic_save, parse_device, read_checkpoint, read_json,
-                   write_json)
+from model import (ModelConfig, Transformer, add_mask_token, atomic_save, parse_device, provenance, read_checkpoint,
+                   read_json, write_json)
 
 MODELS = ("ntp", "naive", "distill")          # names used in results.json
 STUDENT_MODE = {"naive": "gt", "distill": "hard"}
@@ -223,7 +223,8 @@ def toy_run(args, cfg: RunConfig, out: str, device) -> dict:
     plot(rows, logs, models["distill"], s_tok, cfg, out)
     seconds["total"] = time.perf_counter() - t_start
     results = {"rows": rows, "summary": summary(rows), "samples": samples, "seconds": seconds,
-               "device": str(device), "threads": torch.get_num_threads(), "torch": torch.__version__,
+               "device": str(device), "threads": torch.get_num_threads(),
+               **provenance(next(teacher.parameters()).dtype),      # commit, cpu, dtype, torch
                "n_params": teacher.num_params(), "config": asdict(cfg), "quick": args.quick}
     write_json(os.path.join(out, "results.json"), results)
     print(format_summary(results["summary"]))
@@ -258,11 +259,13 @@ def format_summary(table: dict) -> str:
                               "repeated); k=4: static k, tau=0.9: ConfAdapt; tok/pass: tokens per forward pass"])
 
 def plot(rows: list[dict], logs: dict, model, tokenizer, cfg: RunConfig, out: str):
-    """OUT/pareto.png (no coherence: it equals accuracy here), training_curves.png, chunks.png (a colour per pass)."""
+    """OUT/pareto.png (no coherence: it equals accuracy here), training_curves.png, chunks.png (a colour per pass).
+    pareto.png shows the branching tasks alone: on the others every curve sits at 0 or 1."""
     import matplotlib.pyplot as plt
     plt.switch_backend("Agg")                  # files only, no window
     style = {"ntp": ("black", "*"), "naive": ("tab:red", "o"), "distill": ("tab:blue", "s")}
-    tasks = sorted({r["task"] for r in rows}, key=data.TOY_TASKS.index)
+    present = sorted({r["task"] for r in rows}, key=data.TOY_TASKS.index)
+    tasks = [t for t in present if t in data.BRANCHING_TASKS] or present
     fig, axes = plt.subplots(2, len(tasks), figsize=(4 * len(tasks), 7.5), squeeze=False)
     for col, task in enumerate(tasks):
         for ax, metric in zip(axes[:, col], ("accuracy", "degeneration")):
@@ -279,12 +282,13 @@ def plot(rows: list[dict], logs: dict, model, tokenizer, cfg: RunConfig, out: st
                         ax.annotate(f"k{r['k']}" if decode == "static" else f"τ{r['tau']:g}",
                                     (r["effective_k"], r[metric]), textcoords="offset points", color=colour,
                                     xytext=(3, 4 if decode == "static" else -9), fontsize=6)
-            ax.set(title=task + (" (branching)" if task in data.BRANCHING_TASKS else ""), ylim=(-0.05, 1.05),
+            ax.set(title=task, ylim=(-0.05, 1.05),
                    xlabel="effective k (tokens per forward pass)",
                    ylabel=metric if metric == "accuracy" else "degeneration (one item repeated)")
             ax.grid(alpha=0.3)
     fig.legend(*axes[0][0].get_legend_handles_labels(), loc="lower center", ncol=4, fontsize=8)
-    fig.suptitle("held-out prompts: quality against tokens per forward pass (labels: static k, ConfAdapt tau)")
+    fig.suptitle("held-out prompts" + (" of the branching tasks" if set(tasks) <= set(data.BRANCHING_TASKS) else "")
+                 + ": quality against tokens per forward pass (labels: static k, ConfAdapt tau)")
     fig.tight_layout(rect=(0, 0.08, 1, 0.96))
     fig.savefig(os.path.join(out, "pareto.png"), dpi=110)
     titles = {"teacher": "teacher: next-token cross-entropy",         # the students add prefix_ntp_weight x that

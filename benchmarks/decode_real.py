@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -40,7 +39,7 @@ from bench_modes import bench, forward_latency  # noqa: E402
 from confadapt import (CliError, DecodeStats, Generation, Parser, base_folder, chunk_texts,  # noqa: E402
                        decode_modes, load_model, positive_int, stop_ids_of, synchronize)
 from data import FORMATS, default_format, end_token, prompt_tokens, word_problem_split  # noqa: E402
-from model import Transformer, add_mask_token, atomic_save, parse_device, parse_dtype  # noqa: E402
+from model import add_mask_token, atomic_save, cpu_name, parse_device, parse_dtype, provenance  # noqa: E402
 
 HF_GREEDY, HF_LOOKUP = "transformers greedy", "transformers prompt lookup"
 MODE_CHOICES = ("greedy", "hf-greedy", "hf-lookup", "static", "confadapt", "lossless")
@@ -150,14 +149,7 @@ def hf_decode(hf, rows: list[list[int]], max_new_tokens: int, batch_size: int, s
 # ----------------------------------------------------------------------------------------------
 
 def machine(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    name, flags = platform.processor() or platform.machine(), ""
-    if os.path.isfile("/proc/cpuinfo"):
-        info = Path("/proc/cpuinfo").read_text()
-        name = next((l.split(":", 1)[1].strip() for l in info.splitlines() if l.startswith("model name")), name)
-        flags = "avx512_bf16" if "avx512_bf16" in info else "avx512f" if "avx512f" in info else ""
-    return f"{name}, {os.cpu_count()} cores" + (f", {flags}" if flags else "")
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
 
 
 def load(args, device, dtype, need_mask: bool):
@@ -207,9 +199,8 @@ def run(args) -> dict:
     requests = chat_prompts(args.prompts_per_domain)
     prompts = [prompt_tokens(tok, fmt, text) for _, text in requests]
     dtype_name = str(dtype).removeprefix("torch.")
-    meta = {"model": args.model, "machine": machine(device), "device": str(device),
-            "dtype": dtype_name,
-            "threads": torch.get_num_threads(), "torch": torch.__version__, "format": fmt,
+    meta = {"model": args.model, "machine": machine(device), "device": str(device), **provenance(dtype),
+            "threads": torch.get_num_threads(), "format": fmt,
             "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "requests": requests,
             "rows": args.rows or max(len(prompts), max(args.batch_sizes)),     # bench_modes.bench's workload
             "prompt_tokens": [len(p) for p in prompts]}

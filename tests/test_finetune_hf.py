@@ -431,7 +431,9 @@ def test_eval_sweep_writes_table_and_plot(tiny, tmp_path):
               "--max-new-tokens", "6", "--batch-size", "2"]
     assert F.main(common + ["--prompt-style", "zeroshot", "--static-k", "1", "3", "--taus", "0.9",
                             "--lossless-k", "4"]) == 0
-    res = json.loads((out / "results.json").read_text())["results"]
+    meta, res = (json.loads((out / "results.json").read_text())[key] for key in ("meta", "results"))
+    assert meta["commit"] is None or re.fullmatch("[0-9a-f]{40}", meta["commit"])   # provenance: None outside git
+    assert meta["cpu"] and meta["dtype"] in ("float32", "bfloat16") and meta["torch"] == torch.__version__
     assert json.loads((out / "samples.jsonl").read_text().splitlines()[0])["gold"].isdigit()   # after '####'
     assert [r["decoding"] for r in res] == ["k=1 (greedy)", "static k=3", "confadapt tau=0.9 k_max=16",
                                             "lossless k=4"]

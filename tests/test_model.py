@@ -190,6 +190,19 @@ def test_auto_dtype_is_bfloat16_only_on_a_gpu_that_computes_it(monkeypatch):
     assert parse_dtype("float32", cuda) == torch.float32
 
 
+def test_provenance_names_commit_cpu_dtype_and_torch(monkeypatch):
+    import subprocess
+
+    import model
+    here = model.provenance(torch.bfloat16)
+    assert set(here) == {"commit", "cpu", "dtype", "torch"} and here["dtype"] == "bfloat16"
+    assert here["cpu"] and here["torch"] == torch.__version__
+    def no_git(*args, **kwargs):
+        raise FileNotFoundError("git")
+    monkeypatch.setattr(subprocess, "run", no_git)
+    assert model.provenance(torch.float32)["commit"] is None                      # no git: None, no error
+
+
 def test_older_and_newer_config_styles_agree():
     old = dict(LLAMA3, torch_dtype="bfloat16")
     new = {k: v for k, v in LLAMA3.items() if k not in ("rope_theta", "rope_scaling")}

@@ -8,6 +8,7 @@ The script itself runs once in --quick mode (tiny model, few steps) into a tempo
 import json
 import os
 import random
+import re
 from collections import Counter
 from dataclasses import replace
 from functools import partial
@@ -274,8 +275,13 @@ def test_quick_run_end_to_end(tmp_path):
                                              for d in ("static", "confadapt", "lossless")}
     assert {"device", "seconds", "config"} <= set(on_disk)
     assert {"teacher", "naive", "distill", "evaluation", "total"} <= set(on_disk["seconds"])
+    # provenance: the commit (None outside git), the CPU, the compute dtype, torch
+    assert on_disk["commit"] is None or re.fullmatch("[0-9a-f]{40}", on_disk["commit"])
+    assert on_disk["cpu"] and on_disk["dtype"] == "float32" and on_disk["torch"] == torch.__version__
     for png in ("pareto.png", "training_curves.png", "chunks.png"):
         assert (out / png).stat().st_size > 1000, png
+    width = int.from_bytes((out / "pareto.png").read_bytes()[16:20], "big")        # the PNG header's width
+    assert width == 4 * len(data.BRANCHING_TASKS) * 110                             # a column per branching task
 
     assert set(on_disk["summary"]) == set(data.TOY_TASKS)
     distill = {(r["decode"], r["tau"], r["task"]): r["accuracy"] for r in rows if r["model"] == "distill"}
