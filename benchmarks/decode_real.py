@@ -36,8 +36,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_modes import bench, forward_latency  # noqa: E402
-from confadapt import (CliError, DecodeStats, Generation, Parser, base_folder, chunk_texts,  # noqa: E402
-                       decode_modes, load_model, positive_int, stop_ids_of, synchronize)
+from confadapt import (CliError, DecodeConfig, DecodeStats, Generation, Parser, base_folder, chunk_texts,  # noqa: E402
+                       decode_modes, generate, load_model, positive_int, stop_ids_of, synchronize)
 from data import FORMATS, default_format, end_token, prompt_tokens, word_problem_split  # noqa: E402
 from model import add_mask_token, atomic_save, cpu_name, parse_device, parse_dtype, provenance  # noqa: E402
 
@@ -199,7 +199,8 @@ def run(args) -> dict:
     requests = chat_prompts(args.prompts_per_domain)
     prompts = [prompt_tokens(tok, fmt, text) for _, text in requests]
     dtype_name = str(dtype).removeprefix("torch.")
-    meta = {"model": args.model, "machine": machine(device), "device": str(device), **provenance(dtype),
+    meta = {"model": args.model, "reference": args.reference, "machine": machine(device), "device": str(device),
+            **provenance(dtype),
             "threads": torch.get_num_threads(), "format": fmt,
             "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "requests": requests,
             "rows": args.rows or max(len(prompts), max(args.batch_sizes)),     # bench_modes.bench's workload
@@ -226,6 +227,8 @@ def run(args) -> dict:
                 r["effective_k_by_domain"] = {
                     d: sum(len(g.tokens) for g, x in zip(gens, domains) if x == d)
                     / sum(g.forward_passes for g, x in zip(gens, domains) if x == d) for d in dict.fromkeys(domains)}
+        if args.reference:
+            same_as_reference(result, outputs, args.reference, prompts, meta["rows"], stop_ids, args, device, dtype)
         write_samples(out / "samples.md", tok, requests, outputs, min(args.batch_sizes))
         theirs = {r["batch_size"]: r["tokens_per_second"] for r in result if r["kind"] == HF_GREEDY}
         for r in result:
@@ -256,6 +259,18 @@ def run(args) -> dict:
             print(f"latency curve {name} done", file=sys.stderr, flush=True)
             save(report, out)
     return report
+
+
+def same_as_reference(result, outputs, reference, prompts, n_rows, stop_ids, args, device, dtype):
+    """Each decoder's share of answers identical to the greedy answers of another model folder
+    (--reference: the untuned model, say), decoded at the same batch size: r["same_as_reference"]."""
+    model = load_model(reference, device, dtype)[0]
+    rows = [prompts[i % len(prompts)] for i in range(n_rows)]
+    theirs = {bs: generate(model, rows, args.max_new_tokens, DecodeConfig("greedy"), stop_ids=stop_ids,
+                           batch_size=bs)[0] for bs in args.batch_sizes}
+    for r in result:
+        gens, ref = outputs[r["batch_size"], r["mode"]], theirs[r["batch_size"]]
+        r["same_as_reference"] = sum(g.tokens == x.tokens for g, x in zip(gens, ref)) / len(ref)
 
 
 def save(report: dict, out: Path):
@@ -301,14 +316,16 @@ def markdown(report: dict) -> str:
     lines = [f"### Decoding {m['model']} on {m['machine']} ({m['device']}, {m['dtype']}, {m['threads']} threads)", ""]
     if report["decoding"]:
         rows = report["decoding"]
+        reference = m.get("reference")
         lines += ["| batch | mode | tokens/s | vs our greedy | vs transformers greedy | effective k | efficiency "
-                  "| fed/token | output = greedy |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| fed/token | output = greedy |" + (" = reference's greedy |" if reference else ""),
+                  "|---|---|---|---|---|---|---|---|---|" + ("---|" if reference else "")]
         for r in rows:
             vs_hf = f"{r['speedup_vs_transformers']:.2f}x" if r["speedup_vs_transformers"] else ""
             same = ("yes" if r["equals_greedy"] else "**no**") if promises_greedy(r) else ""
             lines.append(f"| {r['batch_size']} | {r['mode']} | {r['tokens_per_second']:,.1f} | {r['speedup']:.2f}x "
                          f"| {vs_hf} | {r['effective_k']:.2f} | {r['efficiency']:.2f} | {r['fed_per_token']:.2f} "
-                         f"| {same} |")
+                         f"| {same} |" + (f" {r['same_as_reference']:.0%} |" if "same_as_reference" in r else ""))
         lookup = any(r["kind"].startswith(HF_LOOKUP) for r in rows)
         lines += ["", f"{len(m['requests'])} prompts ({m['format']} format, {min(m['prompt_tokens'])}-"
                       f"{max(m['prompt_tokens'])} tokens) cycled to {m['rows']} rows, "
@@ -429,6 +446,8 @@ def parse(argv):
     d.add_argument("--lossless-k", type=int, default=None,
                    help="lossless: most tokens per pass (default: the largest --k-max)")
     d.add_argument("--lookup-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
+    d.add_argument("--reference", help="another model folder (the untuned model, say): report each decoder's share "
+                   "of answers identical to its greedy answers at the same batch size")
     la = p.add_argument_group("latency curve")
     la.add_argument("--latency-sizes", type=int, nargs="+", help="new positions per row (default 1..32)")
     la.add_argument("--latency-batch-sizes", type=int, nargs="+", default=[1, 16])

@@ -156,7 +156,10 @@ def test_benchmark_reads_a_gated_adapter_and_compares_with_the_untuned_base(tiny
     out = tmp_path / "out"
     assert decode_real.main(["--model", str(tmp_path / "adapter"), "--out", str(out), "--parts", "decoding",
                              "--modes", "greedy", "hf-greedy", "lossless", "confadapt", "--quick",
-                             "--max-new-tokens", "12", "--k-max", "4", "--dtype", "float32"]) == 0
-    rows = json.loads((out / "results.json").read_text())["decoding"]
-    assert {r["mode"] for r in rows} >= {"greedy", "transformers greedy", "lossless k=4"}
-    assert all(r["equals_greedy"] for r in rows if r["mode"] in ("transformers greedy", "lossless k=4"))
+                             "--max-new-tokens", "12", "--k-max", "4", "--dtype", "float32",
+                             "--reference", tiny_dir]) == 0
+    rows = {r["mode"]: r for r in json.loads((out / "results.json").read_text())["decoding"] if r["batch_size"] == 4}
+    assert set(rows) >= {"greedy", "transformers greedy", "lossless k=4"}
+    assert rows["transformers greedy"]["equals_greedy"] and rows["lossless k=4"]["equals_greedy"]
+    assert rows["greedy"]["same_as_reference"] == rows["lossless k=4"]["same_as_reference"] == 1.0
+    assert "= reference's greedy" in (out / "results.md").read_text()
