@@ -1,0 +1,309 @@
+"""Benchmark, computed and not measured: the memory one training process of finetune_hf.py
+holds at full scale, for a full fine-tune and for the gated mask adapter, on Llama-3.1-8B and
+SmolLM2-135M.
+
+Each model is built on the meta device (shapes, no memory) as `finetune_hf.load_student_and_teacher`
+builds it on one process, with <mask> added as one more row of the embedding and output matrices
+(what model.add_mask_token does when the tokenizer, as both of these, fills the matrix):
+
+    full      float32 master weights, a frozen bfloat16 teacher copy, float32 gradients and AdamW
+    adapter   the frozen base in bfloat16, a rank-32 update on all 7 projections and the <mask>
+              embedding in float32 (gradients and AdamW for those alone); the teacher is the
+              student with its adapter off, no copy
+
+Training state: finetune_hf.training_state_bytes of that model. Activations: one micro-batch's
+forward and loss (data.mtp_layout, distill.mtp_loss) run on the meta device, adding up every
+tensor saved for backward: what the step holds when its backward starts. The paper's step by
+default (8 rows of 160 tokens, k = k_max = 16, the longest layout a step draws, 5 regions).
+
+    python benchmarks/memory.py [--k 4 --regions 80] [--out results/memory] [--overwrite]
+
+writes memory.json and memory.md to --out. How the activations are counted:
+- Under autocast to bfloat16, as finetune_hf's train_step computes on one GPU. torch.autocast
+  does not run on meta tensors, so `Autocast` applies its rule to the operations this model
+  computes in bfloat16 (matrix products, attention): float32 inputs are cast, a weight once per
+  step. A full fine-tune thus holds a bfloat16 copy of every weight matrix until backward
+  (autocast's cache, saved for the input gradients) and a float32 residual stream, which casting
+  the model to bfloat16 instead would miss; the adapter's base is bfloat16 already.
+- Each storage is counted once (meta tensors have storages, which views share), whole where a
+  saved tensor is a view of it. The student's weights are left out (the training state holds
+  them); the teacher runs under no_grad and saves nothing.
+- A meta tensor holds no values and picks no attention kernel. `Answers` says how many inputs are
+  <mask> (the adapter's gate; counted on the CPU batch) and reads the loss's statistics as zeros;
+  `FusedAttention` runs the fused kernel the CPU picks, which saves, as a GPU's fused kernels do,
+  q, k, v, the output, the mask as a bias and the log-sum-exp, where meta's math path would save
+  float32 scores and probabilities, (B, H, T, S) each. tests/test_memory.py checks the count
+  equals the same count on real CPU tensors of a tiny model, under torch.autocast.
+- Not counted: tensors that live only inside the forward or the backward (the teacher's logits,
+  the logits' gradient), the CUDA context, the allocator's fragmentation.
+"""
+import os
+import sys
+from contextlib import ExitStack
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from confadapt import CliError, Parser, number, output_folder, positive_int, run_cli  # noqa: E402
+from data import default_n_regions, mtp_layout  # noqa: E402
+from distill import adapter_off_teacher, frozen_teacher, mtp_loss  # noqa: E402
+from finetune_hf import training_state_bytes  # noqa: E402
+from model import (ADAPTER_TARGETS, ModelConfig, Transformer,  # noqa: E402
+                   add_mask_adapter, atomic_save, write_json)
+
+aten = torch.ops.aten
+
+# The two models, as in their config.json: only what changes a byte.
+MODELS = {
+    "llama-3.1-8b": ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                                ffn_dim=14336, rope_theta=500000.0),
+    "smollm2-135m": ModelConfig(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3,
+                                ffn_dim=1536, rope_theta=100000.0, tie_embeddings=True),
+}
+MODES = ("full", "adapter")
+COMPUTE = torch.bfloat16            # finetune_hf's compute dtype on a GPU
+GPU_BYTES = 80 * 2**30              # one 80 GB GPU, nothing kept back for the CUDA context
+ALPHA = 64.0                        # the adapter's scale (finetune_hf's default): no byte changes
+WRITES = ("memory.json", "memory.md")
+MARK = "benchmarks/memory.py"       # in both files: written by this script
+COMPUTED = ("Computed, not measured on a GPU: the training state from the parameter counts of the "
+            "models built on the meta device, the activations from the tensors one micro-batch's "
+            "forward and loss save for backward there (under autocast to bfloat16, as finetune_hf "
+            "computes on one GPU). Not included: tensors that live only inside the forward or the "
+            "backward, the CUDA context, the allocator's fragmentation.")
+
+
+@dataclass
+class Step:
+    """The shape of one micro-batch."""
+    seq_len: int
+    micro_batch: int
+    k: int
+    regions: int
+
+
+def with_mask(cfg: ModelConfig) -> ModelConfig:
+    """The config after add_mask_token: one more row, <mask> the last."""
+    return replace(cfg, vocab_size=cfg.vocab_size + 1, mask_token_id=cfg.vocab_size)
+
+
+def student_and_teacher(cfg: ModelConfig, mode: str, rank: int, device="meta"):
+    """Student and teacher as finetune_hf.load_student_and_teacher builds them on one process
+    (`cfg` has <mask>); on the meta device nothing is allocated."""
+    with torch.device(device):
+        student = Transformer(cfg)
+    if mode == "adapter":     # the frozen base in the compute dtype; the adapter float32
+        student.to(COMPUTE)
+        add_mask_adapter(student, rank, ALPHA, ADAPTER_TARGETS)
+        return student.train(), adapter_off_teacher(student)
+    return student.train(), frozen_teacher(student).to(COMPUTE)
+
+
+class Answers(TorchDispatchMode):
+    """The two things mtp_loss asks of tensor values, answered for meta tensors (which have none):
+    the rows that hold <mask> (the adapter's gate: n_mask of them) and the statistics it reads
+    on the host (zeros)."""
+
+    def __init__(self, n_mask: int):
+        super().__init__()
+        self.n_mask = n_mask
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is aten.nonzero.default and args[0].is_meta:
+            return torch.empty(self.n_mask, 1, dtype=torch.long, device="meta")
+        to_host = kwargs.get("device") == torch.device("cpu")
+        if func is aten._to_copy.default and args[0].is_meta and to_host:
+            return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
+        return func(*args, **kwargs)
+
+
+class Autocast(TorchFunctionMode):
+    """torch.autocast(dtype=bfloat16) for meta tensors, on which it does not run: the operations it
+    computes in bfloat16 (for this model: matrix products and attention) get their float32 inputs
+    cast, a weight once per step (autocast's cache: the copies live until backward)."""
+    OPS = (F.linear, torch.matmul, torch.Tensor.__matmul__, F.scaled_dot_product_attention)
+
+    def __init__(self):
+        super().__init__()
+        self.cache = {}
+
+    def cast(self, t):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+            return t
+        if not (t.is_leaf and t.requires_grad):
+            return t.to(COMPUTE)
+        if id(t) not in self.cache:
+            self.cache[id(t)] = t, t.to(COMPUTE)
+        return self.cache[id(t)][1]
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.OPS:
+            args = [self.cast(a) for a in args]
+            kwargs = {name: self.cast(a) for name, a in kwargs.items()}
+        return func(*args, **kwargs)
+
+
+class FusedAttention(TorchFunctionMode):
+    """On the meta device F.scaled_dot_product_attention takes the math path (it saves float32
+    scores and probabilities, (B, H, T, S) each); the CPU takes a fused kernel, as the GPU does.
+    Here meta tensors take the CPU's, called as scaled_dot_product_attention calls it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        mask = kwargs.get("attn_mask")
+        if func is not F.scaled_dot_product_attention or not args[0].is_meta or mask is None:
+            return func(*args, **kwargs)
+        q, k, v = args
+        # a boolean mask becomes a bias in q's dtype, 0 where attending and -inf elsewhere
+        bias = torch.zeros_like(mask, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
+        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias)[0]
+
+
+def saved_for_backward(student, teacher, batch, n_mask: int) -> int:
+    """Bytes of the tensors one mtp_loss forward saves for backward, each storage once, the
+    student's weights left out; on the meta device or any other."""
+    weights = {id(s): s for s in (p.untyped_storage() for p in student.parameters())}
+    saved = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if id(s) not in weights:
+            saved[id(s)] = s                   # held: an id is not reused while its storage lives
+        return t
+
+    if batch.input_ids.is_meta:      # Autocast, entered later, sees a call first: attention
+        modes = [FusedAttention(), Autocast(), Answers(n_mask)]      # gets bfloat16 inputs
+    else:
+        modes = [torch.autocast(batch.input_ids.device.type, COMPUTE)]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ExitStack() as stack:
+        for mode in modes:
+            stack.enter_context(mode)
+        mtp_loss(student, teacher, batch, mode="hard")
+    return sum(s.nbytes() for s in saved.values())
+
+
+def activation_bytes(cfg: ModelConfig, mode: str, step: Step, rank: int, device="meta") -> int:
+    """Bytes saved for backward by one micro-batch's forward and loss, computed under autocast."""
+    student, teacher = student_and_teacher(cfg, mode, rank, device)
+    g = torch.Generator().manual_seed(0)
+    seqs = torch.randint(0, cfg.mask_token_id, (step.micro_batch, step.seq_len), generator=g)
+    # No EOS: every region trains, the largest layout of this shape.
+    batch = mtp_layout(seqs, step.k, 0, step.regions, cfg.mask_token_id)
+    n_mask = int((batch.input_ids == cfg.mask_token_id).sum())
+    return saved_for_backward(student, teacher, batch.to(device), n_mask)
+
+
+def figures(cfg: ModelConfig, mode: str, step: Step, rank: int) -> dict:
+    """One row of the table for `cfg` (with <mask>), in bytes: the training state as
+    finetune_hf.training_state_bytes counts it, and one micro-batch's activations."""
+    student, _ = student_and_teacher(cfg, mode, rank)
+    state = training_state_bytes(student, COMPUTE, teacher_copy=mode == "full")
+    total, activations = sum(state.values()), activation_bytes(cfg, mode, step, rank)
+    return {"parameters": student.num_params(),
+            "trained": sum(p.numel() for p in student.parameters() if p.requires_grad),
+            **state, "training_state": total, "activations": activations,
+            "sum": total + activations, "fits_80gb": total + activations <= GPU_BYTES}
+
+
+COLUMNS = {"weights": "weights", "teacher": "teacher", "gradients": "gradients", "AdamW": "AdamW",
+           "training_state": "training state", "activations": "activations (one micro-batch)",
+           "sum": "sum"}
+
+
+def markdown(report: dict) -> str:
+    step = report["step"]
+    lines = [f"# Memory of one training process ({MARK})", "",
+             f"One micro-batch: {step['micro_batch']} rows of {step['seq_len']} tokens, "
+             f"k = {step['k']}, {step['regions']} regions, so packed rows of "
+             f"{step['packed_len']} tokens. GiB = 2^30 bytes.", "",
+             "| model | mode | " + " | ".join(COLUMNS.values()) + " | fits on one 80 GB GPU |",
+             "|---|---|" + "---:|" * len(COLUMNS) + "---|"]
+    for r in report["rows"]:
+        cells = [r["model"], r["mode"], *(f"{r[c] / 2**30:.2f}" for c in COLUMNS)]
+        lines.append("| " + " | ".join(cells) + f" | {'yes' if r['fits_80gb'] else 'no'} |")
+    lines.append("")
+    for name, ratio in report["adapter_over_full"].items():
+        adapter = next(r for r in report["rows"] if r["model"] == name and r["mode"] == "adapter")
+        lines.append(f"- {name}: the adapter trains {adapter['trained'] / 1e6:,.1f}M of "
+                     f"{adapter['parameters'] / 1e6:,.1f}M parameters; its training state is "
+                     f"{ratio:.3f} of the full fine-tune's.")
+    lines += ["", report["computed"]]
+    return "\n".join(lines) + "\n"
+
+
+def check_out(out: Path, overwrite: bool):
+    """Refuse to replace a file this script did not write; replace its own with --overwrite."""
+    output_folder(str(out), "--out")
+    for name in WRITES:
+        path = out / name
+        if not path.exists():
+            continue
+        if MARK not in path.read_text(encoding="utf-8", errors="replace"):
+            raise CliError(f"--out {out}: {name} was not written by {MARK}; "
+                           "write into another folder")
+        if not overwrite:
+            raise CliError(f"--out {out} holds an earlier output of {MARK}: "
+                           "add --overwrite to replace it")
+
+
+def memory_main(argv):
+    p = Parser(prog="memory.py", description="The memory one finetune_hf.py training process holds "
+               "at full scale, full fine-tune and gated mask adapter: weights, teacher, gradients, "
+               "AdamW and one micro-batch's activations, computed on the meta device from parameter "
+               "counts and the tensors a step saves for backward (not measured), printed and "
+               "written to --out as memory.json and memory.md.")
+    p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS),
+                   help="models to compute")
+    s = p.add_argument_group("the micro-batch (default: the paper's)")
+    s.add_argument("--seq-len", type=number(int, 2), default=160, help="tokens per sequence")
+    s.add_argument("--micro-batch", type=positive_int, default=8, help="sequences per forward pass")
+    s.add_argument("--k", type=number(int, 2), default=16,
+                   help="predictions per region; k = k_max gives a run's longest layout "
+                   "(the README's SmolLM2 run: --k 4 --regions 80)")
+    s.add_argument("--regions", type=positive_int,
+                   help="MTP problems per sequence (default seq_len / (2 k))")
+    p.add_argument("--adapter-rank", type=positive_int, default=32,
+                   help="rank of the gated adapter's updates")
+    p.add_argument("--out", default="results/memory", help="folder for memory.json and memory.md")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace this script's earlier output in --out")
+    args = p.parse_args(argv)
+    regions = args.regions or default_n_regions(args.seq_len, args.k)
+    if regions > args.seq_len:
+        raise CliError(f"--regions {regions}: at most --seq-len ({args.seq_len}) regions fit in a sequence")
+    step = Step(args.seq_len, args.micro_batch, args.k, regions)
+    out = Path(args.out)
+    check_out(out, args.overwrite)
+    models, rows = list(dict.fromkeys(args.models)), []
+    for name in models:
+        for mode in MODES:
+            row = figures(with_mask(MODELS[name]), mode, step, args.adapter_rank)
+            rows.append({"model": name, "mode": mode, **row})
+    ratios = {}
+    for name in models:
+        full, adapter = (r["training_state"] for r in rows if r["model"] == name)
+        ratios[name] = adapter / full
+    packed_len = step.seq_len + step.regions * (step.k - 1)
+    report = {"written_by": MARK, "step": {**vars(step), "packed_len": packed_len},
+              "adapter_rank": args.adapter_rank, "rows": rows, "adapter_over_full": ratios,
+              "computed": COMPUTED}
+    text = markdown(report)
+    print(text, end="")
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "memory.json", report)
+    atomic_save(lambda path: Path(path).write_text(text, encoding="utf-8"), out / "memory.md")
+
+
+def main(argv=None) -> int:
+    return run_cli(memory_main, sys.argv[1:] if argv is None else list(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

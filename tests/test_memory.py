@@ -1,0 +1,94 @@
+"""benchmarks/memory.py: its figures are computed on the meta device, so they are checked on a tiny
+model against real tensors: the activation count against the same count on CPU tensors under
+torch.autocast, the training state against the bytes of a student built by finetune_hf itself."""
+import argparse
+import os
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+import finetune_hf  # noqa: E402
+import memory  # noqa: E402
+from data import mtp_layout, word_problem_tokenizer  # noqa: E402
+from distill import mtp_loss  # noqa: E402
+from model import ADAPTER_TARGETS, ModelConfig, Transformer  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")            # conftest.py
+
+STEP = memory.Step(seq_len=40, micro_batch=3, k=4, regions=5)
+RANK = 4
+
+
+def tiny_config(vocab_size=64, tied=False) -> ModelConfig:
+    """Grouped-query attention (4 heads, 2 KV heads), as both real models have."""
+    return ModelConfig(vocab_size=vocab_size, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                       ffn_dim=48, max_seq_len=128, tie_embeddings=tied)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("mode", memory.MODES)
+def test_the_meta_count_equals_the_count_on_cpu_tensors(mode, tied):
+    """Exactly: the same saved tensors, byte for byte. Without memory.Autocast the full fine-tune's
+    weight copies would be missing; without memory.FusedAttention meta would save float32 scores."""
+    cfg = memory.with_mask(tiny_config(tied=tied))
+    on_meta = memory.activation_bytes(cfg, mode, STEP, RANK, device="meta")
+    on_cpu = memory.activation_bytes(cfg, mode, STEP, RANK, device="cpu")
+    assert on_meta == on_cpu > 0
+
+
+def storage_bytes(tensors) -> int:
+    """The bytes of the memory the tensors occupy, a storage shared by several counted once."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}
+    return sum(s.nbytes() for s in storages.values())
+
+
+@pytest.mark.parametrize("mode", memory.MODES)
+def test_the_training_state_is_the_bytes_of_a_student_built_by_finetune_hf(mode, tmp_path):
+    """finetune_hf builds student and teacher from a checkpoint (adding <mask>) and takes one step;
+    the weights, the teacher, the gradients and AdamW's two moments (not its step counters, a
+    scalar each) then hold exactly the bytes the table gives for the same config on meta."""
+    tok = word_problem_tokenizer()
+    cfg = tiny_config(vocab_size=tok.n_vocab)
+    Transformer(cfg).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    adapter = "none" if mode == "full" else "gated-lora"
+    args = argparse.Namespace(model=str(tmp_path), adapter=adapter, adapter_rank=RANK,
+                              adapter_alpha=memory.ALPHA, adapter_targets=list(ADAPTER_TARGETS))
+    d = finetune_hf.Dist(dtype=memory.COMPUTE)
+    student, teacher, _, mask_id = finetune_hf.load_student_and_teacher(args, d)
+    optimizer = student.configure_optimizer(lr=1e-3, weight_decay=0.0)
+    seqs = torch.randint(0, tok.n_vocab, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=memory.COMPUTE):
+        loss, _ = mtp_loss(student, teacher, mtp_layout(seqs, 4, 0, 5, mask_id))
+    loss.backward()
+    optimizer.step()
+    trained = [p for p in student.parameters() if p.requires_grad]
+    moments = [optimizer.state[p][m] for p in trained for m in ("exp_avg", "exp_avg_sq")]
+    copy = isinstance(teacher, torch.nn.Module)      # else the student with its adapter off
+    real = {"weights": storage_bytes(student.parameters()),
+            "teacher": storage_bytes(teacher.parameters()) if copy else 0,
+            "gradients": storage_bytes(p.grad for p in trained), "AdamW": storage_bytes(moments)}
+    computed = memory.figures(memory.with_mask(cfg), mode, STEP, RANK)
+    assert {name: computed[name] for name in real} == real
+    assert (real["teacher"] > 0) == (mode == "full")
+
+
+def test_command_line(tmp_path, capsys):
+    out = tmp_path / "memory"
+    assert memory.main(["--models", "smollm2-135m", "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "| smollm2-135m | adapter |" in table
+    assert "not measured on a GPU" in (out / "memory.md").read_text()
+    assert memory.main(["--models", "smollm2-135m", "--out", str(out)]) == 2     # needs --overwrite
+    assert memory.main(["--models", "smollm2-135m", "--out", str(out), "--overwrite"]) == 0
+    (out / "memory.md").write_text("someone else's notes\n")
+    assert memory.main(["--models", "smollm2-135m", "--out", str(out), "--overwrite"]) == 2
+    assert (out / "memory.md").read_text() == "someone else's notes\n"
+    assert memory.main(["--models", "gpt-5"]) == 2
+    capsys.readouterr()
+    assert memory.main(["--k", "1"]) == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == 1 and errors[0].startswith("error: argument --k")
