@@ -469,19 +469,19 @@ def export(student, tok: Tokenizer, path: Path, args, d: Dist) -> Path:
     adapter = getattr(args, "adapter", "none") != "none"
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=adapter)
     state = get_model_state_dict(student, options=options)
+    base = read_json(os.path.join(args.model, "config.json"), "model config")     # saved in its dtype
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(base.get("dtype") or base.get("torch_dtype"))
     if d.main and adapter:
         with torch.device("meta"):
             model = Transformer(student.config)
             add_mask_adapter(model, args.adapter_rank, args.adapter_alpha, args.adapter_targets)
         model.load_state_dict(state, assign=True, strict=False)  # the adapter's tensors only
-        save_mask_adapter(model, path, args.model)
+        save_mask_adapter(model, path, args.model, dtype=dtype or torch.float32)
         (Path(path) / "README.md").write_text(model_card(model.config, args), encoding="utf-8")
     elif d.main:
         with torch.device("meta"):
             model = Transformer(student.config)
         model.load_state_dict(state, assign=True, strict=True)   # a tied lm_head is not saved
-        base = read_json(os.path.join(args.model, "config.json"), "model config")
-        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(base.get("dtype") or base.get("torch_dtype"))
         model.save_pretrained(path, dtype=dtype or torch.float32)
         tok.save_pretrained(path)
         generation = Path(args.model) / "generation_config.json"   # sampling defaults, stop ids

@@ -410,11 +410,11 @@ def adapter_state(model: Transformer) -> dict:
     """The adapter's tensors by name: what a gated mask adapter saves and trains."""
     return {name: t for name, t in model.state_dict().items() if is_adapter_tensor(name)}
 
-def save_mask_adapter(model: Transformer, path, base_model):
-    """Write the adapter (float32) and its config into folder `path`, naming the base folder."""
+def save_mask_adapter(model: Transformer, path, base_model, dtype=torch.float32):
+    """Write the adapter (in `dtype`) and its config into folder `path`, naming the base folder."""
     from safetensors.torch import save_file
     os.makedirs(path, exist_ok=True)
-    tensors = {n: t.detach().float().contiguous().cpu() for n, t in adapter_state(model).items()}
+    tensors = {n: t.detach().to(dtype).contiguous().cpu() for n, t in adapter_state(model).items()}
     atomic_save(lambda p: save_file(tensors, p, metadata={"format": "pt"}), os.path.join(path, ADAPTER_WEIGHTS))
     config = {"adapter_type": ADAPTER_TYPE,
               "applies_at": "input positions holding mask_token_id only; every other position is the base model",

@@ -251,6 +251,11 @@ def test_train_and_export_write_the_base_checkpoints_dtype(tiny, tmp_path):
     assert {t.dtype for t in a.values()} == {torch.bfloat16} and all(torch.equal(a[n], b[n]) for n in a)
     assert json.loads((out / "final" / "config.json").read_text())["torch_dtype"] == "bfloat16"
     assert {t.dtype for t in weights(tiny / "base").values()} == {torch.float32}
+    adapter = tmp_path / "adapter"                  # a gated adapter is written in that dtype too
+    assert F.main(["train", "--model", str(base), "--data", str(tiny / "wp" / "train.json"), "--out", str(adapter),
+                   *TRAIN, "--steps", "1", "--adapter", "gated-lora"]) == 0
+    saved = load_file(str(adapter / "final" / "mask_adapter.safetensors"))
+    assert {t.dtype for t in saved.values()} == {torch.bfloat16}
 
 
 def test_fsdp2_on_two_cpu_processes_matches_one_process(tiny, tmp_path):
