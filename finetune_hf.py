@@ -24,16 +24,16 @@ from pathlib import Path
 
 import torch
 
-from confadapt import (CliError, DecodeConfig, Parser, Progress, accept_confadapt, base_folder, count, decode_modes,
-                       format_seconds, generate, input_path, load_model, load_tokenizer, number, output_folder, positive_float,
-                       positive_int, probability, run_cli, stop_ids_of)
+from cli import (CliError, Parser, Progress, base_folder, count, fields_of, format_seconds, input_path, load_model,
+                 load_tokenizer, native_bfloat16_gpu, number, output_folder, parse_device, positive_float, positive_int,
+                 probability, provenance, read_checkpoint, read_rows, run_cli, stop_ids_of)
+from confadapt import DecodeConfig, accept_confadapt, decode_modes, generate
 from data import (DOMAINS, FORMATS, PROMPTS, Tokenizer, default_format, default_n_regions,
                   domain_prompts, end_token, mtp_layout, padding_token, prompt_tokens,
                   sample_k_and_offset, start_tokens, training_sequences)
 from distill import MODES, adapter_off_teacher, frozen_teacher, mtp_loss
-from model import (ADAPTER_TARGETS, ModelConfig, Transformer, add_mask_adapter, add_mask_token, atomic_save,
-                   native_bfloat16_gpu, parse_device, provenance, read_checkpoint, read_json, read_model_config,
-                   save_mask_adapter, write_json)
+from model import (ADAPTER_TARGETS, ModelConfig, Transformer, add_mask_adapter, add_mask_token, atomic_save, read_json,
+                   read_model_config, save_mask_adapter, write_json)
 
 # === train: student + frozen teacher -> data rows -> AdamW -> the step loop -> export ==========
 # A step's --batch-size rows are split over the processes and, in each, into --micro-batch rows
@@ -464,7 +464,7 @@ def make_data(args):
 # === export: a Hugging Face folder any transformers-based stack loads ========================
 def export(student, tok: Tokenizer, path: Path, args, d: Dist) -> Path:
     """A Hugging Face folder of the tuned model, or with the gated adapter the adapter's folder
-    (its weights and config, naming the unchanged base model; confadapt.load_model reads both)."""
+    (its weights and config, naming the unchanged base model; cli.load_model reads both)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     adapter = getattr(args, "adapter", "none") != "none"
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=adapter)
@@ -505,7 +505,7 @@ A low-rank update (rank {args.adapter_rank}, alpha {args.adapter_alpha:g}, on {'
 and a `<mask>` embedding for `{args.model}`, trained with {how} (arXiv 2602.06019). The update applies ONLY at \
 input positions holding `<mask>` (token {cfg.mask_token_id}); every other position computes exactly the base \
 model, so its own predictions are unchanged. A plain LoRA loader would apply it everywhere: load it with this \
-project's `confadapt.load_model` (`mask_adapter.json` names the base folder). Prompt format"""
+project's `cli.load_model` (`mask_adapter.json` names the base folder). Prompt format"""
         library = "mtp-distill"
     else:
         what = f"""# Multi-token prediction by self-distillation
@@ -538,7 +538,7 @@ def export_checkpoint(args):
     load_checkpoint(ckpt, student, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), saved)  # scheduler
     return export(student, tok, Path(args.out), saved, Dist())
 
-# --- plumbing: processes, dtypes, loading and sharding, checkpoints, input checks, files, CLI ----
+# --- plumbing: processes, dtypes, loading and sharding, checkpoints, input checks, CLI --------
 
 @dataclass
 class Dist:
@@ -749,36 +749,6 @@ def check_targets(seqs: torch.Tensor, trained: torch.Tensor | None, tok: Tokeniz
     if empty.float().mean() >= 0.1:
         d.log(f"warning: {int(empty.sum()):,} of {len(seqs):,} rows give no target ({why}): they "
               "only take places in the batches")
-
-def read_rows(path, choices=None) -> list:
-    """Rows (dicts) of a JSON array or JSONL file; with `choices`, the first field tuple they have."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
-    array, rows = text.lstrip().startswith("["), []
-    for i, line in enumerate([text] if array else text.splitlines(), 1):
-        try:
-            rows += json.loads(line) if array else [json.loads(line)] if line.strip() else []
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: malformed JSON array: {e}" if array else
-                             f"{path} line {i}: malformed JSON: {e}") from None
-    if not rows:
-        raise ValueError(f"{path} holds no rows")
-    if not all(isinstance(r, dict) for r in rows):
-        raise ValueError(f"{path}: every row must be a JSON object")
-    return rows if choices is None else fields_of(rows, path, choices)
-
-def fields_of(rows: list[dict], path, choices) -> list[tuple]:
-    """The first tuple of fields in `choices` that the rows have, as tuples of text."""
-    fields = next((fs for fs in choices if all(f in rows[0] for f in fs)), None)
-    if fields is None:
-        raise ValueError(f"{path}: expected rows with {' or '.join(' and '.join(map(repr, fs)) for fs in choices)}"
-                         f"; the first row has {sorted(rows[0])}")
-    for i, row in enumerate(rows, 1):
-        if not all(isinstance(row.get(f), str) for f in fields):
-            raise ValueError(f"{path}: row {i} lacks a text field {' or '.join(repr(f) for f in fields)}")
-    return [tuple(r[f] for f in fields) for r in rows]
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="finetune_hf.py", description=__doc__.split("\n\n")[0])

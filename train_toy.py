@@ -26,11 +26,11 @@ import torch
 import torch.nn.functional as F
 
 import data
-from confadapt import (CliError, DecodeConfig, Parser, Progress, chunk_texts, count, decode_modes, format_seconds,
-                       generate, output_folder, positive_int, run_cli, save_chunks_png)
+from cli import (CliError, Parser, Progress, count, format_seconds, output_folder, parse_device, positive_int, provenance,
+                 read_checkpoint, run_cli)
+from confadapt import DecodeConfig, chunk_texts, decode_modes, generate, save_chunks_png
 from distill import frozen_teacher, mtp_loss
-from model import (ModelConfig, Transformer, add_mask_token, atomic_save, parse_device, provenance, read_checkpoint,
-                   read_json, write_json)
+from model import ModelConfig, Transformer, add_mask_token, atomic_save, read_json, write_json
 
 MODELS = ("ntp", "naive", "distill")          # names used in results.json
 STUDENT_MODE = {"naive": "gt", "distill": "hard"}
