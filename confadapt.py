@@ -119,10 +119,11 @@ def generate_uncached(model, prompt: list[int], max_new_tokens: int, mode: Decod
     budget = min(max_new_tokens, model.config.max_seq_len - len(prompt))
     out, chunks, drafts = [], [], []
     while len(out) < budget and not (out and out[-1] in stop_ids):
-        drafts, tail = pass_tail(mode, drafts, budget - len(out), mask_id)
+        drafts, tail = pass_tail(mode, drafts, wanted=budget - len(out), mask_id=mask_id)
         x = torch.tensor([prompt + out + tail], device=next(model.parameters()).device)
         logits = model(x)[0, len(prompt) + len(out) - 1:].float()    # (1 + len(tail), V): the predictions
-        new, _, drafts = accept(mode, *top1(mode, logits, mask_id), drafts, stop_ids)
+        preds, confs = top1(mode, logits, mask_id)
+        new, _, drafts = accept(mode, preds, confs, drafts=drafts, stop_ids=stop_ids)
         out += new
         chunks.append(len(new))
     return out, chunks
@@ -187,7 +188,8 @@ def prefill(model, cache, prompts: dict[int, list[int]], pad_id: int) -> float:
         lengths[b], heads[b] = 0, prompt[:-1]
     cache.rollback(lengths)                                  # a row's previous sequence is forgotten
     if any(heads):                                           # only the cache is wanted: no logits
-        decode_pass(model, cache, heads, [0] * len(heads), [0] * len(heads), pad_id)
+        zeros = [0] * len(heads)
+        decode_pass(model, cache, heads, firsts=zeros, n_preds=zeros, pad_id=pad_id)
     synchronize(cache.lengths.device)
     return time.perf_counter() - start
 
@@ -234,16 +236,19 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, mode: DecodeC
         # 2) one ragged pass: every row feeds its pending tokens, then drafts and masks
         batch, inputs = [rows[i] for i in active], []
         for r in batch:
-            r.drafts, tail = pass_tail(mode, r.drafts, r.budget - len(r.tokens), mask_id)
+            wanted = r.budget - len(r.tokens)
+            r.drafts, tail = pass_tail(mode, r.drafts, wanted=wanted, mask_id=mask_id)
             inputs.append(r.pending + tail)
         n_preds = [len(x) - len(r.pending) + 1 for x, r in zip(inputs, batch)]
         passes, fed = passes + 1, fed + sum(len(x) for x in inputs)
-        logits = decode_pass(model, cache, inputs, [len(r.pending) - 1 for r in batch], n_preds, pad_id).float()
-        preds, confs = top1(mode, logits, mask_id)                 # logits (B, N, V) -> (B, N) each
+        firsts = [len(r.pending) - 1 for r in batch]       # each row's last pending token
+        logits = decode_pass(model, cache, inputs, firsts=firsts, n_preds=n_preds, pad_id=pad_id)
+        preds, confs = top1(mode, logits.float(), mask_id)         # (B, N, V) -> (B, N) each
         # 3) each row keeps what the accept rule allows. Verified drafts were fed as themselves,
         # so their K/V stays; the other kept tokens become pending; masks and rejected drafts go.
         for b, (r, n) in enumerate(zip(batch, n_preds)):
-            tokens, in_cache, r.drafts = accept(mode, preds[b][:n], confs and confs[b][:n], r.drafts, stop_ids)
+            tokens, in_cache, r.drafts = accept(mode, preds[b][:n], confs and confs[b][:n],
+                                                drafts=r.drafts, stop_ids=stop_ids)
             r.tokens += tokens
             r.chunk_sizes.append(len(tokens))
             r.pending = tokens[in_cache:]
@@ -351,9 +356,11 @@ def generate_main(argv):
     model, tokenizer, mask_id, stop_ids = load(args, mode)
     fmt = prompt_format(args.format, tokenizer, model)
     stop_ids = chat_stop_ids(stop_ids, tokenizer, fmt)
-    prompt = encode_prompt(tokenizer, model, args.prompt, fmt, args.no_bos)
-    generate(model, [prompt[-8:]], 2, mode, mask_id)         # untimed warm-up: first calls are slow
-    [gen], s = generate(model, [prompt], args.max_new_tokens, mode, mask_id, stop_ids)
+    prompt = encode_prompt(tokenizer, model, args.prompt, fmt, no_bos=args.no_bos)
+    # an untimed warm-up: first calls are slow
+    generate(model, [prompt[-8:]], 2, mode=mode, mask_id=mask_id)
+    [gen], s = generate(model, [prompt], args.max_new_tokens, mode=mode, mask_id=mask_id,
+                        stop_ids=stop_ids)
     texts = chunk_texts(tokenizer, gen.tokens, gen.chunk_sizes)
     if args.json:
         keys = "mode forward_passes effective_k seconds prefill_seconds tokens_per_second accept_hist".split()
@@ -362,7 +369,7 @@ def generate_main(argv):
                           "chunk_ends": gen.boundaries, "chunks": texts, "stopped": gen.stopped}))
     else:
         colour = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
-        print(render_chunks(args.prompt, texts, gen.chunk_sizes, colour), "",
+        print(render_chunks(args.prompt, texts, gen.chunk_sizes, colour=colour), "",
               f"mode            {s.mode}\ntokens          {s.tokens}\n"
               f"forward passes  {s.forward_passes} (the prefill not counted)\n"
               f"effective k     {s.effective_k:.2f} tokens/pass\n"

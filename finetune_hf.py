@@ -103,11 +103,13 @@ def train(args) -> Path:
         for step in range(start, args.steps):
             g = torch.Generator().manual_seed(args.seed * 7_919 + step + 1)  # same on every process
             k, offset = sample_k_and_offset(args.k_max, region_len, generator=g)
-            rows = rows_of_step(step, args.batch_size, len(seqs), args.seed)
+            rows = rows_of_step(step, global_batch=args.batch_size, n_rows=len(seqs),
+                                seed=args.seed)
             micro = [rows[i * per:(i + 1) * per] for i in range(d.rank, len(rows) // per, d.world)]
             micro = [(seqs[r].long(), response[r] if args.response_only else None) for r in micro]  # i: rank i % world
             lr = optimizer.param_groups[0]["lr"]                  # the rate this step trains at
-            stats = train_step(student, teacher, optimizer, scheduler, micro, k, offset, args, d, mask_id, pad)
+            stats = train_step(student, teacher, optimizer, scheduler, micro, k=k, offset=offset,
+                               args=args, d=d, mask_id=mask_id, pad=pad)
             last, elapsed = step + 1 == args.steps, time.perf_counter() - t0
             if d.main and ((step + 1) % args.log_every == 0 or last):
                 with open(log, "a") as f:
@@ -133,10 +135,12 @@ def train(args) -> Path:
 def train_step(student, teacher, optimizer, scheduler, micro: list[tuple[torch.Tensor, torch.Tensor | None]],
                k: int, offset: int, args, d: Dist, mask_id, pad: int) -> dict:
     """mtp_layout -> mtp_loss -> backward per micro-batch (rows, targets), then clip and step; stats of the step."""
+    # The padding token ends a row's text too: it is the layout's EOS.
+    batches = [mtp_layout(s, k=k, offset=offset, n_regions=args.regions, mask_id=mask_id,
+                          eos_id=pad, pad_id=pad, trained=t) for s, t in micro]
     # mtp_loss averages over its micro-batch's valid predictions; weighted by their share of the
     # global batch's, the gradient is one mean over it however it is split (FSDP averages over
     # processes: hence * world). Each backward reduce-scatters at once: no full gradient is held.
-    batches = [mtp_layout(s, k, offset, args.regions, mask_id, pad, pad, t) for s, t in micro]  # pad: EOS too
     counts = [int(b.valid.sum()) for b in batches]    # counted on the host, before moving
     batches = [b.to(d.device) for b in batches]
     n_global = max(1.0, d.all_sum(sum(counts)))
@@ -219,7 +223,8 @@ def completion_of(tok: Tokenizer, gen, stop_ids) -> tuple[str, int, int]:
     return cut, len(gen.tokens), gen.forward_passes
 
 def evaluate(args) -> list[dict]:
-    modes = decode_modes(args.static_k, args.taus, args.k_max, args.lossless_k)
+    modes = decode_modes(static_ks=args.static_k, taus=args.taus, k_max=args.k_max,
+                         lossless_k=args.lossless_k)
     if not modes:
         raise ValueError("nothing to evaluate: give --static-k and/or --taus")
     model, tok, mask_id, fmt, stop_ids = load_for_inference(args)
@@ -285,8 +290,8 @@ def evaluate(args) -> list[dict]:
             print(table[-1], flush=True)
             samples_text += [json.dumps({"decoding": row["decoding"], **s}) + "\n" for s in samples]
             # Written after each decoder: an interrupted eval keeps the decoders it finished.
-            write_eval(out, title, meta, header, table, results, samples_text, len(golds),
-                       args.batch_size, same)
+            write_eval(out, title, meta, header, table, results, samples_text, n=len(golds),
+                       batch_size=args.batch_size, same=same)
     except KeyboardInterrupt:
         kept = "nothing written"
         if results:
@@ -301,8 +306,8 @@ def decode_with_progress(model, prompts, mode: DecodeConfig, mask_id, stop_ids, 
     is a little under one continuous generate() over all prompts."""
     part, gens, seconds, progress = 4 * args.batch_size, [], 0.0, Progress()
     for first in range(0, len(prompts), part):
-        done, stats = generate(model, prompts[first:first + part], args.max_new_tokens, mode, mask_id,
-                               stop_ids, batch_size=args.batch_size)
+        done, stats = generate(model, prompts[first:first + part], args.max_new_tokens, mode=mode,
+                               mask_id=mask_id, stop_ids=stop_ids, batch_size=args.batch_size)
         gens += done
         seconds += stats.seconds - stats.prefill_seconds
         if len(gens) < len(prompts) and progress.due():
@@ -395,9 +400,14 @@ def analyze(args) -> dict:
         flat = [c for cs in confs for c in cs]
         if not flat:
             raise ValueError("the model produced no answer tokens")
+
+        def effective_k(tau: float, joint: bool) -> float:
+            passes = sum(simulated_passes(cs, tau, k_max=args.k_max, joint=joint) for cs in confs)
+            return len(flat) / passes
+
         rows = [{"tau": tau, "share_confident": sum(c >= tau for c in flat) / len(flat),
-                 **{f"effective_k_{key}": len(flat) / sum(simulated_passes(cs, tau, args.k_max, joint) for cs in confs)
-                    for key, joint in (("per_token", False), ("joint", True))}} for tau in args.taus]
+                 "effective_k_per_token": effective_k(tau, joint=False),
+                 "effective_k_joint": effective_k(tau, joint=True)} for tau in args.taus]
         ref = min(rows, key=lambda r: abs(r["tau"] - 0.9))
         worth = ref["effective_k_per_token"] >= 2.0
         verdict = (f"at tau={ref['tau']:g} the untuned model's own confidences already allow about "
