@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from data import FORMATS, Tokenizer, default_format, end_token, prompt_tokens
-from model import Transformer, add_mask_token, is_adapter_folder, load_mask_adapter, read_adapter_config
+from model import (Transformer, add_mask_token, is_adapter_folder, load_mask_adapter,
+                   read_adapter_config)
 
 # --- one-line errors --------------------------------------------------------------------------
 
@@ -97,7 +98,7 @@ def output_folder(path, flag: str) -> str:
 # --- progress ---------------------------------------------------------------------------------
 
 class Progress:
-    """When to print a progress line: the first and the last always, else at most one every `seconds`."""
+    """When to print a progress line: the first and the last, else at most one every `seconds`."""
     def __init__(self, seconds: float = 10.0):
         self.seconds, self.last = seconds, None
     def due(self, last: bool = False) -> bool:
@@ -121,10 +122,11 @@ def parse_device(name: str) -> torch.device:
         raise ValueError(f"unknown device {name!r}: use cpu, cuda, cuda:N or auto")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: CUDA is not available on this machine (this torch, {torch.__version__}, "
-                         "sees no GPU); use --device cpu")
+        raise ValueError(f"--device {name}: CUDA is not available on this machine (this torch, "
+                         f"{torch.__version__}, sees no GPU); use --device cpu")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise ValueError(f"device {name!r} requested, but this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+        n = torch.cuda.device_count()
+        raise ValueError(f"device {name!r} requested, but this machine has {n} CUDA GPU(s)")
     return device
 
 def native_bfloat16_gpu(device: torch.device) -> bool:
@@ -156,16 +158,19 @@ def add_model_args(p):
                    "tokenizer has one, else raw; raw: the text itself after the model's BOS token")
     g.add_argument("--no-bos", action="store_true",
                    help="raw: do not put the model's BOS token first")
-    g.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch (default: torch's "
-                   "choice; small models on a busy machine: 1 is fastest and steadiest)")
+    g.add_argument("--threads", type=positive_int, default=None,
+                   help="CPU threads for torch (default: torch's choice; small models on a busy "
+                   "machine: 1 is fastest and steadiest)")
 
 def load_tokenizer(path):
     try:
         return Tokenizer.from_pretrained(path)
-    except (KeyError, TypeError, AttributeError, ValueError) as e:   # JSON syntax, UTF-8, a missing field
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        # JSON syntax, UTF-8, a missing field: one line that names the file
         if isinstance(e, ValueError) and str(path) in str(e):
             raise
-        raise ValueError(f"cannot read the tokenizer in {path} (tokenizer.json): {type(e).__name__}: {e}") from None
+        raise ValueError(f"cannot read the tokenizer in {path} (tokenizer.json): "
+                         f"{type(e).__name__}: {e}") from None
 
 def base_folder(path) -> str:
     """The model folder itself, or the base model a gated mask adapter folder names."""
@@ -175,24 +180,27 @@ def load_model(path, device="cpu", dtype=torch.float32):
     """Model (eval mode), tokenizer, mask id (None without one) and stop ids of a model folder,
     or of a gated mask adapter folder: its base model with <mask> added, then the adapter."""
     base = base_folder(path)
-    model, tokenizer = Transformer.from_pretrained(base, device=device, dtype=dtype), load_tokenizer(base)
+    model = Transformer.from_pretrained(base, device=device, dtype=dtype)
+    tokenizer = load_tokenizer(base)
     if base != path:
         add_mask_token(model, tokenizer)
         load_mask_adapter(model, path)
     cfg = model.config
     mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else tokenizer.mask_id
     if mask_id is not None and not 0 <= mask_id < cfg.vocab_size:
-        raise ValueError(f"mask token id {mask_id} is outside the model's vocabulary of {cfg.vocab_size}")
+        raise ValueError(f"mask token id {mask_id} is outside the model's vocabulary of "
+                         f"{cfg.vocab_size}")
     return model, tokenizer, mask_id, stop_ids_of(model, tokenizer)
 
 def stop_ids_of(model, tokenizer) -> set:
     """The config's eos_token_id (one or a list) and the tokenizer's end-of-turn tokens."""
-    eos = model.config.eos_token_id if isinstance(model.config.eos_token_id, list) else [model.config.eos_token_id]
+    eos = model.config.eos_token_id
+    eos = eos if isinstance(eos, list) else [eos]
     return {t for t in eos if t is not None} | set(tokenizer.stop_ids)
 
 def load(args, mode):
-    """The model of a decoding command (--model, --device, --dtype, --threads) -> (model,
-    tokenizer, mask id, stop ids); refused without <mask> where `mode` (a DecodeConfig) needs one."""
+    """Model, tokenizer, mask id and stop ids for a decoding command (--model, --device, --dtype,
+    --threads); a model without <mask> is refused where `mode` (a DecodeConfig) needs one."""
     input_path(args.model, "--model", folder=True)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -200,8 +208,9 @@ def load(args, mode):
     dtype = parse_dtype(args.dtype, device)
     model, tokenizer, mask_id, stop_ids = load_model(args.model, device, dtype)
     if mode.block > 1 and mask_id is None:
-        raise ValueError(f"model {args.model} has no mask token (no mask_token_id in config.json, no <mask> in the "
-                         f"tokenizer): only --greedy works; add one with model.add_mask_token and fine-tune")
+        raise ValueError(f"model {args.model} has no mask token (no mask_token_id in config.json, "
+                         "no <mask> in the tokenizer): only --greedy works; add one with "
+                         "model.add_mask_token and fine-tune")
     return model, tokenizer, mask_id, stop_ids
 
 def prompt_format(name: str, tokenizer, model) -> str:
@@ -229,7 +238,7 @@ def encode_prompt(tokenizer, model, text: str, fmt: str, no_bos: bool = False) -
 # --- files: rows, checkpoints, and what every results.json records ----------------------------
 
 def read_rows(path, choices=None) -> list:
-    """Rows (dicts) of a JSON array or JSONL file; with `choices`, the first field tuple they have."""
+    """The rows (dicts) of a JSON array or JSONL file; with `choices`, their first field tuple."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -251,18 +260,20 @@ def fields_of(rows: list[dict], path, choices) -> list[tuple]:
     """The first tuple of fields in `choices` that the rows have, as tuples of text."""
     fields = next((fs for fs in choices if all(f in rows[0] for f in fs)), None)
     if fields is None:
-        raise ValueError(f"{path}: expected rows with {' or '.join(' and '.join(map(repr, fs)) for fs in choices)}"
-                         f"; the first row has {sorted(rows[0])}")
+        want = " or ".join(" and ".join(map(repr, fs)) for fs in choices)
+        raise ValueError(f"{path}: expected rows with {want}; the first row has {sorted(rows[0])}")
     for i, row in enumerate(rows, 1):
         if not all(isinstance(row.get(f), str) for f in fields):
-            raise ValueError(f"{path}: row {i} lacks a text field {' or '.join(repr(f) for f in fields)}")
+            names = " or ".join(repr(f) for f in fields)
+            raise ValueError(f"{path}: row {i} lacks a text field {names}")
     return [tuple(r[f] for f in fields) for r in rows]
 
 def read_checkpoint(path, what="checkpoint", weights_only=False):
     try:
         return torch.load(path, map_location="cpu", weights_only=weights_only)
     except (EOFError, RuntimeError, OSError, ValueError, pickle.UnpicklingError) as e:
-        raise ValueError(f"cannot read the {what} {path}: truncated or corrupt ({type(e).__name__})") from None
+        raise ValueError(f"cannot read the {what} {path}: truncated or corrupt "
+                         f"({type(e).__name__})") from None
 
 def cpu_name() -> str:
     """The CPU's model name, core count and widest bfloat16 support ("AMD EPYC ..., 2 cores,
@@ -270,16 +281,19 @@ def cpu_name() -> str:
     name, flags = platform.processor() or platform.machine(), ""
     if os.path.isfile("/proc/cpuinfo"):
         info = open("/proc/cpuinfo").read()
-        name = next((l.split(":", 1)[1].strip() for l in info.splitlines() if l.startswith("model name")), name)
-        flags = next((f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in info.split()), "")
+        name = next((line.split(":", 1)[1].strip() for line in info.splitlines()
+                     if line.startswith("model name")), name)
+        words = info.split()
+        flags = next((f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in words), "")
     return f"{name}, {os.cpu_count()} cores" + (f", {flags}" if flags else "")
 
 def provenance(dtype: torch.dtype) -> dict:
     """What every results.json records, so that its figures are compared only with figures of the
     same code, CPU and dtype: the commit (None outside git), the CPU, the compute dtype, torch."""
     try:
-        git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
-                             capture_output=True, text=True, timeout=10)
+        here = os.path.dirname(os.path.abspath(__file__))
+        git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
+                             text=True, timeout=10)
         commit = git.stdout.strip() if git.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         commit = None

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cli import (CliError, Parser, add_model_args, chat_stop_ids, encode_prompt, load, output_folder, positive_int,
-                 probability, prompt_format, run_cli)
+from cli import (CliError, Parser, add_model_args, chat_stop_ids, encode_prompt, load,
+                 output_folder, positive_int, probability, prompt_format, run_cli)
 
 MODES = ("greedy", "static", "confadapt", "lossless")
 
@@ -55,7 +55,8 @@ class DecodeConfig:
         return {"greedy": "greedy", "static": f"static k={self.k}", "lossless": f"lossless k={self.k}",
                 "confadapt": f"confadapt tau={self.tau:g} k_max={self.k_max}"}[self.kind]
 
-def decode_modes(static_ks=(), taus=(), k_max: int = 16, lossless_k: int | None = None) -> list[DecodeConfig]:
+def decode_modes(static_ks=(), taus=(), k_max: int = 16,
+                 lossless_k: int | None = None) -> list[DecodeConfig]:
     """A decoding sweep: static k per k (k=1 is greedy), ConfAdapt per tau, lossless."""
     modes = [DecodeConfig("greedy") if k == 1 else DecodeConfig("static", k=k) for k in static_ks]
     modes += [DecodeConfig("confadapt", tau=t, k_max=k_max) for t in taus]

@@ -121,9 +121,9 @@ def host_stats(stats: dict, agree: torch.Tensor, valid: torch.Tensor) -> dict:
     would wait for the GPU on its own."""
     k = valid.shape[-1]
     names = [n for n, v in stats.items() if torch.is_tensor(v)]
-    hits = torch.stack([(agree * valid).sum((0, 1)), valid.sum((0, 1))]).float()           # (2, k)
-    tensors = torch.stack([stats[n].detach().float() for n in names])                       # (len(names),)
-    values = torch.cat([tensors, hits.reshape(-1)]).tolist()                                # the one copy
+    hits = torch.stack([(agree * valid).sum((0, 1)), valid.sum((0, 1))]).float()   # (2, k)
+    tensors = torch.stack([stats[n].detach().float() for n in names])               # (len(names),)
+    values = torch.cat([tensors, hits.reshape(-1)]).tolist()                        # the one copy
     stats.update(zip(names, values), n_pred=int(values[names.index("n_pred")]))
     n_agree, n_valid = values[len(names):][:k], values[len(names) + k:]
     stats["acc"] = [a / n if n > 0 else float("nan") for a, n in zip(n_agree, n_valid)]

@@ -24,16 +24,17 @@ from pathlib import Path
 
 import torch
 
-from cli import (CliError, Parser, Progress, base_folder, count, fields_of, format_seconds, input_path, load_model,
-                 load_tokenizer, native_bfloat16_gpu, number, output_folder, parse_device, positive_float, positive_int,
-                 probability, provenance, read_checkpoint, read_rows, run_cli, stop_ids_of)
+from cli import (CliError, Parser, Progress, base_folder, count, fields_of, format_seconds,
+                 input_path, load_model, load_tokenizer, native_bfloat16_gpu, number, output_folder,
+                 parse_device, positive_float, positive_int, probability, provenance,
+                 read_checkpoint, read_rows, run_cli, stop_ids_of)
 from confadapt import DecodeConfig, accept_confadapt, decode_modes, generate
 from data import (DOMAINS, FORMATS, PROMPTS, Tokenizer, default_format, default_n_regions,
                   domain_prompts, end_token, mtp_layout, padding_token, prompt_tokens,
                   sample_k_and_offset, start_tokens, training_sequences)
 from distill import MODES, adapter_off_teacher, frozen_teacher, mtp_loss
-from model import (ADAPTER_TARGETS, ModelConfig, Transformer, add_mask_adapter, add_mask_token, atomic_save, read_json,
-                   read_model_config, save_mask_adapter, write_json)
+from model import (ADAPTER_TARGETS, ModelConfig, Transformer, add_mask_adapter, add_mask_token,
+                   atomic_save, read_json, read_model_config, save_mask_adapter, write_json)
 
 # === train: student + frozen teacher -> data rows -> AdamW -> the step loop -> export ==========
 # A step's --batch-size rows are split over the processes and, in each, into --micro-batch rows

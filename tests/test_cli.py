@@ -561,10 +561,12 @@ def test_provenance_names_commit_cpu_dtype_and_torch(monkeypatch):
 
 
 def test_device_names():
-    assert parse_device("cpu") == torch.device("cpu") and parse_device("auto") == torch.device("cpu")
-    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""              # conftest: the default suite sees no GPU
-    for name, message in [("cuda:0", "CUDA is not available"), ("cuda", "CUDA is not available"), ("gpu", "unknown device"),
-                          ("cuda:x", "unknown device"), ("mps", "unknown device")]:
+    assert parse_device("cpu") == torch.device("cpu")
+    assert parse_device("auto") == torch.device("cpu")
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""      # conftest: the default suite sees no GPU
+    for name, message in [("cuda:0", "CUDA is not available"), ("cuda", "CUDA is not available"),
+                          ("gpu", "unknown device"), ("cuda:x", "unknown device"),
+                          ("mps", "unknown device")]:
         with pytest.raises(ValueError, match=message) as err:
             parse_device(name)
         assert "\n" not in str(err.value)
