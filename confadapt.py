@@ -18,7 +18,6 @@ Run:  python confadapt.py --model DIR --prompt "1 2 3" [--tau 0.9 --k-max 16 | -
 References: MTP via Self-Distillation (arXiv 2602.06019); lossless: blockwise parallel decoding (arXiv 1811.03115).
 """
 
-import argparse
 import itertools
 import json
 import os
@@ -29,9 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from data import FORMATS, Tokenizer, default_format, end_token, prompt_tokens
-from model import (Transformer, add_mask_token, is_adapter_folder, load_mask_adapter, parse_device, parse_dtype,
-                   read_adapter_config)
+from cli import (CliError, Parser, add_model_args, chat_stop_ids, encode_prompt, load,
+                 output_folder, positive_int, probability, prompt_format, run_cli)
 
 MODES = ("greedy", "static", "confadapt", "lossless")
 
@@ -56,6 +54,16 @@ class DecodeConfig:
     def describe(self) -> str:
         return {"greedy": "greedy", "static": f"static k={self.k}", "lossless": f"lossless k={self.k}",
                 "confadapt": f"confadapt tau={self.tau:g} k_max={self.k_max}"}[self.kind]
+
+def decode_modes(static_ks=(), taus=(), k_max: int = 16,
+                 lossless_k: int | None = None) -> list[DecodeConfig]:
+    """A decoding sweep: static k per k (k=1 is greedy), ConfAdapt per tau, lossless."""
+    modes = [DecodeConfig("greedy") if k == 1 else DecodeConfig("static", k=k) for k in static_ks]
+    modes += [DecodeConfig("confadapt", tau=t, k_max=k_max) for t in taus]
+    modes += [DecodeConfig("lossless", k=lossless_k)] if lossless_k else []
+    for m in modes:
+        m.validate()
+    return modes
 
 # --- The definition: the accept rules, and one prompt decoded without a cache -------------------
 
@@ -112,10 +120,11 @@ def generate_uncached(model, prompt: list[int], max_new_tokens: int, mode: Decod
     budget = min(max_new_tokens, model.config.max_seq_len - len(prompt))
     out, chunks, drafts = [], [], []
     while len(out) < budget and not (out and out[-1] in stop_ids):
-        drafts, tail = pass_tail(mode, drafts, budget - len(out), mask_id)
+        drafts, tail = pass_tail(mode, drafts, wanted=budget - len(out), mask_id=mask_id)
         x = torch.tensor([prompt + out + tail], device=next(model.parameters()).device)
         logits = model(x)[0, len(prompt) + len(out) - 1:].float()    # (1 + len(tail), V): the predictions
-        new, _, drafts = accept(mode, *top1(mode, logits, mask_id), drafts, stop_ids)
+        preds, confs = top1(mode, logits, mask_id)
+        new, _, drafts = accept(mode, preds, confs, drafts=drafts, stop_ids=stop_ids)
         out += new
         chunks.append(len(new))
     return out, chunks
@@ -180,7 +189,8 @@ def prefill(model, cache, prompts: dict[int, list[int]], pad_id: int) -> float:
         lengths[b], heads[b] = 0, prompt[:-1]
     cache.rollback(lengths)                                  # a row's previous sequence is forgotten
     if any(heads):                                           # only the cache is wanted: no logits
-        decode_pass(model, cache, heads, [0] * len(heads), [0] * len(heads), pad_id)
+        zeros = [0] * len(heads)
+        decode_pass(model, cache, heads, firsts=zeros, n_preds=zeros, pad_id=pad_id)
     synchronize(cache.lengths.device)
     return time.perf_counter() - start
 
@@ -227,16 +237,19 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, mode: DecodeC
         # 2) one ragged pass: every row feeds its pending tokens, then drafts and masks
         batch, inputs = [rows[i] for i in active], []
         for r in batch:
-            r.drafts, tail = pass_tail(mode, r.drafts, r.budget - len(r.tokens), mask_id)
+            wanted = r.budget - len(r.tokens)
+            r.drafts, tail = pass_tail(mode, r.drafts, wanted=wanted, mask_id=mask_id)
             inputs.append(r.pending + tail)
         n_preds = [len(x) - len(r.pending) + 1 for x, r in zip(inputs, batch)]
         passes, fed = passes + 1, fed + sum(len(x) for x in inputs)
-        logits = decode_pass(model, cache, inputs, [len(r.pending) - 1 for r in batch], n_preds, pad_id).float()
-        preds, confs = top1(mode, logits, mask_id)                 # logits (B, N, V) -> (B, N) each
+        firsts = [len(r.pending) - 1 for r in batch]       # each row's last pending token
+        logits = decode_pass(model, cache, inputs, firsts=firsts, n_preds=n_preds, pad_id=pad_id)
+        preds, confs = top1(mode, logits.float(), mask_id)         # (B, N, V) -> (B, N) each
         # 3) each row keeps what the accept rule allows. Verified drafts were fed as themselves,
         # so their K/V stays; the other kept tokens become pending; masks and rejected drafts go.
         for b, (r, n) in enumerate(zip(batch, n_preds)):
-            tokens, in_cache, r.drafts = accept(mode, preds[b][:n], confs and confs[b][:n], r.drafts, stop_ids)
+            tokens, in_cache, r.drafts = accept(mode, preds[b][:n], confs and confs[b][:n],
+                                                drafts=r.drafts, stop_ids=stop_ids)
             r.tokens += tokens
             r.chunk_sizes.append(len(tokens))
             r.pending = tokens[in_cache:]
@@ -312,184 +325,7 @@ def save_chunks_png(path: str, prompt_text: str, texts: list[str], sizes: list[i
     ax.set_title(title, fontsize=9, loc="left")
     ax.figure.savefig(path, dpi=150, bbox_inches="tight")
 
-# --- plumbing: the command line, shared by confadapt.py, train_toy.py and finetune_hf.py ---------
-# A user's mistake (a bad number, a missing file) is found before any work and ends in one line
-# `error: ...` and exit status 2, never a traceback; Ctrl-C in one line saying what is saved (130).
-
-class CliError(Exception):
-    """A bad command line: run_cli prints it as one line and exits 2."""
-
-class Help(argparse.HelpFormatter):
-    """--help shows a flag's default where it has a real one, never "(default: None)"."""
-    def _get_help_string(self, action):
-        d = action.default
-        if d is None or d is False or d == argparse.SUPPRESS or "default" in (action.help or ""):
-            return action.help
-        d = " ".join(map(str, d)) if isinstance(d, list) else d
-        return f"{action.help or ''} (default: {d})".strip().replace("%", "%%")
-
-class Parser(argparse.ArgumentParser):
-    def __init__(self, *args, formatter_class=Help, **kwargs):
-        super().__init__(*args, formatter_class=formatter_class, **kwargs)
-    def error(self, message):             # one line, no usage dump; run_cli prints it and exits 2
-        raise CliError(message)
-
-def number(kind, low, high=None, low_open=False):
-    where = f"in {'(' if low_open else '['}{low:g}, {high:g}]" if high is not None \
-        else f"{'above' if low_open else 'at least'} {low:g}"
-    def parse(text):
-        try:
-            x = kind(text)
-        except ValueError:
-            what = "a whole number" if kind is int else "a number"
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if (x <= low if low_open else x < low) or (high is not None and x > high) or x != x:
-            raise argparse.ArgumentTypeError(f"must be {where}, got {text}")
-        return x
-    return parse
-
-positive_int = number(int, 1)                          # sizes, steps, counts
-count = number(int, 0)                                 # 0 allowed (usually: "all" or "off")
-positive_float = number(float, 0, low_open=True)       # learning rates, clipping norms, seconds
-probability = number(float, 0, 1, low_open=True)       # thresholds tau
-
-def input_path(path, flag: str, folder: bool = False) -> str:
-    kind, other = ("folder", "a file") if folder else ("file", "a folder")
-    if not os.path.exists(path):
-        raise CliError(f"{flag} {path}: no such {kind}")
-    if folder != os.path.isdir(path):
-        raise CliError(f"{flag} {path}: is {other}, expected a {kind}")
-    return path
-
-def output_folder(path, flag: str) -> str:
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise CliError(f"{flag} {path}: is a file, expected a folder")
-    parent = os.path.abspath(path)
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise CliError(f"{flag} {path}: {parent} is a file, so no folder can be made there")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise CliError(f"{flag} {path}: {parent} is not writable")
-    return path
-
-class Progress:
-    """When to print a progress line: the first and the last always, else at most one every `seconds`."""
-    def __init__(self, seconds: float = 10.0):
-        self.seconds, self.last = seconds, None
-    def due(self, last: bool = False) -> bool:
-        now = time.perf_counter()
-        due = last or self.last is None or now - self.last >= self.seconds
-        self.last = now if due else self.last
-        return due
-
-def format_seconds(s: float) -> str:
-    s = int(max(0, s))
-    h, m = divmod(s // 60, 60)
-    return f"{h}h{m:02d}m{s % 60:02d}s" if h else f"{m}m{s % 60:02d}s"      # 1h02m05s, 2m05s
-
-def run_cli(body, argv) -> int:
-    try:
-        body(argv)
-        return 0
-    except (CliError, ValueError, OSError) as e:        # OSError: files (FileNotFoundError too)
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt as e:
-        print(f"interrupted{': ' + str(e) if e.args else ''}", file=sys.stderr)
-        return 130
-
-def add_model_args(p):
-    g = p.add_argument_group("model")
-    g.add_argument("--model", required=True,
-                   help="Hugging Face layout folder (config.json, safetensors, tokenizer.json)")
-    g.add_argument("--device", default="cpu",
-                   help="cpu (the default), cuda, cuda:N or auto (cuda when available)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and compute; auto (the default): bfloat16 on a GPU that computes "
-                   "it natively (Ampere and newer), float32 on the CPU and older GPUs")
-    g.add_argument("--format", default="auto", choices=["auto", "raw", *FORMATS],
-                   help="how --prompt becomes tokens. auto (the default): the model's chat format "
-                   "(llama3-chat, chatml or qwen) with --prompt as the user's message, when its "
-                   "tokenizer has one, else raw; raw: the text itself after the model's BOS token")
-    g.add_argument("--no-bos", action="store_true",
-                   help="raw: do not put the model's BOS token first")
-    g.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch (default: torch's "
-                   "choice; small models on a busy machine: 1 is fastest and steadiest)")
-
-def load_tokenizer(path):
-    try:
-        return Tokenizer.from_pretrained(path)
-    except (KeyError, TypeError, AttributeError, ValueError) as e:   # JSON syntax, UTF-8, a missing field
-        if isinstance(e, ValueError) and str(path) in str(e):
-            raise
-        raise ValueError(f"cannot read the tokenizer in {path} (tokenizer.json): {type(e).__name__}: {e}") from None
-
-def base_folder(path) -> str:
-    """The model folder itself, or the base model a gated mask adapter folder names."""
-    return read_adapter_config(path)["base_model"] if is_adapter_folder(path) else path
-
-def load_model(path, device="cpu", dtype=torch.float32):
-    """Model (eval mode), tokenizer, mask id (None without one) and stop ids of a model folder,
-    or of a gated mask adapter folder: its base model with <mask> added, then the adapter."""
-    base = base_folder(path)
-    model, tokenizer = Transformer.from_pretrained(base, device=device, dtype=dtype), load_tokenizer(base)
-    if base != path:
-        add_mask_token(model, tokenizer)
-        load_mask_adapter(model, path)
-    cfg = model.config
-    mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else tokenizer.mask_id
-    if mask_id is not None and not 0 <= mask_id < cfg.vocab_size:
-        raise ValueError(f"mask token id {mask_id} is outside the model's vocabulary of {cfg.vocab_size}")
-    return model, tokenizer, mask_id, stop_ids_of(model, tokenizer)
-
-def stop_ids_of(model, tokenizer) -> set:
-    """The config's eos_token_id (one or a list) and the tokenizer's end-of-turn tokens."""
-    eos = model.config.eos_token_id if isinstance(model.config.eos_token_id, list) else [model.config.eos_token_id]
-    return {t for t in eos if t is not None} | set(tokenizer.stop_ids)
-
-def load(args, mode: DecodeConfig):
-    input_path(args.model, "--model", folder=True)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = parse_device(args.device)
-    dtype = parse_dtype(args.dtype, device)
-    model, tokenizer, mask_id, stop_ids = load_model(args.model, device, dtype)
-    if mode.block > 1 and mask_id is None:
-        raise ValueError(f"model {args.model} has no mask token (no mask_token_id in config.json, no <mask> in the "
-                         f"tokenizer): only --greedy works; add one with model.add_mask_token and fine-tune")
-    return model, tokenizer, mask_id, stop_ids
-
-def prompt_format(name: str, tokenizer, model) -> str:
-    """--format auto: the model's chat format when its tokenizer has one, else raw text."""
-    if name != "auto":
-        return name
-    fmt = default_format(tokenizer, model.config.model_type)
-    return "raw" if fmt == "plain" else fmt
-
-def chat_stop_ids(stop_ids: set, tokenizer, fmt: str) -> set:
-    """In a chat format the end of the assistant's turn stops generation too."""
-    return stop_ids if fmt == "raw" else stop_ids | {end_token(tokenizer, fmt)}
-
-def encode_prompt(tokenizer, model, text: str, fmt: str, no_bos: bool = False) -> list[int]:
-    """raw: BOS (unless no_bos) + the text; a chat format: the text as the user's message, up to
-    where the assistant's answer starts, with the special tokens the format's template adds."""
-    if fmt != "raw":
-        if no_bos:
-            raise CliError(f"--no-bos applies to raw prompts; this one is in the {fmt} format "
-                           "(--format raw gives the text as it is)")
-        return prompt_tokens(tokenizer, fmt, text)
-    bos = model.config.bos_token_id
-    return ([] if no_bos or bos is None else [bos]) + tokenizer.encode(text)
-
-def decode_modes(static_ks=(), taus=(), k_max: int = 16, lossless_k: int | None = None) -> list[DecodeConfig]:
-    """A decoding sweep: static k per k (k=1 is greedy), ConfAdapt per tau, lossless."""
-    modes = [DecodeConfig("greedy") if k == 1 else DecodeConfig("static", k=k) for k in static_ks]
-    modes += [DecodeConfig("confadapt", tau=t, k_max=k_max) for t in taus]
-    modes += [DecodeConfig("lossless", k=lossless_k)] if lossless_k else []
-    for m in modes:
-        m.validate()
-    return modes
+# --- The command line: one prompt, decoded and shown ------------------------------------------
 
 def generate_main(argv):
     p = Parser(prog="confadapt.py", description="Multi-token decoding of an MTP model with a KV cache.")
@@ -521,9 +357,11 @@ def generate_main(argv):
     model, tokenizer, mask_id, stop_ids = load(args, mode)
     fmt = prompt_format(args.format, tokenizer, model)
     stop_ids = chat_stop_ids(stop_ids, tokenizer, fmt)
-    prompt = encode_prompt(tokenizer, model, args.prompt, fmt, args.no_bos)
-    generate(model, [prompt[-8:]], 2, mode, mask_id)         # untimed warm-up: first calls are slow
-    [gen], s = generate(model, [prompt], args.max_new_tokens, mode, mask_id, stop_ids)
+    prompt = encode_prompt(tokenizer, model, args.prompt, fmt, no_bos=args.no_bos)
+    # an untimed warm-up: first calls are slow
+    generate(model, [prompt[-8:]], 2, mode=mode, mask_id=mask_id)
+    [gen], s = generate(model, [prompt], args.max_new_tokens, mode=mode, mask_id=mask_id,
+                        stop_ids=stop_ids)
     texts = chunk_texts(tokenizer, gen.tokens, gen.chunk_sizes)
     if args.json:
         keys = "mode forward_passes effective_k seconds prefill_seconds tokens_per_second accept_hist".split()
@@ -532,7 +370,7 @@ def generate_main(argv):
                           "chunk_ends": gen.boundaries, "chunks": texts, "stopped": gen.stopped}))
     else:
         colour = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
-        print(render_chunks(args.prompt, texts, gen.chunk_sizes, colour), "",
+        print(render_chunks(args.prompt, texts, gen.chunk_sizes, colour=colour), "",
               f"mode            {s.mode}\ntokens          {s.tokens}\n"
               f"forward passes  {s.forward_passes} (the prefill not counted)\n"
               f"effective k     {s.effective_k:.2f} tokens/pass\n"

@@ -139,7 +139,8 @@ def random_mtp_layout(seqs: torch.Tensor, k_max: int, mask_id: int, eos_id=None,
     """One training step's layout: the paper's M regions, k and offset drawn independently."""
     n_regions = n_regions or default_n_regions(seqs.shape[1], k_max)
     k, offset = sample_k_and_offset(k_max, seqs.shape[1] // n_regions, generator)
-    return mtp_layout(seqs, k, offset, n_regions, mask_id, eos_id, pad_id, trained)
+    return mtp_layout(seqs, k=k, offset=offset, n_regions=n_regions, mask_id=mask_id,
+                      eos_id=eos_id, pad_id=pad_id, trained=trained)
 
 # ========================================= Toy tasks =========================================
 # Five tasks a CPU transformer learns in minutes: <|bos|> prompt answer <|eos|>, one token per item.

@@ -111,11 +111,20 @@ def mtp_loss(student, teacher, batch: MTPBatch, mode: str = "hard",
         ntp = masked_mean(cross_entropy(batch.ntp_targets, logits[:, M * k:]), batch.ntp_valid)
         loss = loss + prefix_ntp_weight * ntp
         stats["ntp_loss"] = ntp
-    # Statistics in one device-to-host copy (each float() would wait for the GPU on its own).
     stats["loss"] = loss
+    return loss, host_stats(stats, proposals == targets, valid)
+
+def host_stats(stats: dict, agree: torch.Tensor, valid: torch.Tensor) -> dict:
+    """`stats` with its tensors as Python numbers, plus acc: per prediction j, the share of its
+    valid predictions where the student agrees with the target (NaN where j has none).
+    agree, valid: (B, M, k) bool. All of it in one device-to-host copy: each float() or .item()
+    would wait for the GPU on its own."""
+    k = valid.shape[-1]
     names = [n for n, v in stats.items() if torch.is_tensor(v)]
-    hits = torch.stack([((proposals == targets) * valid).sum((0, 1)), valid.sum((0, 1))]).float()   # (2, k)
-    values = torch.cat([torch.stack([stats[n].detach().float() for n in names]), hits.reshape(-1)]).tolist()
+    hits = torch.stack([(agree * valid).sum((0, 1)), valid.sum((0, 1))]).float()   # (2, k)
+    tensors = torch.stack([stats[n].detach().float() for n in names])               # (len(names),)
+    values = torch.cat([tensors, hits.reshape(-1)]).tolist()                        # the one copy
     stats.update(zip(names, values), n_pred=int(values[names.index("n_pred")]))
-    stats["acc"] = [n / d if d > 0 else float("nan") for n, d in zip(values[len(names):][:k], values[len(names) + k:])]
-    return loss, stats
+    n_agree, n_valid = values[len(names):][:k], values[len(names) + k:]
+    stats["acc"] = [a / n if n > 0 else float("nan") for a, n in zip(n_agree, n_valid)]
+    return stats

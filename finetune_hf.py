@@ -24,16 +24,17 @@ from pathlib import Path
 
 import torch
 
-from confadapt import (CliError, DecodeConfig, Parser, Progress, accept_confadapt, base_folder, count, decode_modes,
-                       format_seconds, generate, input_path, load_model, load_tokenizer, number, output_folder, positive_float,
-                       positive_int, probability, run_cli, stop_ids_of)
+from cli import (CliError, Parser, Progress, base_folder, count, fields_of, format_seconds,
+                 input_path, load_model, load_tokenizer, native_bfloat16_gpu, number, output_folder,
+                 parse_device, positive_float, positive_int, probability, provenance,
+                 read_checkpoint, read_rows, run_cli, stop_ids_of)
+from confadapt import DecodeConfig, accept_confadapt, decode_modes, generate
 from data import (DOMAINS, FORMATS, PROMPTS, Tokenizer, default_format, default_n_regions,
                   domain_prompts, end_token, mtp_layout, padding_token, prompt_tokens,
                   sample_k_and_offset, start_tokens, training_sequences)
 from distill import MODES, adapter_off_teacher, frozen_teacher, mtp_loss
-from model import (ADAPTER_TARGETS, ModelConfig, Transformer, add_mask_adapter, add_mask_token, atomic_save,
-                   native_bfloat16_gpu, parse_device, provenance, read_checkpoint, read_json, read_model_config,
-                   save_mask_adapter, write_json)
+from model import (ADAPTER_TARGETS, ModelConfig, Transformer, add_mask_adapter, add_mask_token,
+                   atomic_save, read_json, read_model_config, save_mask_adapter, write_json)
 
 # === train: student + frozen teacher -> data rows -> AdamW -> the step loop -> export ==========
 # A step's --batch-size rows are split over the processes and, in each, into --micro-batch rows
@@ -103,11 +104,13 @@ def train(args) -> Path:
         for step in range(start, args.steps):
             g = torch.Generator().manual_seed(args.seed * 7_919 + step + 1)  # same on every process
             k, offset = sample_k_and_offset(args.k_max, region_len, generator=g)
-            rows = rows_of_step(step, args.batch_size, len(seqs), args.seed)
+            rows = rows_of_step(step, global_batch=args.batch_size, n_rows=len(seqs),
+                                seed=args.seed)
             micro = [rows[i * per:(i + 1) * per] for i in range(d.rank, len(rows) // per, d.world)]
             micro = [(seqs[r].long(), response[r] if args.response_only else None) for r in micro]  # i: rank i % world
             lr = optimizer.param_groups[0]["lr"]                  # the rate this step trains at
-            stats = train_step(student, teacher, optimizer, scheduler, micro, k, offset, args, d, mask_id, pad)
+            stats = train_step(student, teacher, optimizer, scheduler, micro, k=k, offset=offset,
+                               args=args, d=d, mask_id=mask_id, pad=pad)
             last, elapsed = step + 1 == args.steps, time.perf_counter() - t0
             if d.main and ((step + 1) % args.log_every == 0 or last):
                 with open(log, "a") as f:
@@ -133,10 +136,12 @@ def train(args) -> Path:
 def train_step(student, teacher, optimizer, scheduler, micro: list[tuple[torch.Tensor, torch.Tensor | None]],
                k: int, offset: int, args, d: Dist, mask_id, pad: int) -> dict:
     """mtp_layout -> mtp_loss -> backward per micro-batch (rows, targets), then clip and step; stats of the step."""
+    # The padding token ends a row's text too: it is the layout's EOS.
+    batches = [mtp_layout(s, k=k, offset=offset, n_regions=args.regions, mask_id=mask_id,
+                          eos_id=pad, pad_id=pad, trained=t) for s, t in micro]
     # mtp_loss averages over its micro-batch's valid predictions; weighted by their share of the
     # global batch's, the gradient is one mean over it however it is split (FSDP averages over
     # processes: hence * world). Each backward reduce-scatters at once: no full gradient is held.
-    batches = [mtp_layout(s, k, offset, args.regions, mask_id, pad, pad, t) for s, t in micro]  # pad: EOS too
     counts = [int(b.valid.sum()) for b in batches]    # counted on the host, before moving
     batches = [b.to(d.device) for b in batches]
     n_global = max(1.0, d.all_sum(sum(counts)))
@@ -219,7 +224,8 @@ def completion_of(tok: Tokenizer, gen, stop_ids) -> tuple[str, int, int]:
     return cut, len(gen.tokens), gen.forward_passes
 
 def evaluate(args) -> list[dict]:
-    modes = decode_modes(args.static_k, args.taus, args.k_max, args.lossless_k)
+    modes = decode_modes(static_ks=args.static_k, taus=args.taus, k_max=args.k_max,
+                         lossless_k=args.lossless_k)
     if not modes:
         raise ValueError("nothing to evaluate: give --static-k and/or --taus")
     model, tok, mask_id, fmt, stop_ids = load_for_inference(args)
@@ -285,8 +291,8 @@ def evaluate(args) -> list[dict]:
             print(table[-1], flush=True)
             samples_text += [json.dumps({"decoding": row["decoding"], **s}) + "\n" for s in samples]
             # Written after each decoder: an interrupted eval keeps the decoders it finished.
-            write_eval(out, title, meta, header, table, results, samples_text, len(golds),
-                       args.batch_size, same)
+            write_eval(out, title, meta, header, table, results, samples_text, n=len(golds),
+                       batch_size=args.batch_size, same=same)
     except KeyboardInterrupt:
         kept = "nothing written"
         if results:
@@ -301,8 +307,8 @@ def decode_with_progress(model, prompts, mode: DecodeConfig, mask_id, stop_ids, 
     is a little under one continuous generate() over all prompts."""
     part, gens, seconds, progress = 4 * args.batch_size, [], 0.0, Progress()
     for first in range(0, len(prompts), part):
-        done, stats = generate(model, prompts[first:first + part], args.max_new_tokens, mode, mask_id,
-                               stop_ids, batch_size=args.batch_size)
+        done, stats = generate(model, prompts[first:first + part], args.max_new_tokens, mode=mode,
+                               mask_id=mask_id, stop_ids=stop_ids, batch_size=args.batch_size)
         gens += done
         seconds += stats.seconds - stats.prefill_seconds
         if len(gens) < len(prompts) and progress.due():
@@ -395,9 +401,14 @@ def analyze(args) -> dict:
         flat = [c for cs in confs for c in cs]
         if not flat:
             raise ValueError("the model produced no answer tokens")
+
+        def effective_k(tau: float, joint: bool) -> float:
+            passes = sum(simulated_passes(cs, tau, k_max=args.k_max, joint=joint) for cs in confs)
+            return len(flat) / passes
+
         rows = [{"tau": tau, "share_confident": sum(c >= tau for c in flat) / len(flat),
-                 **{f"effective_k_{key}": len(flat) / sum(simulated_passes(cs, tau, args.k_max, joint) for cs in confs)
-                    for key, joint in (("per_token", False), ("joint", True))}} for tau in args.taus]
+                 "effective_k_per_token": effective_k(tau, joint=False),
+                 "effective_k_joint": effective_k(tau, joint=True)} for tau in args.taus]
         ref = min(rows, key=lambda r: abs(r["tau"] - 0.9))
         worth = ref["effective_k_per_token"] >= 2.0
         verdict = (f"at tau={ref['tau']:g} the untuned model's own confidences already allow about "
@@ -464,7 +475,7 @@ def make_data(args):
 # === export: a Hugging Face folder any transformers-based stack loads ========================
 def export(student, tok: Tokenizer, path: Path, args, d: Dist) -> Path:
     """A Hugging Face folder of the tuned model, or with the gated adapter the adapter's folder
-    (its weights and config, naming the unchanged base model; confadapt.load_model reads both)."""
+    (its weights and config, naming the unchanged base model; cli.load_model reads both)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     adapter = getattr(args, "adapter", "none") != "none"
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=adapter)
@@ -505,7 +516,7 @@ A low-rank update (rank {args.adapter_rank}, alpha {args.adapter_alpha:g}, on {'
 and a `<mask>` embedding for `{args.model}`, trained with {how} (arXiv 2602.06019). The update applies ONLY at \
 input positions holding `<mask>` (token {cfg.mask_token_id}); every other position computes exactly the base \
 model, so its own predictions are unchanged. A plain LoRA loader would apply it everywhere: load it with this \
-project's `confadapt.load_model` (`mask_adapter.json` names the base folder). Prompt format"""
+project's `cli.load_model` (`mask_adapter.json` names the base folder). Prompt format"""
         library = "mtp-distill"
     else:
         what = f"""# Multi-token prediction by self-distillation
@@ -538,7 +549,7 @@ def export_checkpoint(args):
     load_checkpoint(ckpt, student, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), saved)  # scheduler
     return export(student, tok, Path(args.out), saved, Dist())
 
-# --- plumbing: processes, dtypes, loading and sharding, checkpoints, input checks, files, CLI ----
+# --- plumbing: processes, dtypes, loading and sharding, checkpoints, input checks, CLI --------
 
 @dataclass
 class Dist:
@@ -749,36 +760,6 @@ def check_targets(seqs: torch.Tensor, trained: torch.Tensor | None, tok: Tokeniz
     if empty.float().mean() >= 0.1:
         d.log(f"warning: {int(empty.sum()):,} of {len(seqs):,} rows give no target ({why}): they "
               "only take places in the batches")
-
-def read_rows(path, choices=None) -> list:
-    """Rows (dicts) of a JSON array or JSONL file; with `choices`, the first field tuple they have."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
-    array, rows = text.lstrip().startswith("["), []
-    for i, line in enumerate([text] if array else text.splitlines(), 1):
-        try:
-            rows += json.loads(line) if array else [json.loads(line)] if line.strip() else []
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: malformed JSON array: {e}" if array else
-                             f"{path} line {i}: malformed JSON: {e}") from None
-    if not rows:
-        raise ValueError(f"{path} holds no rows")
-    if not all(isinstance(r, dict) for r in rows):
-        raise ValueError(f"{path}: every row must be a JSON object")
-    return rows if choices is None else fields_of(rows, path, choices)
-
-def fields_of(rows: list[dict], path, choices) -> list[tuple]:
-    """The first tuple of fields in `choices` that the rows have, as tuples of text."""
-    fields = next((fs for fs in choices if all(f in rows[0] for f in fs)), None)
-    if fields is None:
-        raise ValueError(f"{path}: expected rows with {' or '.join(' and '.join(map(repr, fs)) for fs in choices)}"
-                         f"; the first row has {sorted(rows[0])}")
-    for i, row in enumerate(rows, 1):
-        if not all(isinstance(row.get(f), str) for f in fields):
-            raise ValueError(f"{path}: row {i} lacks a text field {' or '.join(repr(f) for f in fields)}")
-    return [tuple(r[f] for f in fields) for r in rows]
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="finetune_hf.py", description=__doc__.split("\n\n")[0])

@@ -14,10 +14,7 @@ GLU variants (2002.05202), Multi-Token Prediction via Self-Distillation (2602.06
 import json
 import math
 import os
-import pickle
-import platform
 import re
-import subprocess
 from dataclasses import dataclass
 
 import torch
@@ -455,7 +452,7 @@ def load_mask_adapter(model: Transformer, path):
     model.load_state_dict(tensors, strict=False)
     return model
 
-# ---- plumbing: Hugging Face checkpoints, devices, files --------------------------------------
+# ---- plumbing: Hugging Face checkpoints, files -----------------------------------------------
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 HF_NAMES = {"tok_emb": "model.embed_tokens", "norm": "model.norm", "lm_head": "lm_head",
             "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
@@ -560,32 +557,6 @@ def config_to_hf(cfg: ModelConfig, dtype=torch.float32) -> dict:
             "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
             "mask_token_id": cfg.mask_token_id, "torch_dtype": str(dtype).removeprefix("torch.")}
 
-def parse_device(name: str) -> torch.device:
-    """--device cpu, cuda, cuda:N or auto -> torch.device; a missing GPU is an error, not CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if not re.fullmatch(r"(cpu|cuda)(:\d+)?", name):
-        raise ValueError(f"unknown device {name!r}: use cpu, cuda, cuda:N or auto")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: CUDA is not available on this machine (this torch, {torch.__version__}, "
-                         "sees no GPU); use --device cpu")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise ValueError(f"device {name!r} requested, but this machine has {torch.cuda.device_count()} CUDA GPU(s)")
-    return device
-
-def native_bfloat16_gpu(device: torch.device) -> bool:
-    """A CUDA GPU that computes in bfloat16 natively (Ampere and newer); a T4, a V100 or an RTX
-    20xx only emulates it, slowly, though torch.cuda.is_bf16_supported() says yes there."""
-    return device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
-
-def parse_dtype(name: str, device: torch.device) -> torch.dtype:
-    """--dtype auto: bfloat16 on a GPU with native bfloat16, float32 elsewhere (on a CPU float32
-    is exact, so the lossless mode reproduces greedy decoding token for token)."""
-    if name != "auto":
-        return getattr(torch, name)
-    return torch.bfloat16 if native_bfloat16_gpu(device) else torch.float32
-
 def read_json(path, what="file") -> dict:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no {what} at {path}")
@@ -607,36 +578,8 @@ def read_model_config(path) -> ModelConfig:
         problem = f"missing field {e}" if isinstance(e, KeyError) else str(e).replace(" in config.json", "")
         raise ValueError(f"{file}: {problem}") from None
 
-def read_checkpoint(path, what="checkpoint", weights_only=False):
-    try:
-        return torch.load(path, map_location="cpu", weights_only=weights_only)
-    except (EOFError, RuntimeError, OSError, ValueError, pickle.UnpicklingError) as e:
-        raise ValueError(f"cannot read the {what} {path}: truncated or corrupt ({type(e).__name__})") from None
-
 def write_json(path, obj):
     atomic_save(lambda p: open(p, "w").write(json.dumps(obj, indent=2) + "\n"), path)
-
-def cpu_name() -> str:
-    """The CPU's model name, core count and widest bfloat16 support ("AMD EPYC ..., 2 cores,
-    avx512_bf16"): two CPUs of one name can round differently, so results.json names both."""
-    name, flags = platform.processor() or platform.machine(), ""
-    if os.path.isfile("/proc/cpuinfo"):
-        info = open("/proc/cpuinfo").read()
-        name = next((l.split(":", 1)[1].strip() for l in info.splitlines() if l.startswith("model name")), name)
-        flags = next((f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in info.split()), "")
-    return f"{name}, {os.cpu_count()} cores" + (f", {flags}" if flags else "")
-
-def provenance(dtype: torch.dtype) -> dict:
-    """What every results.json records, so that its figures are compared only with figures of the
-    same code, CPU and dtype: the commit (None outside git), the CPU, the compute dtype, torch."""
-    try:
-        git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
-                             capture_output=True, text=True, timeout=10)
-        commit = git.stdout.strip() if git.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
-    return {"commit": commit or None, "cpu": cpu_name(), "dtype": str(dtype).removeprefix("torch."),
-            "torch": torch.__version__}
 
 def atomic_save(write, path):
     """Call write(tmp_path), then rename over `path`: a crash never leaves a half-written file.

@@ -26,11 +26,11 @@ import torch
 import torch.nn.functional as F
 
 import data
-from confadapt import (CliError, DecodeConfig, Parser, Progress, chunk_texts, count, decode_modes, format_seconds,
-                       generate, output_folder, positive_int, run_cli, save_chunks_png)
+from cli import (CliError, Parser, Progress, count, format_seconds, output_folder, parse_device,
+                 positive_int, provenance, read_checkpoint, run_cli)
+from confadapt import DecodeConfig, chunk_texts, decode_modes, generate, save_chunks_png
 from distill import frozen_teacher, mtp_loss
-from model import (ModelConfig, Transformer, add_mask_token, atomic_save, parse_device, provenance, read_checkpoint,
-                   read_json, write_json)
+from model import ModelConfig, Transformer, add_mask_token, atomic_save, read_json, write_json
 
 MODELS = ("ntp", "naive", "distill")          # names used in results.json
 STUDENT_MODE = {"naive": "gt", "distill": "hard"}
@@ -103,7 +103,8 @@ def train_phase(name: str, model: Transformer, cfg: RunConfig, next_batch, devic
             stats = {"loss": float(loss.detach())}
         else:
             # MTP problems (k in [2, k_max], region offset drawn afresh); loss vs truth or teacher
-            batch = data.random_mtp_layout(seqs, cfg.k_max, tokenizer.mask_id, tokenizer.eos_id, tokenizer.pad_id,
+            batch = data.random_mtp_layout(seqs, k_max=cfg.k_max, mask_id=tokenizer.mask_id,
+                                           eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
                                            n_regions=cfg.n_regions, generator=gen, trained=answer)
             loss, stats = mtp_loss(model, teacher, batch, mode=mode, prefix_ntp_weight=cfg.prefix_ntp_weight)
         opt.zero_grad(set_to_none=True)
@@ -114,10 +115,11 @@ def train_phase(name: str, model: Transformer, cfg: RunConfig, next_batch, devic
         log.append({**stats, "step": step, "seconds": elapsed, "lr": lr})
         if progress.due(last=step + 1 == steps):
             k = f" k {stats['k']}" if student else ""
+            run_left = run_eta(plan or {}, name, done=step + 1, total=steps, elapsed=elapsed)
             print(f"[{name}] step {step + 1:4d}/{steps} | loss {stats['loss']:.4f}{k} | "
                   f"{(step + 1) * seqs.numel() / elapsed:,.0f} tok/s | {format_seconds(elapsed)} | "
                   f"eta {format_seconds(elapsed / (step + 1) * (steps - step - 1))}, "
-                  f"run {format_seconds(run_eta(plan or {}, name, step + 1, steps, elapsed))}", flush=True)
+                  f"run {format_seconds(run_left)}", flush=True)
     return model.eval(), log
 
 def build_teacher(cfg: RunConfig, tokenizer, device, tie_embeddings: bool = True, context: int = 128) -> Transformer:
@@ -138,7 +140,11 @@ def student_from(teacher: Transformer, device) -> tuple[Transformer, object]:
 # --- 3. Evaluation: every model with every decoding setting on every task --------------------
 def sweep(cfg: RunConfig, multi_token: bool) -> list[DecodeConfig]:
     """The decoding settings; without <mask>, greedy only (called static k=1: the curve's start)."""
-    modes = decode_modes(cfg.static_ks, cfg.taus, cfg.k_max, cfg.k_max) if multi_token else decode_modes((1,))
+    if multi_token:
+        modes = decode_modes(static_ks=cfg.static_ks, taus=cfg.taus, k_max=cfg.k_max,
+                             lossless_k=cfg.k_max)
+    else:
+        modes = decode_modes(static_ks=(1,))
     return [DecodeConfig("static", k=1) if m.kind == "greedy" else m for m in modes]
 
 def evaluate(models: dict, tokenizer, eval_sets: dict, cfg: RunConfig, plan: dict) -> tuple[list[dict], dict]:
@@ -169,8 +175,9 @@ def evaluate(models: dict, tokenizer, eval_sets: dict, cfg: RunConfig, plan: dic
                 done += n
                 if progress.due(last=done == total):
                     elapsed = time.perf_counter() - start
+                    left = run_eta(plan, "evaluation", done=done, total=total, elapsed=elapsed)
                     print(f"[evaluation] {done:,}/{total:,} prompts x settings | {format_seconds(elapsed)} | "
-                          f"eta {format_seconds(run_eta(plan, 'evaluation', done, total, elapsed))}", flush=True)
+                          f"eta {format_seconds(left)}", flush=True)
     return rows, samples
 
 # The closing table, the README's claims one row per task: (column, the results row, its metrics).

@@ -17,9 +17,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from confadapt import (DecodeConfig, Parser, add_model_args, chat_stop_ids,  # noqa: E402
-                       encode_prompt, generate, load, positive_int, probability, prompt_format,
-                       run_cli, synchronize)
+from cli import (Parser, add_model_args, chat_stop_ids, encode_prompt, load,  # noqa: E402
+                 positive_int, probability, prompt_format, run_cli)
+from confadapt import DecodeConfig, generate, synchronize  # noqa: E402
 
 
 @torch.inference_mode()

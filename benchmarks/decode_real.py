@@ -36,10 +36,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_modes import bench, forward_latency  # noqa: E402
-from confadapt import (CliError, DecodeConfig, DecodeStats, Generation, Parser, base_folder, chunk_texts,  # noqa: E402
-                       decode_modes, generate, load_model, positive_int, stop_ids_of, synchronize)
+from cli import (CliError, Parser, base_folder, cpu_name, load_model, parse_device,  # noqa: E402
+                 parse_dtype, positive_int, provenance, stop_ids_of)
+from confadapt import (DecodeConfig, DecodeStats, Generation, chunk_texts,  # noqa: E402
+                       decode_modes, generate, synchronize)
 from data import FORMATS, default_format, end_token, prompt_tokens, word_problem_split  # noqa: E402
-from model import add_mask_token, atomic_save, cpu_name, parse_device, parse_dtype, provenance  # noqa: E402
+from model import add_mask_token, atomic_save  # noqa: E402
 
 HF_GREEDY, HF_LOOKUP = "transformers greedy", "transformers prompt lookup"
 MODE_CHOICES = ("greedy", "hf-greedy", "hf-lookup", "static", "confadapt", "lossless")

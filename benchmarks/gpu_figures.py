@@ -37,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import model as M  # noqa: E402
+from cli import native_bfloat16_gpu, parse_device, parse_dtype  # noqa: E402
 from confadapt import DecodeConfig, decode_pass, generate, prefill  # noqa: E402
 from data import mtp_layout, word_problem_tokenizer  # noqa: E402
 from distill import frozen_teacher, mtp_loss  # noqa: E402
@@ -134,8 +135,8 @@ def environment(device, dtype, small) -> dict:
         "cudnn": torch.backends.cudnn.version(),
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "capability": list(torch.cuda.get_device_capability(device)) if cuda else None,
-        "native_bf16": M.native_bfloat16_gpu(device),
-        "auto_dtype": str(M.parse_dtype("auto", device)),
+        "native_bf16": native_bfloat16_gpu(device),
+        "auto_dtype": str(parse_dtype("auto", device)),
         "memory_gb": (
             round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1)
             if cuda
@@ -465,8 +466,8 @@ def main(argv=None) -> int:
             else:
                 figures = compare(*args.folders)
         else:
-            device = M.parse_device(args.device)
-            figures = SECTIONS[args.section](device, M.parse_dtype(args.dtype, device), args.small)
+            device = parse_device(args.device)
+            figures = SECTIONS[args.section](device, parse_dtype(args.dtype, device), args.small)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

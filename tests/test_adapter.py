@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from confadapt import DecodeConfig, generate, load_model
+from cli import load_model
+from confadapt import DecodeConfig, generate
 from data import MASK, mtp_layout, word_problem_tokenizer
 from distill import adapter_off_teacher, frozen_teacher, teacher_logits
 from model import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, ModelConfig, Transformer, adapter_state, add_mask_adapter,
@@ -142,7 +143,7 @@ def test_save_and_load_round_trip(tmp_path):
 
 
 def test_load_model_reads_base_and_adapter(tmp_path):
-    """confadapt.load_model (every command's loader) on an adapter folder: the base model from the
+    """cli.load_model (every command's loader) on an adapter folder: the base model from the
     folder it names, <mask> added to it, then the adapter."""
     tok = word_problem_tokenizer()
     torch.manual_seed(0)

@@ -6,7 +6,7 @@ was (each file's bytes and modification time). Ctrl-C ends in one line saying ho
 run never lands in another run's folder: a second run, a --quick run and a run with another seed
 leave a finished run's checkpoints and results alone.
 
-The commands are called in-process (main(argv) through confadapt.run_cli, what `python X.py`
+The commands are called in-process (main(argv) through cli.run_cli, what `python X.py`
 runs), on a tiny model written here and two tiny finished runs, so the whole file takes seconds.
 """
 import json
@@ -22,6 +22,7 @@ import confadapt
 import data
 import finetune_hf
 import train_toy
+from cli import parse_device, parse_dtype, provenance, run_cli
 from model import ModelConfig, Transformer
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
@@ -124,7 +125,7 @@ def bad_data_files(root) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 MAINS = {"confadapt": confadapt.main, "bench_modes": bench_modes.main,
-         "train_toy": lambda argv: confadapt.run_cli(train_toy.main, argv), "finetune_hf": finetune_hf.main}
+         "train_toy": lambda argv: run_cli(train_toy.main, argv), "finetune_hf": finetune_hf.main}
 
 NUMBERS = ["0", "-1", "x", "nan"]
 
@@ -531,3 +532,41 @@ def test_analyze_calls_its_estimate_a_floor(at_root, capsys):
     out = capsys.readouterr().out
     assert "a floor: tuning sharpens confidences" in out or "predictable enough" in out
     assert "little to gain" not in out
+
+
+def test_auto_dtype_is_bfloat16_only_on_a_gpu_that_computes_it(monkeypatch):
+    """--dtype auto: float32 on the CPU and on GPUs that only emulate bfloat16 (a T4 or V100,
+    where torch.cuda.is_bf16_supported() says yes by default), bfloat16 from Ampere on."""
+    cuda = torch.device("cuda")
+    assert parse_dtype("auto", torch.device("cpu")) == torch.float32
+    def t4(including_emulation=True):
+        return including_emulation
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", t4)
+    assert parse_dtype("auto", cuda) == torch.float32
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert parse_dtype("auto", cuda) == torch.bfloat16                               # an A100
+    assert parse_dtype("float32", cuda) == torch.float32
+
+
+def test_provenance_names_commit_cpu_dtype_and_torch(monkeypatch):
+    import subprocess
+
+    here = provenance(torch.bfloat16)
+    assert set(here) == {"commit", "cpu", "dtype", "torch"} and here["dtype"] == "bfloat16"
+    assert here["cpu"] and here["torch"] == torch.__version__
+    def no_git(*args, **kwargs):
+        raise FileNotFoundError("git")
+    monkeypatch.setattr(subprocess, "run", no_git)
+    assert provenance(torch.float32)["commit"] is None                      # no git: None, no error
+
+
+def test_device_names():
+    assert parse_device("cpu") == torch.device("cpu")
+    assert parse_device("auto") == torch.device("cpu")
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""      # conftest: the default suite sees no GPU
+    for name, message in [("cuda:0", "CUDA is not available"), ("cuda", "CUDA is not available"),
+                          ("gpu", "unknown device"), ("cuda:x", "unknown device"),
+                          ("mps", "unknown device")]:
+        with pytest.raises(ValueError, match=message) as err:
+            parse_device(name)
+        assert "\n" not in str(err.value)

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 import finetune_hf as F
+from cli import read_rows
 from confadapt import Generation
 from data import (DOMAIN_TEMPLATES, QWEN2_PATTERN, Tokenizer, domain_prompts, gsm8k_row, metamath_row, prompt_tokens,
                   response_tokens, training_sequences, word_problem, word_problem_batch, word_problem_split,
@@ -330,7 +331,7 @@ def test_word_problem_base_model_trains_on_the_plain_format(tmp_path):
     cfg = json.loads((Path(out["base"]) / "config.json").read_text())
     assert cfg["mask_token_id"] is None and cfg["architectures"] == ["LlamaForCausalLM"]
     tok = Tokenizer.from_pretrained(out["base"])
-    pairs = F.read_rows(out["train"], [("query", "response")])
+    pairs = read_rows(out["train"], [("query", "response")])
     seqs, supervised = word_problem_batch(tok, pairs[:1] * 3, random.Random(0), 3, 96)
     assert torch.equal(seqs, F.training_sequences(pairs[:1] * 3, tok, "plain", 96)[0].long())
     end = int((seqs[0] == tok.eos_id).nonzero()[0])                   # the first <eos>

@@ -13,7 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from model import (KVCache, ModelConfig, Transformer, add_mask_token, attend,  # noqa: E402
-                   config_from_hf, parse_device, parse_dtype, plan_cached_pass, rope_inv_freq)
+                   config_from_hf, plan_cached_pass, rope_inv_freq)
 
 LLAMA3 = dict(
     model_type="llama", vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
@@ -176,33 +176,6 @@ def test_casting_the_model_keeps_rope_frequencies_in_float32():
     assert torch.equal(model.inv_freq, rope_inv_freq(cfg))
 
 
-def test_auto_dtype_is_bfloat16_only_on_a_gpu_that_computes_it(monkeypatch):
-    """--dtype auto: float32 on the CPU and on GPUs that only emulate bfloat16 (a T4 or V100,
-    where torch.cuda.is_bf16_supported() says yes by default), bfloat16 from Ampere on."""
-    cuda = torch.device("cuda")
-    assert parse_dtype("auto", torch.device("cpu")) == torch.float32
-    def t4(including_emulation=True):
-        return including_emulation
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", t4)
-    assert parse_dtype("auto", cuda) == torch.float32
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
-    assert parse_dtype("auto", cuda) == torch.bfloat16                               # an A100
-    assert parse_dtype("float32", cuda) == torch.float32
-
-
-def test_provenance_names_commit_cpu_dtype_and_torch(monkeypatch):
-    import subprocess
-
-    import model
-    here = model.provenance(torch.bfloat16)
-    assert set(here) == {"commit", "cpu", "dtype", "torch"} and here["dtype"] == "bfloat16"
-    assert here["cpu"] and here["torch"] == torch.__version__
-    def no_git(*args, **kwargs):
-        raise FileNotFoundError("git")
-    monkeypatch.setattr(subprocess, "run", no_git)
-    assert model.provenance(torch.float32)["commit"] is None                      # no git: None, no error
-
-
 def test_older_and_newer_config_styles_agree():
     old = dict(LLAMA3, torch_dtype="bfloat16")
     new = {k: v for k, v in LLAMA3.items() if k not in ("rope_theta", "rope_scaling")}
@@ -316,16 +289,6 @@ def test_a_ragged_pass_reads_the_device_once_whatever_the_depth():
                 model(torch.randint(0, 50, (3, 6)), cache=cache, n_tokens=[6, 0, 2])
         counts.append(syncs.total)
     assert counts[0] == counts[1] == 1, counts                   # cache.lengths, read once
-
-
-def test_device_names():
-    assert parse_device("cpu") == torch.device("cpu") and parse_device("auto") == torch.device("cpu")
-    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""              # conftest: the default suite sees no GPU
-    for name, message in [("cuda:0", "CUDA is not available"), ("cuda", "CUDA is not available"), ("gpu", "unknown device"),
-                          ("cuda:x", "unknown device"), ("mps", "unknown device")]:
-        with pytest.raises(ValueError, match=message) as err:
-            parse_device(name)
-        assert "\n" not in str(err.value)
 
 
 def test_positions_and_mask_arguments():
