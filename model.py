@@ -312,7 +312,9 @@ class Transformer(nn.Module):
             # the rows that hold <mask>; every other row computes exactly what the base model does.
             is_mask = tokens == self.config.mask_token_id                         # (B, T)
             x = torch.where(is_mask[..., None], self.mask_embedding.to(x.dtype), x)
-            mask_rows = is_mask.flatten().nonzero().squeeze(1)       # rows of the flattened (B*T, dim)
+            # Rows of the flattened (B*T, dim). On a GPU, nonzero waits for the device once a pass:
+            # the price of computing the updates on the mask rows alone.
+            mask_rows = is_mask.flatten().nonzero().squeeze(1)
         angles = positions[..., None].float() * self.inv_freq                # (B, T, hd/2)
         angles = torch.cat([angles, angles], dim=-1)[:, None]           # (B, 1, T, hd): rotate_half
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
