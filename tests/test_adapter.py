@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import confadapt
 from cli import load_model
 from confadapt import DecodeConfig, generate
 from data import MASK, mtp_layout, word_problem_tokenizer
@@ -142,7 +143,7 @@ def test_save_and_load_round_trip(tmp_path):
     assert torch.equal(loaded(b.input_ids, **kw), adapted(b.input_ids, **kw))
 
 
-def test_load_model_reads_base_and_adapter(tmp_path):
+def test_load_model_reads_base_and_adapter(tmp_path, capsys):
     """cli.load_model (every command's loader) on an adapter folder: the base model from the
     folder it names, <mask> added to it, then the adapter."""
     tok = word_problem_tokenizer()
@@ -163,3 +164,11 @@ def test_load_model_reads_base_and_adapter(tmp_path):
     assert loaded_mask_id == mask_id and tokenizer.special_tokens["<mask>"] == mask_id
     x = torch.tensor([[1, 5, 9, mask_id, mask_id]])
     assert torch.equal(model(x), tuned(x))
+    # confadapt.py on the adapter folder: its lossless text is the base model's greedy text.
+    texts = []
+    for folder, mode in ((tmp_path / "base", "--greedy"), (tmp_path / "adapter", "--lossless")):
+        argv = ["--model", str(folder), "--prompt", "Tom has 3 apples.", "--max-new-tokens", "12", mode,
+                "--json", "--dtype", "float32"]
+        assert confadapt.main(argv) == 0
+        texts.append(json.loads(capsys.readouterr().out)["tokens"])
+    assert texts[0] == texts[1]
