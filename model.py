@@ -181,11 +181,12 @@ class GatedLowRank(nn.Module):
         self.scale = alpha / rank
 
     def forward(self, x, y, mask_rows):
-        """y = W x for x (..., d_in); return y with the update added at mask_rows of x.flatten(0, -2)."""
+        """y = W x for x (..., d_in); add the update at mask_rows of x.flatten(0, -2), in place
+        (y's backward does not need y itself)."""
         x_mask = x.reshape(-1, x.shape[-1]).index_select(0, mask_rows)            # (n_mask, d_in)
         update = (x_mask @ self.down.T.to(x.dtype)) @ self.up.T.to(x.dtype) * self.scale
-        y_flat = y.reshape(-1, y.shape[-1]).index_add(0, mask_rows, update.to(y.dtype))
-        return y_flat.view(y.shape)
+        y.view(-1, y.shape[-1]).index_add_(0, mask_rows, update.to(y.dtype))
+        return y
 
 class Linear(nn.Linear):
     """nn.Linear that may carry a gated mask adapter, applied only at the rows in mask_rows."""
@@ -195,7 +196,7 @@ class Linear(nn.Linear):
 
     def forward(self, x, mask_rows=None):
         y = super().forward(x)
-        if self.adapter is None or mask_rows is None:
+        if self.adapter is None or mask_rows is None or len(mask_rows) == 0:   # a pass with no <mask>
             return y
         return self.adapter(x, y, mask_rows)
 
