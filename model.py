@@ -437,7 +437,8 @@ def read_adapter_config(path) -> dict:
     return config
 
 def load_mask_adapter(model: Transformer, path):
-    """Attach the adapter saved in folder `path` to its base model (with <mask> added)."""
+    """Attach the adapter saved in folder `path` to its base model (with <mask> added), in the
+    model's dtype: for decoding (training keeps a fresh adapter in float32)."""
     from safetensors.torch import load_file
     config = read_adapter_config(path)
     if model.config.mask_token_id != config["mask_token_id"]:
@@ -453,7 +454,11 @@ def load_mask_adapter(model: Transformer, path):
     if wrong:
         raise ValueError(f"{file} does not match its config: {', '.join(wrong[:3])}")
     model.load_state_dict(tensors, strict=False)
-    return model
+    dtype = model.tok_emb.weight.dtype
+    for p in model.parameters():
+        if p.requires_grad:                                       # the adapter's, float32 so far
+            p.data = p.data.to(dtype)
+    return model.requires_grad_(False)
 
 # ---- plumbing: Hugging Face checkpoints, files -----------------------------------------------
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}

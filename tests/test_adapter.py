@@ -172,3 +172,12 @@ def test_load_model_reads_base_and_adapter(tmp_path, capsys):
         assert confadapt.main(argv) == 0
         texts.append(json.loads(capsys.readouterr().out)["tokens"])
     assert texts[0] == texts[1]
+
+
+def test_a_loaded_adapter_takes_the_models_dtype(tmp_path):
+    untuned, adapted = untuned_and_adapted()
+    untuned.save_pretrained(tmp_path / "base")
+    save_mask_adapter(adapted, tmp_path / "adapter", tmp_path / "base")
+    loaded = load_mask_adapter(Transformer.from_pretrained(tmp_path / "base", dtype=torch.bfloat16), tmp_path / "adapter")
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+    assert not any(p.requires_grad for p in loaded.parameters())
