@@ -477,7 +477,7 @@ def export(student, tok: Tokenizer, path: Path, args, d: Dist) -> Path:
     """A Hugging Face folder of the tuned model, or with the gated adapter the adapter's folder
     (its weights and config, naming the unchanged base model; cli.load_model reads both)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    adapter = getattr(args, "adapter", "none") != "none"
+    adapter = uses_adapter(args)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=adapter)
     state = get_model_state_dict(student, options=options)
     base = read_json(os.path.join(args.model, "config.json"), "model config")     # saved in its dtype
@@ -509,7 +509,7 @@ def model_card(cfg: ModelConfig, args) -> str:
     how = "the naive ground-truth loss" if args.mode == "gt" else f"{args.mode}-target self-distillation"
     where = ", targets in the responses only" if getattr(args, "response_only", False) else ""
     decay = f" then linear to 0 over the last {args.decay}," if getattr(args, "decay", 0) else ""
-    if getattr(args, "adapter", "none") != "none":
+    if uses_adapter(args):
         what = f"""# A gated mask adapter for multi-token prediction (not a LoRA)
 
 A low-rank update (rank {args.adapter_rank}, alpha {args.adapter_alpha:g}, on {', '.join(args.adapter_targets)}) \
@@ -599,6 +599,10 @@ def compute_dtype(device_type: str, dtype: str = "auto") -> torch.dtype:
 # the teacher never changes, so it is stored in the compute dtype. Sharding. Every rank builds both
 # models on the meta device (no memory), shards each block (one all-gather unit), then the root;
 # rank 0 alone reads the checkpoint, broadcasting its weights straight into every process's shards.
+def uses_adapter(args) -> bool:
+    """--adapter gated-lora; the arguments of a checkpoint from before that flag say nothing."""
+    return getattr(args, "adapter", "none") != "none"
+
 def load_student_and_teacher(args, d: Dist, with_teacher: bool = True):
     """(student, teacher or None, tokenizer, mask id) on d.device, sharded when d.sharded. With
     the gated adapter the base is frozen and the teacher is the student with its adapter off."""
@@ -609,7 +613,7 @@ def load_student_and_teacher(args, d: Dist, with_teacher: bool = True):
         torch.distributed.broadcast_object_list(meta, src=0)
     cfg, mask_id = meta[0]
     tok.add_special_token("<mask>", mask_id)        # rank 0's has it already
-    adapter = getattr(args, "adapter", "none") != "none"      # checkpoints from before it: none
+    adapter = uses_adapter(args)
     adapter_settings = (args.adapter_rank, args.adapter_alpha, args.adapter_targets) if adapter else None
     if not d.sharded:
         if adapter:             # the frozen base in the compute dtype, like a teacher copy; the adapter float32
@@ -681,7 +685,7 @@ def save_checkpoint(student, optimizer, scheduler, step: int, args, d: Dist) -> 
 def state_options(args):
     """What a checkpoint holds: every weight, or with the gated adapter only the trained ones."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
-    adapter = getattr(args, "adapter", "none") != "none"
+    adapter = uses_adapter(args)
     return StateDictOptions(ignore_frozen_params=adapter, strict=not adapter)
 
 def latest_checkpoint(out) -> Path | None:
