@@ -60,14 +60,14 @@ def test_loss_is_positive_once_the_student_moves():
 
 
 def slow_teacher_targets(teacher, seqs, batch, proposals):
-    """For every region: teacher over prefix + y'_1..y'_{k-1}, plain causal, positions 0.. -> (B, M, k, V)."""
+    """For every region: teacher over the prefix and guesses 0..k-2, plain causal, positions 0.. -> (B, M, k, V)."""
     B, M, k = proposals.shape
     out = torch.zeros(B, M, k, VOCAB)
     with torch.no_grad():
         for b in range(B):
             for r, e in enumerate(batch.prefix_end.tolist()):
                 x = torch.cat([seqs[b, : e + 1], proposals[b, r, : k - 1]])[None]
-                out[b, r] = teacher(x)[0, e:]                          # logits after x_e, y'_1, .., y'_{k-1}
+                out[b, r] = teacher(x)[0, e:]                          # logits after x_e and guesses 0..k-2
     return out
 
 
