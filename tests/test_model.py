@@ -13,7 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from model import (KVCache, ModelConfig, Transformer, add_mask_token, attend,  # noqa: E402
-                   config_from_hf, plan_cached_pass, rope_inv_freq)
+                   config_from_hf, CachedPass, rope_inv_freq)
 
 LLAMA3 = dict(
     model_type="llama", vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
@@ -257,7 +257,7 @@ def test_cached_passes_reading_whole_key_blocks_match_full_recompute():
         full = model(seq)
         cache = model.new_cache(3, 100)
         cache.key_block = 64
-        assert plan_cached_pass(cache, 5).S == 64 and plan_cached_pass(cache, 99).S == 100
+        assert CachedPass(cache, 5).S == 64 and CachedPass(cache, 99).S == 100
         done = [0, 0, 0]
         for feed in ([5, 1, 9], [3, 7, 0], [1, 12, 4], [9, 2, 2]):
             T = max(feed)
