@@ -75,7 +75,8 @@ def test_only_the_adapter_and_the_mask_embedding_train():
         "layers.1.mlp.down.adapter.up",
         "mask_embedding"]
     opt = adapted.configure_optimizer(1e-3, 0.1)
-    assert sum(len(g["params"]) for g in opt.param_groups) == len(trained)
+    assert (sum(len(g["params"]) for g in opt.param_groups)
+            == len(trained))
 
 
 def test_a_fresh_adapter_is_the_untuned_model():

@@ -272,7 +272,8 @@ def test_kv_cache_matches_full_recompute(device):
         full = model(seq)
         # one token at a time
         cache = model.new_cache(2, 64)
-        steps = [model(seq[:, t:t + 1], cache=cache) for t in range(40)]
+        steps = [model(seq[:, t:t + 1], cache=cache)
+                 for t in range(40)]
         assert torch.allclose(torch.cat(steps, 1), full, atol=1e-5)
 
         # several at a time, with rollbacks of junk "mask" entries in between
@@ -419,7 +420,8 @@ def test_positions_and_mask_arguments():
         got = model(x, positions=pos, attn_mask=mask)[:, 5:]
         assert torch.allclose(got, full, atol=1e-5)
         idx = torch.tensor([[3, 7]])
-        assert torch.allclose(model(seq, output_index=idx), full[:, [3, 7]],
+        assert torch.allclose(model(seq, output_index=idx),
+                              full[:, [3, 7]],
                               atol=1e-6)
 
 
@@ -465,7 +467,8 @@ def test_export_with_mask_token_loads_in_transformers(tmp_path, fields):
     (mtp / stale).write_text("an earlier save's shard")
     shard = {"max_shard_bytes": 40_000} if llama else {}
     ours.save_pretrained(mtp, **shard)
-    files = sorted(f for f in os.listdir(mtp) if f.startswith("model"))
+    files = sorted(f for f in os.listdir(mtp)
+                   if f.startswith("model"))
     assert ("model.safetensors.index.json" in files) == llama
     assert stale not in files
     assert len(files) > 5 if llama else files == ["model.safetensors"]
