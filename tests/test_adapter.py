@@ -1,7 +1,9 @@
-"""The gated mask adapter: it changes the <mask> predictions and nothing else, exactly.
+"""The gated mask adapter: it changes the <mask> predictions and nothing
+else, exactly.
 
-Every test gives the adapter non-zero weights (a fresh one is zero and would prove nothing) and
-compares in float32 against the untuned model, bit for bit, with torch.equal.
+Every test gives the adapter non-zero weights (a fresh one is zero and would
+prove nothing) and compares in float32 against the untuned model, bit for
+bit, with torch.equal.
 """
 import copy
 import json
@@ -15,27 +17,36 @@ from cli import load_model
 from confadapt import DecodeConfig, generate
 from data import MASK, mtp_layout, word_problem_tokenizer
 from distill import adapter_off_teacher, frozen_teacher, teacher_logits
-from model import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, ModelConfig, Transformer, adapter_state, add_mask_adapter,
-                   add_mask_token, load_mask_adapter, save_mask_adapter)
+from model import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, ModelConfig, Transformer,
+                   adapter_state, add_mask_adapter, add_mask_token,
+                   load_mask_adapter, save_mask_adapter)
 
-pytestmark = pytest.mark.usefixtures("one_thread")            # conftest.py
+# conftest.py
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 MASK_ID = 63
 
 
-def untuned_and_adapted(targets=("wq", "wk", "wv", "wo", "gate", "up", "down"), seed=0):
-    """A tiny random model with <mask> (the untuned model), and a copy with a trained-looking
-    (random, non-zero) gated adapter."""
+def trained_looking(model):
+    """Random, non-zero adapter weights, as if trained."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.5)
+
+
+def untuned_and_adapted(targets=("wq", "wk", "wv", "wo", "gate", "up", "down"),
+                        seed=0):
+    """A tiny random model with <mask> (the untuned model), and a copy with a
+    trained-looking gated adapter."""
     torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48,
-                      mask_token_id=MASK_ID, max_seq_len=128)
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4,
+                      n_kv_heads=2, ffn_dim=48, mask_token_id=MASK_ID,
+                      max_seq_len=128)
     untuned = Transformer(cfg).eval()
     adapted = copy.deepcopy(untuned)
     add_mask_adapter(adapted, rank=4, alpha=8.0, targets=targets)
-    with torch.no_grad():
-        for p in adapted.parameters():
-            if p.requires_grad:
-                p.normal_(0, 0.5)
+    trained_looking(adapted)
     return untuned, adapted
 
 
@@ -45,15 +56,27 @@ def packed_batch(seed=1, k=4):
     return mtp_layout(seqs, k=k, offset=1, n_regions=6, mask_id=MASK_ID)
 
 
+def packed_logits(model, b):
+    return model(b.input_ids, positions=b.positions, attn_mask=b.attn_mask)
+
+
 def test_only_the_adapter_and_the_mask_embedding_train():
     _, adapted = untuned_and_adapted(targets=("wq", "down"))
-    trained = sorted(n for n, p in adapted.named_parameters() if p.requires_grad)
+    trained = sorted(n for n, p in adapted.named_parameters()
+                     if p.requires_grad)
     assert trained == sorted(adapter_state(adapted)) == [
-        "layers.0.attn.wq.adapter.down", "layers.0.attn.wq.adapter.up", "layers.0.mlp.down.adapter.down",
-        "layers.0.mlp.down.adapter.up", "layers.1.attn.wq.adapter.down", "layers.1.attn.wq.adapter.up",
-        "layers.1.mlp.down.adapter.down", "layers.1.mlp.down.adapter.up", "mask_embedding"]
+        "layers.0.attn.wq.adapter.down",
+        "layers.0.attn.wq.adapter.up",
+        "layers.0.mlp.down.adapter.down",
+        "layers.0.mlp.down.adapter.up",
+        "layers.1.attn.wq.adapter.down",
+        "layers.1.attn.wq.adapter.up",
+        "layers.1.mlp.down.adapter.down",
+        "layers.1.mlp.down.adapter.up",
+        "mask_embedding"]
     opt = adapted.configure_optimizer(1e-3, 0.1)
-    assert sum(len(g["params"]) for g in opt.param_groups) == len(trained)
+    assert (sum(len(g["params"]) for g in opt.param_groups)
+            == len(trained))
 
 
 def test_a_fresh_adapter_is_the_untuned_model():
@@ -61,47 +84,58 @@ def test_a_fresh_adapter_is_the_untuned_model():
     fresh = copy.deepcopy(untuned)
     add_mask_adapter(fresh, rank=4, alpha=8.0)
     b = packed_batch()
-    kw = dict(positions=b.positions, attn_mask=b.attn_mask)
-    assert torch.equal(fresh(b.input_ids, **kw), untuned(b.input_ids, **kw))   # mask slots too
+    # at the mask slots too
+    assert torch.equal(packed_logits(fresh, b), packed_logits(untuned, b))
 
 
 def test_ordinary_positions_of_a_packed_row_are_the_untuned_models():
     untuned, adapted = untuned_and_adapted()
     b = packed_batch()
-    kw = dict(positions=b.positions, attn_mask=b.attn_mask)
-    ours, theirs = adapted(b.input_ids, **kw), untuned(b.input_ids, **kw)
+    ours = packed_logits(adapted, b)
+    theirs = packed_logits(untuned, b)
     ordinary = b.kind != MASK
     assert torch.equal(ours[ordinary], theirs[ordinary])
-    assert (ours[~ordinary] - theirs[~ordinary]).abs().amax() > 0.1          # the adapter does act
-    adapted.adapter_on = False                                              # switched off: untuned
-    assert torch.equal(adapted(b.input_ids, **kw), theirs)
+    # the adapter does act
+    assert (ours[~ordinary] - theirs[~ordinary]).abs().amax() > 0.1
+    # switched off: untuned
+    adapted.adapter_on = False
+    assert torch.equal(packed_logits(adapted, b), theirs)
 
 
 def test_ordinary_positions_of_cached_ragged_passes_are_the_untuned_models():
-    """Prefill, then passes that feed accepted tokens plus masks, rows feeding different numbers:
-    the cache entries and logits of the accepted tokens are the untuned model's."""
+    """Prefill, then passes that feed accepted tokens plus masks, rows
+    feeding different numbers: the cache entries and logits of the accepted
+    tokens are the untuned model's."""
     untuned, adapted = untuned_and_adapted()
     caches = [m.new_cache(3, 64) for m in (untuned, adapted)]
-    prompts = torch.randint(1, MASK_ID, (3, 7), generator=torch.Generator().manual_seed(2))
+    prompts = torch.randint(1, MASK_ID, (3, 7),
+                            generator=torch.Generator().manual_seed(2))
     for model, cache in zip((untuned, adapted), caches):
         model(prompts, cache=cache)
-    passes = [([2, 3, 1], 4), ([1, 2, 2], 3)]                               # (accepted per row, masks)
+
+    # (accepted per row, masks)
+    passes = [([2, 3, 1], 4), ([1, 2, 2], 3)]
     for accepted, n_mask in passes:
         fed = torch.randint(1, MASK_ID, (3, max(accepted) + n_mask))
         n_tokens = []
         for row, n in enumerate(accepted):
             fed[row, n:n + n_mask] = MASK_ID
             n_tokens.append(n + n_mask)
-        outs = [m(fed, cache=c, n_tokens=n_tokens) for m, c in zip((untuned, adapted), caches)]
+        outs = [m(fed, cache=c, n_tokens=n_tokens)
+                for m, c in zip((untuned, adapted), caches)]
         for row, n in enumerate(accepted):
             assert torch.equal(outs[0][row, :n], outs[1][row, :n])
-            assert not torch.equal(outs[0][row, n:n + n_mask], outs[1][row, n:n + n_mask])
-        for cache in caches:                                  # roll the mask slots back
+            assert not torch.equal(outs[0][row, n:n + n_mask],
+                                   outs[1][row, n:n + n_mask])
+        # roll the mask slots back
+        for cache in caches:
             cache.rollback(cache.lengths - n_mask)
+
     assert torch.equal(caches[0].lengths, caches[1].lengths)
     for kv in ("k", "v"):
         used = int(caches[0].lengths.min())
-        assert torch.equal(getattr(caches[0], kv)[:, :, :, :used], getattr(caches[1], kv)[:, :, :, :used])
+        assert torch.equal(getattr(caches[0], kv)[:, :, :, :used],
+                           getattr(caches[1], kv)[:, :, :, :used])
 
 
 def test_the_adapter_off_teacher_is_a_frozen_copy_of_the_untuned_model():
@@ -109,21 +143,28 @@ def test_the_adapter_off_teacher_is_a_frozen_copy_of_the_untuned_model():
     b = packed_batch()
     proposals = torch.randint(1, MASK_ID, b.pred_index.shape)
     copied = teacher_logits(frozen_teacher(untuned), b, proposals)
-    assert torch.equal(teacher_logits(adapter_off_teacher(adapted), b, proposals), copied)
-    assert adapted.adapter_on                                 # switched back on afterwards
+    off = teacher_logits(adapter_off_teacher(adapted), b, proposals)
+    assert torch.equal(off, copied)
+    # switched back on afterwards
+    assert adapted.adapter_on
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])
 def test_greedy_and_lossless_print_the_untuned_models_greedy_tokens(batch_size):
     untuned, adapted = untuned_and_adapted()
     g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(1, MASK_ID, (n,), generator=g).tolist() for n in (3, 9, 5, 12)]  # ragged
-    reference, _ = generate(untuned, prompts, 24, DecodeConfig("greedy"), batch_size=batch_size)
+    # prompts of different lengths
+    prompts = [torch.randint(1, MASK_ID, (n,), generator=g).tolist()
+               for n in (3, 9, 5, 12)]
+    reference, _ = generate(untuned, prompts, 24, DecodeConfig("greedy"),
+                            batch_size=batch_size)
     for mode in (DecodeConfig("greedy"), DecodeConfig("lossless", k=4)):
         gens, _ = generate(adapted, prompts, 24, mode, batch_size=batch_size)
         assert [x.tokens for x in gens] == [x.tokens for x in reference]
-    static, _ = generate(adapted, prompts, 24, DecodeConfig("static", k=4), batch_size=batch_size)
-    assert [x.tokens for x in static] != [x.tokens for x in reference]    # its guesses are the adapter's
+    static, _ = generate(adapted, prompts, 24, DecodeConfig("static", k=4),
+                         batch_size=batch_size)
+    # its guesses are the adapter's
+    assert [x.tokens for x in static] != [x.tokens for x in reference]
 
 
 def test_save_and_load_round_trip(tmp_path):
@@ -132,43 +173,49 @@ def test_save_and_load_round_trip(tmp_path):
     untuned.save_pretrained(base)
     folder = tmp_path / "adapter"
     save_mask_adapter(adapted, folder, base)
-    assert sorted(p.name for p in folder.iterdir()) == sorted([ADAPTER_CONFIG, ADAPTER_WEIGHTS])
+    assert (sorted(p.name for p in folder.iterdir())
+            == sorted([ADAPTER_CONFIG, ADAPTER_WEIGHTS]))
     saved = load_file(str(folder / ADAPTER_WEIGHTS))
-    assert set(saved) == set(adapter_state(adapted))                     # nothing of the base
+    # nothing of the base
+    assert set(saved) == set(adapter_state(adapted))
     config = json.loads((folder / ADAPTER_CONFIG).read_text())
-    assert config["adapter_type"] == "gated-mask-lora" and config["base_model"] == "../base"
+    assert config["adapter_type"] == "gated-mask-lora"
+    assert config["base_model"] == "../base"
     loaded = load_mask_adapter(Transformer.from_pretrained(base), folder)
     b = packed_batch()
-    kw = dict(positions=b.positions, attn_mask=b.attn_mask)
-    assert torch.equal(loaded(b.input_ids, **kw), adapted(b.input_ids, **kw))
+    assert torch.equal(packed_logits(loaded, b), packed_logits(adapted, b))
 
 
 def test_load_model_reads_base_and_adapter(tmp_path, capsys):
-    """cli.load_model (every command's loader) on an adapter folder: the base model from the
-    folder it names, <mask> added to it, then the adapter."""
+    """cli.load_model (every command's loader) on an adapter folder: the
+    base model from the folder it names, <mask> added to it, then the
+    adapter."""
     tok = word_problem_tokenizer()
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=tok.n_vocab, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48)
+    cfg = ModelConfig(vocab_size=tok.n_vocab, dim=32, n_layers=2, n_heads=4,
+                      n_kv_heads=2, ffn_dim=48)
     base = Transformer(cfg).eval()
     base.save_pretrained(tmp_path / "base")
     tok.save_pretrained(tmp_path / "base")
     tuned = copy.deepcopy(base)
     mask_id = add_mask_token(tuned, copy.deepcopy(tok))
     add_mask_adapter(tuned, rank=2, alpha=4.0)
-    with torch.no_grad():
-        for p in tuned.parameters():
-            if p.requires_grad:
-                p.normal_(0, 0.5)
+    trained_looking(tuned)
     save_mask_adapter(tuned, tmp_path / "adapter", tmp_path / "base")
+
     model, tokenizer, loaded_mask_id, _ = load_model(tmp_path / "adapter")
-    assert loaded_mask_id == mask_id and tokenizer.special_tokens["<mask>"] == mask_id
+    assert loaded_mask_id == mask_id
+    assert tokenizer.special_tokens["<mask>"] == mask_id
     x = torch.tensor([[1, 5, 9, mask_id, mask_id]])
     assert torch.equal(model(x), tuned(x))
-    # confadapt.py on the adapter folder: its lossless text is the base model's greedy text.
+
+    # confadapt.py on the adapter folder: its lossless text is the base
+    # model's greedy text.
     texts = []
-    for folder, mode in ((tmp_path / "base", "--greedy"), (tmp_path / "adapter", "--lossless")):
-        argv = ["--model", str(folder), "--prompt", "Tom has 3 apples.", "--max-new-tokens", "12", mode,
-                "--json", "--dtype", "float32"]
+    for folder, mode in ((tmp_path / "base", "--greedy"),
+                         (tmp_path / "adapter", "--lossless")):
+        argv = ["--model", str(folder), "--prompt", "Tom has 3 apples.",
+                "--max-new-tokens", "12", mode, "--json", "--dtype", "float32"]
         assert confadapt.main(argv) == 0
         texts.append(json.loads(capsys.readouterr().out)["tokens"])
     assert texts[0] == texts[1]
@@ -178,6 +225,7 @@ def test_a_loaded_adapter_takes_the_models_dtype(tmp_path):
     untuned, adapted = untuned_and_adapted()
     untuned.save_pretrained(tmp_path / "base")
     save_mask_adapter(adapted, tmp_path / "adapter", tmp_path / "base")
-    loaded = load_mask_adapter(Transformer.from_pretrained(tmp_path / "base", dtype=torch.bfloat16), tmp_path / "adapter")
+    base = Transformer.from_pretrained(tmp_path / "base", dtype=torch.bfloat16)
+    loaded = load_mask_adapter(base, tmp_path / "adapter")
     assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
     assert not any(p.requires_grad for p in loaded.parameters())

@@ -1,8 +1,10 @@
-"""model.py against the transformers reference, on tiny random checkpoints the tests write.
+"""model.py against the transformers reference, on tiny random
+checkpoints the tests write.
 
-Nothing is downloaded: each test builds a random Llama-3-style or Qwen3-style model with
-transformers, saves it in the Hugging Face layout (single file or sharded), loads it with
-`Transformer.from_pretrained` and compares logits and greedy continuations.
+Nothing is downloaded: each test builds a random Llama-3-style or
+Qwen3-style model with transformers, saves it in the Hugging Face layout
+(single file or sharded), loads it with `Transformer.from_pretrained`
+and compares logits and greedy continuations.
 """
 import json
 import os
@@ -13,33 +15,57 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from model import (KVCache, ModelConfig, Transformer, add_mask_token, attend,  # noqa: E402
-                   config_from_hf, plan_cached_pass, rope_inv_freq)
+                   config_from_hf, CachedPass, ragged_cells, rope_inv_freq)
 
+# The shape every tiny checkpoint shares; each architecture adds its own fields.
+TINY = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
 LLAMA3 = dict(
-    model_type="llama", vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=512,
-    rope_theta=500000.0, tie_word_embeddings=False,
-    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 64},
+    TINY,
+    model_type="llama",
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    tie_word_embeddings=False,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
 )
 QWEN3 = dict(
-    model_type="qwen3", vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=24, rms_norm_eps=1e-6, max_position_embeddings=512,
-    rope_theta=1000000.0, tie_word_embeddings=True,
+    TINY,
+    model_type="qwen3",
+    head_dim=24,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    tie_word_embeddings=True,
 )
 QWEN2 = dict(
-    model_type="qwen2", vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=512,
-    rope_theta=1000000.0, tie_word_embeddings=False,
+    TINY,
+    model_type="qwen2",
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    tie_word_embeddings=False,
 )
 
 
 def hf_model(fields: dict, seed=0):
     fields = dict(fields)
-    config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    config = transformers.AutoConfig.for_model(fields.pop("model_type"),
+                                               **fields)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():                  # random non-trivial norms and biases, so they are tested too
+    # random non-trivial norms and biases, so they are tested too
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(0.1 * torch.randn_like(p))
@@ -47,7 +73,8 @@ def hf_model(fields: dict, seed=0):
 
 
 def greedy_ours(model, prompt, n):
-    """Plain k=1 greedy decoding with our KV cache (one token per forward pass)."""
+    """Plain k=1 greedy decoding with our KV cache (one token per
+    forward pass)."""
     cache = model.new_cache(1, prompt.shape[1] + n)
     out, x = [], prompt
     with torch.no_grad():
@@ -59,105 +86,147 @@ def greedy_ours(model, prompt, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fields", [LLAMA3, QWEN3, QWEN2], ids=["llama3", "qwen3", "qwen2"])
-@pytest.mark.parametrize("shard", [False, True], ids=["single", "sharded"])
+@pytest.mark.parametrize("fields", [LLAMA3, QWEN3, QWEN2],
+                         ids=["llama3", "qwen3", "qwen2"])
+@pytest.mark.parametrize("shard", [False, True],
+                         ids=["single", "sharded"])
 def test_logits_and_greedy_match_transformers(tmp_path, fields, shard, device):
     ref = hf_model(fields)
-    ref.save_pretrained(tmp_path, max_shard_size="40KB" if shard else "5GB")
+    ref.save_pretrained(tmp_path,
+                        max_shard_size="40KB" if shard else "5GB")
     files = os.listdir(tmp_path)
     assert ("model.safetensors.index.json" in files) == shard
     ours = Transformer.from_pretrained(tmp_path, device=device)
     ref.to(device)
 
-    # 200 positions: well past original_max_position_embeddings (64), where llama3 scaling acts.
-    tokens = torch.randint(0, fields["vocab_size"], (2, 200), generator=torch.Generator().manual_seed(1)).to(device)
+    # 200 positions: well past original_max_position_embeddings (64), where
+    # llama3 scaling acts.
+    tokens = torch.randint(0, fields["vocab_size"], (2, 200),
+                           generator=torch.Generator().manual_seed(1))
+    tokens = tokens.to(device)
     with torch.no_grad():
         diff = (ours(tokens) - ref(tokens).logits).abs().max().item()
     assert diff <= 1e-4, diff
 
     prompt = tokens[:1, :16]
-    hf_out = ref.generate(prompt, max_new_tokens=32, do_sample=False, min_new_tokens=32,
-                          pad_token_id=0, eos_token_id=None)[:, 16:]
+    hf_out = ref.generate(prompt, max_new_tokens=32,
+                          do_sample=False,
+                          min_new_tokens=32, pad_token_id=0,
+                          eos_token_id=None)[:, 16:]
     assert torch.equal(greedy_ours(ours, prompt, 32), hf_out)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fields", [LLAMA3, QWEN3], ids=["llama3", "qwen3"])
+@pytest.mark.parametrize("fields", [LLAMA3, QWEN3],
+                         ids=["llama3", "qwen3"])
 def test_bfloat16_is_as_close_to_float32_as_transformers(tmp_path, fields, device):
-    """In bfloat16 neither implementation equals float32; ours must stray no further than theirs."""
+    """In bfloat16 neither implementation equals float32; ours must
+    stray no further than theirs."""
     ref = hf_model(fields)
     ref.save_pretrained(tmp_path)
-    tokens = torch.randint(0, fields["vocab_size"], (2, 120), generator=torch.Generator().manual_seed(1)).to(device)
+    tokens = torch.randint(0, fields["vocab_size"], (2, 120),
+                           generator=torch.Generator().manual_seed(1))
+    tokens = tokens.to(device)
     with torch.no_grad():
         exact = ref.to(device)(tokens).logits
         theirs = ref.to(torch.bfloat16)(tokens).logits.float()
-        ours = Transformer.from_pretrained(tmp_path, device=device, dtype=torch.bfloat16)(tokens).float()
-    their_err, our_err = (theirs - exact).abs().mean(), (ours - exact).abs().mean()
+        ours = Transformer.from_pretrained(tmp_path, device=device,
+                                           dtype=torch.bfloat16)(tokens).float()
+    their_err = (theirs - exact).abs().mean()
+    our_err = (ours - exact).abs().mean()
     assert 0 < our_err <= 1.5 * their_err, (our_err, their_err)
 
 
 def reference_attention(q, k, v, mask):
-    """The definition in float64: every query head against its group's K/V head, masked softmax."""
+    """The definition in float64: every query head against its group's
+    K/V head, masked softmax."""
     g = q.shape[1] // k.shape[1]
-    k, v = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
-    scores = q.double() @ k.transpose(-1, -2) / q.shape[-1] ** 0.5                     # (B, H, T, S)
+    k = k.double().repeat_interleave(g, 1)
+    v = v.double().repeat_interleave(g, 1)
+    # (B, H, T, S)
+    scores = q.double() @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
     if mask is None:
-        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
-    return (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v).to(q.dtype)
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool,
+                          device=q.device).tril()
+    weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    return (weights @ v).to(q.dtype)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (8, 1)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (8, 1)],
+                         ids=["mha", "gqa", "mqa"])
 def test_attend_matches_the_definition(heads, device):
-    """model.attend (causal via is_causal; masks with GQA folded into the queries) against the
-    definition, and against the call it replaces (a boolean mask with enable_gqa)."""
+    """model.attend (causal via is_causal; masks with GQA folded into
+    the queries) against the definition, and against the call it
+    replaces (a boolean mask with enable_gqa)."""
     H, n_kv = heads
     g = torch.Generator().manual_seed(0)
     q = torch.randn(3, H, 20, 16, generator=g).to(device)
-    k, v = (torch.randn(3, n_kv, 20, 16, generator=g).to(device) for _ in range(2))
+    k, v = (torch.randn(3, n_kv, 20, 16, generator=g).to(device)
+            for _ in range(2))
     causal = torch.ones(20, 20, dtype=torch.bool, device=device).tril()
-    block = (torch.rand(3, 1, 20, 20, generator=g).to(device) < 0.5) | torch.eye(20, dtype=torch.bool, device=device)
+    block = ((torch.rand(3, 1, 20, 20, generator=g).to(device) < 0.5)
+             | torch.eye(20, dtype=torch.bool, device=device))
     for mask in (None, causal, block):
         got = attend(q, k, v, mask)
-        torch.testing.assert_close(got, reference_attention(q, k, v, mask), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, reference_attention(q, k, v, mask),
+                                   atol=1e-5, rtol=1e-5)
         old = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=causal if mask is None else mask, enable_gqa=H != n_kv)
+            q, k, v,
+            attn_mask=causal if mask is None else mask,
+            enable_gqa=H != n_kv)
         torch.testing.assert_close(got, old, atol=1e-6, rtol=1e-6)
-    q5, k9 = q[:, :, :5], k[:, :, :9]                                      # fewer queries than keys
-    tail = torch.ones(5, 9, dtype=torch.bool, device=device).tril(diagonal=4)
-    torch.testing.assert_close(attend(q5, k9, v[:, :, :9], tail), reference_attention(q5, k9, v[:, :, :9], tail),
+
+    # fewer queries than keys
+    q5 = q[:, :, :5]
+    k9 = k[:, :, :9]
+    v9 = v[:, :, :9]
+    tail = torch.ones(5, 9, dtype=torch.bool,
+                      device=device).tril(diagonal=4)
+    torch.testing.assert_close(attend(q5, k9, v9, tail),
+                               reference_attention(q5, k9, v9, tail),
                                atol=1e-5, rtol=1e-5)
 
 
 def every_attention_path(model: Transformer) -> list[torch.Tensor]:
-    """Logits and gradients of each way the model calls attention: the packed training layout
-    (a boolean mask, forward and backward), causal training, a cached prefill, a cached pass of
-    several tokens, a ragged pass and a one-token prompt (a key length of 1)."""
+    """Logits and gradients of each way the model calls attention: the
+    packed training layout (a boolean mask, forward and backward),
+    causal training, a cached prefill, a cached pass of several tokens,
+    a ragged pass and a one-token prompt (a key length of 1)."""
     from data import mtp_layout
 
     model.zero_grad()
-    seqs = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(0))
+    seqs = torch.randint(0, 97, (2, 24),
+                         generator=torch.Generator().manual_seed(0))
     batch = mtp_layout(seqs, k=3, offset=1, n_regions=4, mask_id=96)
-    packed = model(batch.input_ids, positions=batch.positions, attn_mask=batch.attn_mask)
+    packed = model(batch.input_ids, positions=batch.positions,
+                   attn_mask=batch.attn_mask)
     causal = model(seqs)
     (packed.square().mean() + causal.square().mean()).backward()
-    out = [packed, causal, model.layers[0].attn.wq.weight.grad, model.tok_emb.weight.grad]
+    out = [packed, causal, model.layers[0].attn.wq.weight.grad,
+           model.tok_emb.weight.grad]
     with torch.no_grad():
         cache = model.new_cache(2, 64)
-        out.append(model(seqs[:, :10], cache=cache))                         # prefill
-        out.append(model(seqs[:, 10:14], cache=cache))                       # 4 cached tokens
-        out.append(model(seqs[:, 14:20], cache=cache, n_tokens=[6, 2]))      # ragged
-        out.append(model(seqs[:1, :1], cache=model.new_cache(1, 8)))         # one-token prompt
+        # a prefill, 4 cached tokens, a ragged pass
+        out.append(model(seqs[:, :10], cache=cache))
+        out.append(model(seqs[:, 10:14], cache=cache))
+        out.append(model(seqs[:, 14:20], cache=cache,
+                         n_tokens=[6, 2]))
+        # a one-token prompt
+        out.append(model(seqs[:1, :1], cache=model.new_cache(1, 8)))
     return out
 
 
-@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (4, 1)],
+                         ids=["mha", "gqa", "mqa"])
 def test_every_attention_path_takes_the_gpu_output_layout(heads, request):
-    """On a GPU, attention outputs may come back transposed in memory (conftest.py's
-    cuda_attention_layout emulates it): every path must give the same logits and gradients."""
+    """On a GPU, attention outputs may come back transposed in memory
+    (conftest.py's cuda_attention_layout emulates it): every path must
+    give the same logits and gradients."""
     H, n_kv = heads
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=97, dim=64, n_layers=2, n_heads=H, n_kv_heads=n_kv, ffn_dim=96)
+    cfg = ModelConfig(vocab_size=97, dim=64, n_layers=2,
+                      n_heads=H, n_kv_heads=n_kv, ffn_dim=96)
     model = Transformer(cfg)
     plain = every_attention_path(model)
     request.getfixturevalue("cuda_attention_layout")
@@ -166,9 +235,11 @@ def test_every_attention_path_takes_the_gpu_output_layout(heads, request):
 
 
 def test_casting_the_model_keeps_rope_frequencies_in_float32():
-    """`.to(bfloat16)` casts every floating-point buffer; the RoPE frequencies must stay exact,
-    or a position's angle is off by up to 0.4 radians below position 2048."""
-    cfg = ModelConfig(vocab_size=97, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=96,
+    """`.to(bfloat16)` casts every floating-point buffer; the RoPE
+    frequencies must stay exact, or a position's angle is off by up to
+    0.4 radians below position 2048."""
+    cfg = ModelConfig(vocab_size=97, dim=64, n_layers=1,
+                      n_heads=4, n_kv_heads=2, ffn_dim=96,
                       rope_theta=500000.0)
     model = Transformer(cfg).to(torch.bfloat16)
     assert model.tok_emb.weight.dtype == torch.bfloat16
@@ -178,15 +249,19 @@ def test_casting_the_model_keeps_rope_frequencies_in_float32():
 
 def test_older_and_newer_config_styles_agree():
     old = dict(LLAMA3, torch_dtype="bfloat16")
-    new = {k: v for k, v in LLAMA3.items() if k not in ("rope_theta", "rope_scaling")}
-    new.update(dtype="bfloat16", rope_parameters={**LLAMA3["rope_scaling"], "rope_theta": 500000.0})
+    new = {k: v for k, v in LLAMA3.items()
+           if k not in ("rope_theta", "rope_scaling")}
+    new.update(dtype="bfloat16",
+               rope_parameters={**LLAMA3["rope_scaling"], "rope_theta": 500000.0})
     assert config_from_hf(old) == config_from_hf(new)
     assert config_from_hf(old).rope_scaling["factor"] == 8.0
 
 
 def small_random_model() -> Transformer:
     torch.manual_seed(0)
-    return Transformer(ModelConfig(vocab_size=97, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96)).eval()
+    return Transformer(ModelConfig(vocab_size=97, dim=48, n_layers=2,
+                                   n_heads=4, n_kv_heads=2,
+                                   ffn_dim=96)).eval()
 
 
 @pytest.mark.gpu
@@ -197,23 +272,29 @@ def test_kv_cache_matches_full_recompute(device):
         full = model(seq)
         # one token at a time
         cache = model.new_cache(2, 64)
-        steps = torch.cat([model(seq[:, t:t + 1], cache=cache) for t in range(40)], 1)
-        assert torch.allclose(steps, full, atol=1e-5)
-        # several at a time, with rollbacks of junk "mask" entries in between (as MTP decoding does)
+        steps = [model(seq[:, t:t + 1], cache=cache)
+                 for t in range(40)]
+        assert torch.allclose(torch.cat(steps, 1), full, atol=1e-5)
+
+        # several at a time, with rollbacks of junk "mask" entries in between
+        # (as MTP decoding does)
         cache = model.new_cache(2, 64)
         t = 0
         for n in [5, 3, 1, 7, 4, 20]:
             got = model(seq[:, t:t + n], cache=cache)
             assert torch.allclose(got, full[:, t:t + n], atol=1e-5)
             junk = torch.randint(0, 97, (2, 6)).to(device)
-            model(junk, cache=cache)                      # pretend masks at positions t+n ..
+            # pretend masks at positions t+n ..
+            model(junk, cache=cache)
             cache.rollback(t + n)
             t += n
+
         # rows of different lengths: roll each row back to its own length
         cache = model.new_cache(2, 64)
         model(seq[:, :10], cache=cache)
         cache.rollback(torch.tensor([10, 6]))
-        got = model(torch.stack([seq[0, 10:13], seq[1, 6:9]]), cache=cache)
+        got = model(torch.stack([seq[0, 10:13], seq[1, 6:9]]),
+                    cache=cache)
         assert torch.allclose(got[0], full[0, 10:13], atol=1e-5)
         assert torch.allclose(got[1], full[1, 6:9], atol=1e-5)
         assert cache.lengths.tolist() == [13, 9]
@@ -221,7 +302,8 @@ def test_kv_cache_matches_full_recompute(device):
 
 @pytest.mark.gpu
 def test_ragged_pass_matches_full_recompute_and_caches_only_real_tokens(device):
-    """n_tokens: each row feeds its own number of tokens; the padding is neither computed nor cached."""
+    """n_tokens: each row feeds its own number of tokens; the padding is
+    neither computed nor cached."""
     model = small_random_model().to(device)
     seq = torch.randint(0, 97, (3, 40)).to(device)
     with torch.no_grad():
@@ -230,34 +312,47 @@ def test_ragged_pass_matches_full_recompute_and_caches_only_real_tokens(device):
         done = [0, 0, 0]
         for feed in ([5, 1, 9], [3, 7, 0], [1, 12, 4], [9, 2, 2]):
             T = max(feed)
-            tokens = torch.full((3, T), 96, device=device)                   # 96: padding
+            # 96: padding
+            tokens = torch.full((3, T), 96, device=device)
             for b, n in enumerate(feed):
                 tokens[b, :n] = seq[b, done[b]:done[b] + n]
-            want = [list(range(n)) + [max(n - 1, 0)] * (T - n) for n in feed]   # padding repeats the last
-            got = model(tokens, cache=cache, n_tokens=feed, output_index=torch.tensor(want, device=device))
+            # the padding's outputs repeat the last real one
+            want = [list(range(n)) + [max(n - 1, 0)] * (T - n)
+                    for n in feed]
+            got = model(tokens, cache=cache, n_tokens=feed,
+                        output_index=torch.tensor(want, device=device))
             for b, n in enumerate(feed):
-                assert torch.allclose(got[b, :n], full[b, done[b]:done[b] + n], atol=1e-5)
+                assert torch.allclose(got[b, :n], full[b, done[b]:done[b] + n],
+                                      atol=1e-5)
                 done[b] += n
-            assert cache.lengths.tolist() == done                           # advanced by the real tokens only
-        # Without output_index: (B, T, V), real positions right (the padding's logits are meaningless).
-        tokens = torch.stack([seq[b, n:n + 2] for b, n in enumerate(done)])
-        got = model(tokens, cache=cache, n_tokens=torch.tensor([2, 1, 2], device=device))    # a tensor works too
+            # advanced by the real tokens only
+            assert cache.lengths.tolist() == done
+
+        # Without output_index: (B, T, V), real positions right (the padding's
+        # logits are meaningless). A tensor n_tokens works too.
+        tokens = torch.stack([seq[b, n:n + 2]
+                              for b, n in enumerate(done)])
+        got = model(tokens, cache=cache,
+                    n_tokens=torch.tensor([2, 1, 2], device=device))
         for b, n in enumerate([2, 1, 2]):
-            assert torch.allclose(got[b, :n], full[b, done[b]:done[b] + n], atol=1e-5)
+            assert torch.allclose(got[b, :n], full[b, done[b]:done[b] + n],
+                                  atol=1e-5)
     with pytest.raises(ValueError, match="needs a KV cache"):
         model(seq, n_tokens=torch.tensor([1, 2, 3]))
 
 
 def test_cached_passes_reading_whole_key_blocks_match_full_recompute():
-    """On a GPU a cached pass reads the key slots in blocks of 64 (KVCache.key_block), so the
-    attention shapes change once per block: the unwritten slots it reads must change nothing."""
+    """On a GPU a cached pass reads the key slots in blocks of 64
+    (KVCache.key_block), so the attention shapes change once per block:
+    the unwritten slots it reads must change nothing."""
     model = small_random_model()
     seq = torch.randint(0, 97, (3, 40))
     with torch.no_grad():
         full = model(seq)
         cache = model.new_cache(3, 100)
         cache.key_block = 64
-        assert plan_cached_pass(cache, 5).S == 64 and plan_cached_pass(cache, 99).S == 100
+        assert CachedPass(cache, 5).S == 64
+        assert CachedPass(cache, 99).S == 100
         done = [0, 0, 0]
         for feed in ([5, 1, 9], [3, 7, 0], [1, 12, 4], [9, 2, 2]):
             T = max(feed)
@@ -267,55 +362,75 @@ def test_cached_passes_reading_whole_key_blocks_match_full_recompute():
             got = model(tokens, cache=cache, n_tokens=feed)
             for b, n in enumerate(feed):
                 want = full[b, done[b]:done[b] + n]
-                torch.testing.assert_close(got[b, :n], want, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(got[b, :n], want,
+                                           atol=1e-5, rtol=1e-5)
                 done[b] += n
         assert cache.lengths.tolist() == done
 
 
 def test_a_ragged_pass_reads_the_device_once_whatever_the_depth():
-    """Ragged decoding builds its index tensors once per pass from host-side lengths: the host
-    waits for the device a fixed number of times per pass, not several times per layer."""
+    """Ragged decoding builds its index tensors once per pass from
+    host-side lengths: the host waits for the device a fixed number of
+    times per pass, not several times per layer."""
     from benchmarks.gpu_figures import HostSyncs
 
     counts = []
     for n_layers in (1, 6):
         torch.manual_seed(0)
-        model = Transformer(ModelConfig(vocab_size=50, dim=32, n_layers=n_layers, n_heads=4, n_kv_heads=2,
-                                        ffn_dim=64)).eval()
+        model = Transformer(ModelConfig(vocab_size=50, dim=32,
+                                        n_layers=n_layers, n_heads=4,
+                                        n_kv_heads=2, ffn_dim=64)).eval()
         cache = model.new_cache(3, 64)
         with torch.no_grad():
-            model(torch.randint(0, 50, (3, 10)), cache=cache, n_tokens=[10, 4, 7])
+            model(torch.randint(0, 50, (3, 10)), cache=cache,
+                  n_tokens=[10, 4, 7])
             with HostSyncs() as syncs:
-                model(torch.randint(0, 50, (3, 6)), cache=cache, n_tokens=[6, 0, 2])
+                model(torch.randint(0, 50, (3, 6)), cache=cache,
+                      n_tokens=[6, 0, 2])
         counts.append(syncs.total)
-    assert counts[0] == counts[1] == 1, counts                   # cache.lengths, read once
+    # cache.lengths, read once
+    assert counts[0] == counts[1] == 1, counts
+
+
+def test_ragged_cells_is_its_worked_example():
+    cells = ragged_cells([3, 5, 4], fed=[2, 0, 1], T=2)
+    assert cells == ([0, 2], [0, 0, 2], [3, 4, 4], [0, 1, 2], [0, 1, 4])
 
 
 def test_positions_and_mask_arguments():
-    """Explicit positions and masks: a shifted sequence with shifted positions gives the same logits
-    as the original, and a block mask hides what it should."""
+    """Explicit positions and masks: a shifted sequence with shifted
+    positions gives the same logits as the original, and a block mask
+    hides what it should."""
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=64)).eval()
+    model = Transformer(ModelConfig(vocab_size=50, dim=32, n_layers=2,
+                                    n_heads=4, n_kv_heads=4,
+                                    ffn_dim=64)).eval()
     seq = torch.randint(0, 50, (1, 12))
     with torch.no_grad():
         full = model(seq)
-        # prepend junk that no token may attend to; positions continue as if it were absent
+        # prepend junk that no token may attend to; positions continue as if it
+        # were absent
         junk = torch.randint(0, 50, (1, 5))
         x = torch.cat([junk, seq], 1)
-        pos = torch.cat([torch.zeros(1, 5, dtype=torch.long), torch.arange(12)[None]], 1)
+        pos = torch.cat([torch.zeros(1, 5, dtype=torch.long),
+                         torch.arange(12)[None]], 1)
         i = torch.arange(17)
-        mask = (i[None, :] <= i[:, None]) & ((i[None, :] >= 5) | (i[:, None] < 5))
+        mask = ((i[None, :] <= i[:, None])
+                & ((i[None, :] >= 5) | (i[:, None] < 5)))
         got = model(x, positions=pos, attn_mask=mask)[:, 5:]
         assert torch.allclose(got, full, atol=1e-5)
         idx = torch.tensor([[3, 7]])
-        assert torch.allclose(model(seq, output_index=idx), full[:, [3, 7]], atol=1e-6)
+        assert torch.allclose(model(seq, output_index=idx),
+                              full[:, [3, 7]],
+                              atol=1e-6)
 
 
 class _Vocab:
     """The bit of the tokenizer interface add_mask_token uses."""
 
     def __init__(self, n):
-        self.n_vocab, self.special_tokens = n, {}
+        self.n_vocab = n
+        self.special_tokens = {}
 
     def add_special_token(self, text, token_id=None):
         token_id = self.n_vocab if token_id is None else token_id
@@ -324,38 +439,52 @@ class _Vocab:
         return token_id
 
 
-@pytest.mark.parametrize("fields", [LLAMA3, QWEN3], ids=["llama3-grow", "qwen3-spare-row"])
+@pytest.mark.parametrize("fields", [LLAMA3, QWEN3],
+                         ids=["llama3-grow", "qwen3-spare-row"])
 def test_export_with_mask_token_loads_in_transformers(tmp_path, fields):
     ref = hf_model(fields)
     ref.save_pretrained(tmp_path / "base")
     ours = Transformer.from_pretrained(tmp_path / "base")
-    # Llama: the tokenizer fills the matrix, so the matrix grows. Qwen: spare rows beyond the
-    # tokenizer (like Qwen3-4B's 151669..151935) are reused.
-    vocab = _Vocab(320 if fields is LLAMA3 else 300)
+    # Llama: the tokenizer fills the matrix, so the matrix grows. Qwen: spare
+    # rows beyond the tokenizer (like Qwen3-4B's 151669..151935) are reused.
+    llama = fields is LLAMA3
+    n_vocab = 320 if llama else 300
+    vocab = _Vocab(n_vocab)
     mask_id = add_mask_token(ours, vocab)
-    assert mask_id == (320 if fields is LLAMA3 else 300)
-    assert ours.config.vocab_size == (321 if fields is LLAMA3 else 320)
+    assert mask_id == n_vocab
+    assert ours.config.vocab_size == (321 if llama else 320)
     row = ours.tok_emb.weight[mask_id]
     emb = ours.tok_emb.weight[:mask_id]
-    assert torch.isfinite(row).all() and 0.3 < row.std() / emb.std() < 3
-    assert add_mask_token(ours, vocab) == mask_id                  # idempotent
-    (tmp_path / "mtp").mkdir()
-    (tmp_path / "mtp" / "model-00001-of-00009.safetensors").write_text("an earlier save's shard")
-    shard = fields is LLAMA3                                       # Llama: sharded, Qwen: one file
-    ours.save_pretrained(tmp_path / "mtp", **({"max_shard_bytes": 40_000} if shard else {}))
-    files = sorted(f for f in os.listdir(tmp_path / "mtp") if f.startswith("model"))
-    assert ("model.safetensors.index.json" in files) == shard and "model-00001-of-00009.safetensors" not in files
-    assert len(files) > 5 if shard else files == ["model.safetensors"]
-    assert json.load(open(tmp_path / "mtp" / "config.json"))["mask_token_id"] == mask_id
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "mtp").eval()
+    assert torch.isfinite(row).all()
+    assert 0.3 < row.std() / emb.std() < 3
+    # idempotent
+    assert add_mask_token(ours, vocab) == mask_id
+
+    # Llama: sharded, Qwen: one file, over an earlier save's shards
+    mtp = tmp_path / "mtp"
+    mtp.mkdir()
+    stale = "model-00001-of-00009.safetensors"
+    (mtp / stale).write_text("an earlier save's shard")
+    shard = {"max_shard_bytes": 40_000} if llama else {}
+    ours.save_pretrained(mtp, **shard)
+    files = sorted(f for f in os.listdir(mtp)
+                   if f.startswith("model"))
+    assert ("model.safetensors.index.json" in files) == llama
+    assert stale not in files
+    assert len(files) > 5 if llama else files == ["model.safetensors"]
+    config = json.load(open(mtp / "config.json"))
+    assert config["mask_token_id"] == mask_id
+
+    back = transformers.AutoModelForCausalLM.from_pretrained(mtp).eval()
     tokens = torch.tensor([[1, 2, 3, mask_id, mask_id, 7, 8, mask_id]])
     with torch.no_grad():
-        assert (back(tokens).logits - ours(tokens)).abs().max() <= 1e-4
-    again = Transformer.from_pretrained(tmp_path / "mtp")
+        diff = back(tokens).logits - ours(tokens)
+        assert diff.abs().max() <= 1e-4
+    again = Transformer.from_pretrained(mtp)
     assert again.config.mask_token_id == mask_id
 
 
-# ---- bad input: one clear error, never a wrong model ----------------------------------------
+# ---- bad input: one clear error, never a wrong model ------------------------------
 
 @pytest.fixture
 def llama_dir(tmp_path):
@@ -385,24 +514,40 @@ def _truncate(path):
     (path / "model.safetensors").write_bytes(data[: len(data) // 2])
 
 
-BAD_FOLDERS = {            # what is wrong -> (how to break a good folder, error, message)
-    "no config": (lambda path: (path / "config.json").unlink(), FileNotFoundError, "no model config at"),
-    "unknown model type": (_edit_config(lambda c: c.update(model_type="gpt2")), ValueError,
-                           "unsupported model_type 'gpt2'"),
-    "malformed config": (lambda path: (path / "config.json").write_text("{not json"), ValueError, "malformed JSON"),
-    "missing tensor": (_edit_tensors(lambda t: t.pop("model.layers.1.mlp.up_proj.weight")), ValueError,
-                       r"missing model\.layers\.1\.mlp\.up_proj\.weight$"),
-    "unexpected tensors": (_edit_tensors(lambda t: t.update({n: torch.ones(1) for n in "dcba"})), ValueError,
-                           r"unexpected a, b, c and 1 more$"),
-    "misshaped tensor": (_edit_tensors(lambda t: t.update({"model.norm.weight": torch.ones(63)})), ValueError,
-                         r"wrong shape model\.norm\.weight \[63\] \(expected \[64\]\)$"),
+# what is wrong -> (how to break a good folder, error, message)
+BAD_FOLDERS = {
+    "no config": (
+        lambda path: (path / "config.json").unlink(),
+        FileNotFoundError,
+        "no model config at"),
+    "unknown model type": (
+        _edit_config(lambda c: c.update(model_type="gpt2")),
+        ValueError,
+        "unsupported model_type 'gpt2'"),
+    "malformed config": (
+        lambda path: (path / "config.json").write_text("{not json"),
+        ValueError,
+        "malformed JSON"),
+    "missing tensor": (
+        _edit_tensors(lambda t: t.pop("model.layers.1.mlp.up_proj.weight")),
+        ValueError,
+        r"missing model\.layers\.1\.mlp\.up_proj\.weight$"),
+    "unexpected tensors": (
+        _edit_tensors(lambda t: t.update({n: torch.ones(1) for n in "dcba"})),
+        ValueError,
+        r"unexpected a, b, c and 1 more$"),
+    "misshaped tensor": (
+        _edit_tensors(lambda t: t.update({"model.norm.weight": torch.ones(63)})),
+        ValueError,
+        r"wrong shape model\.norm\.weight \[63\] \(expected \[64\]\)$"),
     "truncated weights": (_truncate, ValueError, "truncated or corrupt"),
 }
 
 
 @pytest.mark.parametrize("case", BAD_FOLDERS)
 def test_a_bad_checkpoint_is_one_clear_error(llama_dir, case):
-    """Never a wrong model and never a traceback: one line that names the problem."""
+    """Never a wrong model and never a traceback: one line that names
+    the problem."""
     breaks, error, message = BAD_FOLDERS[case]
     breaks(llama_dir)
     with pytest.raises(error, match=message) as err:
@@ -411,7 +556,8 @@ def test_a_bad_checkpoint_is_one_clear_error(llama_dir, case):
 
 
 def test_cache_overflow_is_an_error():
-    model = Transformer(ModelConfig(vocab_size=20, dim=16, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=32))
+    model = Transformer(ModelConfig(vocab_size=20, dim=16, n_layers=1, n_heads=2,
+                                    n_kv_heads=2, ffn_dim=32))
     cache = model.new_cache(1, 8)
     with pytest.raises(ValueError, match="KV cache overflow"):
         model(torch.zeros(1, 9, dtype=torch.long), cache=cache)
