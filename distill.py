@@ -29,6 +29,7 @@ student == teacher it is 0 at step 0 (in "hard" mode the gradient is not
 zero there: cross-entropy against the argmax sharpens).
 """
 import copy
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -44,17 +45,10 @@ def frozen_teacher(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def adapter_off_teacher(student: torch.nn.Module):
-    """The gated mask adapter's teacher: the student itself with its
-    adapter off, which is the frozen base model exactly, with no second
-    copy in memory (model.add_mask_adapter)."""
-    def teacher(*args, **kwargs):
-        student.adapter_on = False
-        try:
-            return student(*args, **kwargs)
-        finally:
-            student.adapter_on = True
-
-    return teacher
+    """The gated mask adapter's teacher: the student itself called with its
+    adapter off, which is the frozen base model exactly, with no second copy
+    in memory (model.add_mask_adapter)."""
+    return functools.partial(student, use_adapter=False)
 
 
 def teacher_input(batch: MTPBatch, proposals: torch.Tensor) -> torch.Tensor:
@@ -69,17 +63,6 @@ def teacher_input(batch: MTPBatch, proposals: torch.Tensor) -> torch.Tensor:
     guesses = proposals[:, :, :-1].flatten(1)             # (B, M*(k-1))
     filled = batch.input_ids.scatter(1, slots, guesses)
     return torch.where(batch.kind == PAD, batch.input_ids, filled)
-
-
-def teacher_logits(teacher, batch: MTPBatch, proposals: torch.Tensor) -> torch.Tensor:
-    """The teacher's float32 logits at every prediction, student-forced, as
-    mtp_loss's step 3 computes them -> (B, M, k, V)."""
-    with torch.no_grad():
-        logits = teacher(teacher_input(batch, proposals),
-                         positions=batch.positions,
-                         attn_mask=batch.attn_mask,
-                         output_index=batch.pred_index.flatten(1))
-    return logits.float().view(*proposals.shape, -1)
 
 
 def cross_entropy(target: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:

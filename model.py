@@ -251,8 +251,6 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         # the gated mask adapter's <mask> input (add_mask_adapter)
         self.mask_embedding = None
-        # False: the base model, whatever adapter it carries
-        self.adapter_on = True
         # GPT-2's initialisation
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -274,15 +272,17 @@ class Transformer(nn.Module):
         return KVCache(self.config, batch_size, max_len, p.device, p.dtype)
 
     def forward(self, tokens, positions=None, attn_mask=None, cache=None,
-                output_index=None, n_tokens=None):
+                output_index=None, n_tokens=None, use_adapter=True):
         """Logits (B, T, V) for `tokens` (B, T); (B, N, V) at output_index (B, N).
         positions (B, T): RoPE positions, default 0..T-1. attn_mask: bool (T, T) or
         (B, T, T), True = may attend, default causal. With a KV `cache` (and
-        n_tokens), decoding: see cached_forward."""
+        n_tokens), decoding: see cached_forward. use_adapter=False: the base model,
+        whatever gated mask adapter it carries."""
         if cache is not None:
             # decoding takes its own path (the section below)
             return cached_forward(self, tokens, cache, positions=positions, attn_mask=attn_mask,
-                                  output_index=output_index, n_tokens=n_tokens)
+                                  output_index=output_index, n_tokens=n_tokens,
+                                  use_adapter=use_adapter)
         if n_tokens is not None:
             raise ValueError("n_tokens needs a KV cache")
 
@@ -293,17 +293,17 @@ class Transformer(nn.Module):
         if mask is not None and mask.dim() == 3:
             # the same for every head
             mask = mask[:, None]                                 # (B, 1, T, T)
-        x, mask_rows = self.embed(tokens)                        # (B, T, dim)
+        x, mask_rows = self.embed(tokens, use_adapter)           # (B, T, dim)
         cos, sin = self.rope(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, mask, mask_rows)
         return self.logits(x, output_index)
 
-    def embed(self, tokens):
+    def embed(self, tokens, use_adapter=True):
         """The embeddings (B, T, dim) of `tokens`, and mask_rows: with a gated mask
         adapter on, the rows of the flattened (B * T) tokens that hold <mask>."""
         x = self.tok_emb(tokens)
-        if self.mask_embedding is None or not self.adapter_on:
+        if self.mask_embedding is None or not use_adapter:
             return x, None
         # The adapter's gate: its own <mask> embedding and its updates act only at
         # the rows that hold <mask>; every other row computes exactly what the base
@@ -550,7 +550,7 @@ class CachedPass:
 
 
 def cached_forward(model: Transformer, tokens, cache: KVCache, positions=None,
-                   attn_mask=None, output_index=None, n_tokens=None):
+                   attn_mask=None, output_index=None, n_tokens=None, use_adapter=True):
     """Transformer.forward with a KV cache: token t of row b goes to slot
     lengths[b] + t (its default position), and the lengths advance by T, or by
     n_tokens (B,), best a list: row b's real tokens (the right-padding is never
@@ -569,7 +569,7 @@ def cached_forward(model: Transformer, tokens, cache: KVCache, positions=None,
         positions = p.pack(positions)
 
     # 3) the layers, each writing its keys and values and attending over the cache
-    x, mask_rows = model.embed(tokens)
+    x, mask_rows = model.embed(tokens, use_adapter)
     cos, sin = model.rope(positions, x.dtype)
     for i, layer in enumerate(model.layers):
         attend_cached = functools.partial(p.attend, i)

@@ -16,7 +16,7 @@ import confadapt
 from cli import load_model
 from confadapt import DecodeConfig, generate
 from data import MASK, mtp_layout, word_problem_tokenizer
-from distill import adapter_off_teacher, frozen_teacher, teacher_logits
+from distill import adapter_off_teacher, frozen_teacher, mtp_loss
 from model import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, ModelConfig, Transformer,
                    adapter_state, add_mask_adapter, add_mask_token,
                    load_mask_adapter, save_mask_adapter)
@@ -98,8 +98,9 @@ def test_ordinary_positions_of_a_packed_row_are_the_untuned_models():
     # the adapter does act
     assert (ours[~ordinary] - theirs[~ordinary]).abs().amax() > 0.1
     # switched off: untuned
-    adapted.adapter_on = False
-    assert torch.equal(packed_logits(adapted, b), theirs)
+    off = adapted(b.input_ids, positions=b.positions, attn_mask=b.attn_mask,
+                  use_adapter=False)
+    assert torch.equal(off, theirs)
 
 
 def test_ordinary_positions_of_cached_ragged_passes_are_the_untuned_models():
@@ -141,12 +142,18 @@ def test_ordinary_positions_of_cached_ragged_passes_are_the_untuned_models():
 def test_the_adapter_off_teacher_is_a_frozen_copy_of_the_untuned_model():
     untuned, adapted = untuned_and_adapted()
     b = packed_batch()
-    proposals = torch.randint(1, MASK_ID, b.pred_index.shape)
-    copied = teacher_logits(frozen_teacher(untuned), b, proposals)
-    off = teacher_logits(adapter_off_teacher(adapted), b, proposals)
-    assert torch.equal(off, copied)
-    # switched back on afterwards
-    assert adapted.adapter_on
+    # mtp_loss's teacher pass, seen from inside: the same input, the same logits
+    seen = {}
+    for name, teacher in (("copied", frozen_teacher(untuned)),
+                          ("off", adapter_off_teacher(adapted))):
+        def spy(*args, teacher=teacher, name=name, **kwargs):
+            seen[name] = teacher(*args, **kwargs)
+            return seen[name]
+
+        mtp_loss(adapted, spy, b)
+    assert torch.equal(seen["off"], seen["copied"])
+    # the student itself still computes with its adapter
+    assert not torch.equal(packed_logits(adapted, b), packed_logits(untuned, b))
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])

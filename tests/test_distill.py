@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from data import PAD, mtp_layout
-from distill import frozen_teacher, mtp_loss, teacher_input, teacher_logits
+from distill import frozen_teacher, mtp_loss, teacher_input
 from model import ModelConfig, Transformer
 
 VOCAB, MASK_ID, EOS_ID, PAD_ID = 50, 49, 1, 0
@@ -82,6 +82,18 @@ def slow_student_logits(student, seqs, batch):
     return out
 
 
+def teacher_logits_in_mtp_loss(student, teacher, batch):
+    """The logits the teacher returns inside mtp_loss's step 3 -> (B, M, k, V)."""
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(teacher(*args, **kwargs))
+        return seen[-1]
+
+    mtp_loss(student, spy, batch)
+    return seen[0].float().view(*batch.pred_index.shape, -1)
+
+
 @pytest.mark.parametrize("k", [2, 4])
 def test_packed_teacher_equals_slow_chain_rule(k):
     teacher = frozen_teacher(tiny_model())
@@ -90,7 +102,7 @@ def test_packed_teacher_equals_slow_chain_rule(k):
     with torch.no_grad():
         proposals = slow_student_logits(student, seqs, batch).argmax(-1)   # (B, M, k)
     assert (proposals != batch.targets).any()                               # not just the ground truth
-    packed = teacher_logits(teacher, batch, proposals)
+    packed = teacher_logits_in_mtp_loss(student, teacher, batch)
     slow = slow_teacher_targets(teacher, seqs, batch, proposals)
     valid = batch.valid
     torch.testing.assert_close(packed[valid], slow[valid], atol=1e-5, rtol=0)
