@@ -176,12 +176,12 @@ def train_phase(name: str, model: Transformer, cfg: RunConfig, next_batch, devic
     return model.eval(), log
 
 
-def build_teacher(cfg: RunConfig, tokenizer, device, tie_embeddings: bool = True,
-                  context: int = 128) -> Transformer:
+def build_teacher(cfg: RunConfig, tokenizer, device) -> Transformer:
+    """The teacher before training: tied embeddings, 128 positions."""
     torch.manual_seed(cfg.seed)
     mcfg = ModelConfig(vocab_size=tokenizer.n_vocab, dim=cfg.dim, n_layers=cfg.n_layers,
                        n_heads=cfg.n_heads, n_kv_heads=cfg.n_heads, ffn_dim=cfg.ffn_dim,
-                       max_seq_len=context, tie_embeddings=tie_embeddings,
+                       max_seq_len=128, tie_embeddings=True,
                        bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
     return Transformer(mcfg).to(device)
 

@@ -10,7 +10,7 @@ import os
 import random
 import re
 from collections import Counter
-from dataclasses import replace
+from dataclasses import asdict, replace
 from functools import partial
 
 import pytest
@@ -18,7 +18,7 @@ import torch
 
 import data
 import train_toy
-from model import Transformer
+from model import Transformer, write_json
 
 ROW_KEYS = {"model", "decode", "k", "tau", "task", "accuracy", "coherence", "degeneration", "effective_k",
             "tokens_per_s", "forward_passes"}
@@ -201,32 +201,29 @@ def test_heldout_counts_only_take_steps_seen_in_training(task):
 
 # --- the script -----------------------------------------------------------------------------------
 
-def test_checkpoints_resume_without_training(tmp_path):
+def test_a_run_folder_resumes_its_phases_and_refuses_other_settings(tmp_path):
+    """The folder keeps its settings (run_config.json, written as JSON: tuples become lists)
+    and each finished phase; the same settings load them, other settings are refused with
+    every setting that differs named, whatever it is: the model, a schedule, the tasks."""
     cfg = train_toy.RunConfig(**train_toy.QUICK)
-    tok = data.toy_tokenizer()
-    model = train_toy.build_teacher(cfg, tok, "cpu")
-    first = train_toy.run_phase("teacher", str(tmp_path), cfg, {}, "cpu", lambda: (model, [{"loss": 1.0}]))
-    assert os.path.exists(tmp_path / "checkpoints" / "teacher.pt")
+    model = train_toy.build_teacher(cfg, data.toy_tokenizer(), "cpu")
+    write_json(tmp_path / "run_config.json", asdict(cfg))
+    train_toy.save_phase(str(tmp_path), "teacher", train_toy.Phase(model, [{"loss": 1.0}], 2.0))
 
-    def must_not_train():
-        raise AssertionError("a finished phase was trained again")
-    done = train_toy.check_run_folder(str(tmp_path), cfg, "", ["teacher"])
-    again, log, _ = train_toy.run_phase("teacher", str(tmp_path), cfg, done, "cpu", must_not_train)
-    assert log == [{"loss": 1.0}]
-    for a, b in zip(first[0].state_dict().values(), again.state_dict().values()):
-        assert torch.equal(a, b)
-    # Other settings or other data: another run's checkpoint, never silently replaced ...
-    with pytest.raises(train_toy.CliError, match="dim 64 -> 32"):
-        train_toy.check_run_folder(str(tmp_path), train_toy.RunConfig(**{**train_toy.QUICK, "dim": 32}), "",
-                                   ["teacher"])
-    for changed in ("warmup_steps", "weight_decay"):                   # the teacher's schedule too
-        with pytest.raises(train_toy.CliError, match=changed):
-            train_toy.check_run_folder(str(tmp_path), replace(cfg, **{changed: 2 * getattr(cfg, changed)}), "",
-                                       ["teacher"])
-    with pytest.raises(train_toy.CliError, match="other settings"):
-        train_toy.check_run_folder(str(tmp_path), cfg, "other data", ["teacher"])
-    with pytest.raises(AssertionError):                               # ... but retrained with restart
-        train_toy.run_phase("teacher", str(tmp_path), cfg, {}, "cpu", must_not_train, data_id="other data")
+    done = train_toy.check_run_folder(str(tmp_path), cfg)
+    assert list(done) == ["teacher"]
+    assert done["teacher"].log == [{"loss": 1.0}]
+    loaded = done["teacher"].model.state_dict()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, loaded[name])
+
+    other = {"dim": 32, "warmup_steps": 2, "weight_decay": 0.2, "n_eval": 3,
+             "tasks": ("count", "zoo")}
+    for name, value in other.items():
+        with pytest.raises(train_toy.CliError, match=f"{name} .* -> "):
+            train_toy.check_run_folder(str(tmp_path), replace(cfg, **{name: value}))
+    with pytest.raises(train_toy.CliError, match=r"dim 64 -> 32, ffn_dim 192 -> 384\)"):
+        train_toy.check_run_folder(str(tmp_path), replace(cfg, dim=32, ffn_dim=384))
 
 
 def test_both_students_train_on_the_same_batches_and_layouts(monkeypatch):
@@ -237,23 +234,15 @@ def test_both_students_train_on_the_same_batches_and_layouts(monkeypatch):
     real, layouts = data.random_mtp_layout, []
     monkeypatch.setattr(data, "random_mtp_layout", lambda *a, **kw: layouts.append(real(*a, **kw)) or layouts[-1])
     for name, mode in train_toy.STUDENT_MODE.items():
-        student, s_tok = train_toy.student_from(teacher, "cpu")
+        student = train_toy.student_from(teacher, "cpu")
         batches = partial(data.toy_batch, tok, tasks=cfg.tasks, seq_len=cfg.seq_len)
-        train_toy.train_phase(name, student, cfg, batches, "cpu", mode=mode, tokenizer=s_tok)
+        train_toy.train_phase(name, student, cfg, batches, "cpu", mode=mode,
+                              tokenizer=train_toy.student_tokenizer())
     assert len(layouts) == 2 * cfg.mtp_steps
     for a, b in zip(layouts[:cfg.mtp_steps], layouts[cfg.mtp_steps:]):
         assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.positions, b.positions)
         assert torch.equal(a.valid, b.valid)
     assert len({layout.input_ids.shape for layout in layouts}) > 1                 # k really is drawn per step
-
-
-def test_data_fingerprint_sees_a_changed_task(monkeypatch):
-    tok = data.toy_tokenizer()
-    batches = partial(data.toy_batch, tok, tasks=data.TOY_TASKS, seq_len=train_toy.RunConfig().seq_len)
-    before = train_toy.data_fingerprint(tok, batches, 0)
-    assert train_toy.data_fingerprint(tok, batches, 0) == before
-    monkeypatch.setattr(data, "ALTERNATE_GLUE_FIRST", 0.3)
-    assert train_toy.data_fingerprint(tok, batches, 0) != before
 
 
 def test_quick_run_end_to_end(tmp_path):
@@ -299,8 +288,6 @@ def test_quick_run_end_to_end(tmp_path):
         assert student.config.mask_token_id == teacher.config.vocab_size
         assert (hf / name / "tokenizer.json").exists() and (hf / "teacher" / "tokenizer.json").exists()
     tokens = torch.tensor([[1, 2, 3]])
-    cfg, tok = train_toy.RunConfig(**train_toy.QUICK), data.toy_tokenizer()
-    batches = partial(data.toy_batch, tok, tasks=cfg.tasks, seq_len=cfg.seq_len)
-    data_id = train_toy.data_fingerprint(tok, batches, cfg.seed)
-    checkpoint = train_toy.check_run_folder(str(out), cfg, data_id, ["teacher"])["teacher"]
-    assert torch.allclose(teacher(tokens), checkpoint[0](tokens), atol=1e-5)
+    cfg = train_toy.RunConfig(**train_toy.QUICK)
+    checkpoint = train_toy.check_run_folder(str(out), cfg)["teacher"]
+    assert torch.allclose(teacher(tokens), checkpoint.model(tokens), atol=1e-5)
