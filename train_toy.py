@@ -365,7 +365,7 @@ def toy_run(args, cfg: RunConfig, out: str, device) -> dict:
     plot_training(done, out)
     plot_chunks(models["distill"], mask_tokenizer, cfg, out)
     seconds["total"] = time.perf_counter() - t_start
-    teacher = models["ntp"]
+    teacher = done["teacher"].model
     results = dict(rows=rows, summary=summary(rows), samples=samples, seconds=seconds,
                    device=str(device), threads=torch.get_num_threads(),
                    # commit, cpu, dtype, torch

@@ -1,6 +1,6 @@
 """The base model of the miniature GSM8K: word problems -> a next-token model, from scratch.
 
-    python scripts/word_problem_base.py --out runs/wp           (about 10 minutes on a CPU)
+    python scripts/word_problem_base.py --out runs/wp          as in results/wordproblems/
     python scripts/word_problem_base.py --out runs/wp --quick   smoke test (seconds)
 
 1. data: data.py's synthetic word problems, DIR/data/train.json (MetaMathQA format) and
@@ -10,16 +10,14 @@
 3. DIR/base: the model and its tokenizer in Hugging Face layout, ready for
    `finetune_hf.py train --model DIR/base`
 
-DIR keeps the settings in run_config.json: a second run with the same settings leaves a
-finished DIR/base alone, one with other settings is refused (--restart trains again).
+A second run into the same DIR is refused, unless --restart: then it trains again.
 """
-import json
 import math
 import os
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -27,8 +25,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402
 from cli import (CliError, Parser, Progress, count, format_seconds,  # noqa: E402
-                 output_folder, parse_device, positive_int, run_cli)
-from model import ModelConfig, Transformer, read_json, write_json  # noqa: E402
+                 output_folder, parse_device, positive_int, read_rows, run_cli)
+from model import ModelConfig, Transformer  # noqa: E402
 
 
 @dataclass
@@ -107,57 +105,39 @@ def train(model: Transformer, cfg: BaseConfig, tokenizer, pairs: list, device):
 
 
 def word_problem_base(args, cfg: BaseConfig, device) -> dict:
-    """DIR/data, then DIR/base (unless DIR holds it already, from these settings)."""
+    """DIR/data, then DIR/base; a finished DIR/base is replaced only with --restart."""
     start = time.perf_counter()
-    folder = args.out
-    base = os.path.join(folder, "base")
-    check_folder(folder, cfg, restart=args.restart)
+    base = os.path.join(args.out, "base")
+    if os.path.exists(base) and not args.restart:
+        raise CliError(f"{base} exists: choose another --out, or add --restart to train "
+                       f"again")
 
     # 1. the data
     train_file, test_file = data.write_word_problems(
-        os.path.join(folder, "data"), n_train=cfg.n_train, n_test=cfg.n_test, seed=cfg.seed)
-    rows = json.loads(train_file.read_text("utf-8"))
-    pairs = [(row["query"], row["response"]) for row in rows]
+        os.path.join(args.out, "data"), n_train=cfg.n_train, n_test=cfg.n_test,
+        seed=cfg.seed)
+    pairs = read_rows(train_file, [("query", "response")])
     print(f"wrote {train_file} ({len(pairs)} rows, MetaMathQA format) and {test_file} "
           f"(GSM8K format)")
-    write_json(os.path.join(folder, "run_config.json"), asdict(cfg))
 
     # 2. the model, from scratch
-    if os.path.exists(os.path.join(base, "config.json")) and not args.restart:
-        print(f"== {base}: trained before with these settings (--restart trains again)")
-    else:
-        tokenizer = data.word_problem_tokenizer()
-        torch.manual_seed(cfg.seed)
-        config = ModelConfig(
-            vocab_size=tokenizer.n_vocab, dim=cfg.dim, n_layers=cfg.n_layers,
-            n_heads=cfg.n_heads, n_kv_heads=cfg.n_heads, ffn_dim=cfg.ffn_dim,
-            max_seq_len=cfg.context, tie_embeddings=False,
-            bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
-        model = train(Transformer(config).to(device), cfg, tokenizer, pairs, device)
+    tokenizer = data.word_problem_tokenizer()
+    torch.manual_seed(cfg.seed)
+    config = ModelConfig(
+        vocab_size=tokenizer.n_vocab, dim=cfg.dim, n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads, n_kv_heads=cfg.n_heads, ffn_dim=cfg.ffn_dim,
+        max_seq_len=cfg.context, tie_embeddings=False,
+        bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
+    model = train(Transformer(config).to(device), cfg, tokenizer, pairs, device)
 
-        # 3. saved in Hugging Face layout, with the tokenizer
-        model.save_pretrained(base)
-        tokenizer.save_pretrained(base)
-
+    # 3. saved in Hugging Face layout, with the tokenizer
+    model.save_pretrained(base)
+    tokenizer.save_pretrained(base)
     seconds = time.perf_counter() - start
     print(f"== done in {format_seconds(seconds)}: {base} (Hugging Face layout); next: "
           f"python finetune_hf.py train --model {base} --data {train_file} ...")
     return {"base": base, "train": str(train_file), "test": str(test_file),
             "seconds": seconds}
-
-
-def check_folder(folder: str, cfg: BaseConfig, restart: bool):
-    """A folder that holds a run of other settings is refused, naming what differs."""
-    path = os.path.join(folder, "run_config.json")
-    if restart or not os.path.exists(path):
-        return
-    saved = read_json(path, "run config")
-    now = asdict(cfg)
-    changes = [f"{k} {saved.get(k)} -> {now.get(k)}"
-               for k in sorted({*saved, *now}) if saved.get(k) != now.get(k)]
-    if changes:
-        raise CliError(f"{folder} holds a run with other settings ({', '.join(changes)}): "
-                       f"choose another --out, or add --restart to train again")
 
 
 def main(argv=None) -> dict:
@@ -168,7 +148,7 @@ def main(argv=None) -> dict:
                    help="tiny model, few steps, little data (for tests; seconds)")
     p.add_argument("--seed", type=count, default=0, help="seed for data and weights")
     p.add_argument("--restart", action="store_true",
-                   help="train again, replacing the model in DIR/base")
+                   help="train again, replacing DIR/base")
     p.add_argument("--device", default="auto",
                    help="auto (cuda if available), cpu, cuda or cuda:N; float32 on each")
     p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads")
