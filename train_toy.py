@@ -160,7 +160,9 @@ def train_phase(name: str, model: Transformer, cfg: RunConfig, next_batch, devic
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
 
-        # 4. the log; now and then a progress line, its ETA at this phase's own pace
+        # 4. the log; now and then a progress line. Its ETAs use this phase's own pace,
+        # for the later phases' steps too: an MTP step costs 3-4x a teacher step, so the
+        # run's estimate is low during the teacher and closer once the students start
         elapsed = time.perf_counter() - start
         log.append({**stats, "step": step, "seconds": elapsed, "lr": lr})
         done = step + 1
