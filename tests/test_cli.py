@@ -11,6 +11,7 @@ runs), on a tiny model written here and two tiny finished runs, so the whole fil
 """
 import json
 import os
+import runpy
 import shutil
 import sys
 from pathlib import Path
@@ -27,6 +28,9 @@ from model import ModelConfig, Transformer
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import bench_modes  # noqa: E402  (benchmarks/bench_modes.py)
+# scripts/word_problem_base.py, run as a file: no test imports a script by name
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+WORD_PROBLEM_BASE = runpy.run_path(str(SCRIPTS / "word_problem_base.py"))
 
 pytestmark = pytest.mark.usefixtures("one_thread")                     # conftest.py
 
@@ -125,7 +129,8 @@ def bad_data_files(root) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 MAINS = {"confadapt": confadapt.main, "bench_modes": bench_modes.main,
-         "train_toy": lambda argv: run_cli(train_toy.main, argv), "finetune_hf": finetune_hf.main}
+         "train_toy": lambda argv: run_cli(train_toy.main, argv), "finetune_hf": finetune_hf.main,
+         "word_problem_base": lambda argv: run_cli(WORD_PROBLEM_BASE["main"], argv)}
 
 NUMBERS = ["0", "-1", "x", "nan"]
 
@@ -153,14 +158,15 @@ def train_toy_cases(r):
     cases += [["--seed", "-1"], ["--seed", "x"], ["--device", "cuda" if not torch.cuda.is_available() else "cuda:99"],
               ["--device", "gpu"], ["--out", "a_file"], ["--out", "a_file/run"], ["--unknown"],
               ["--export-hf", "a_file", *TOY], ["--export-hf", "hf", "--seed", "3", *TOY],     # nothing to export
-              ["--word-problems", "a_file"], ["--word-problems", "wp2", "--out", "x"],
               # a folder that holds another run: refused, whatever the difference
               ["--out", "runs/toy-teacher2-mtp1-eval1", "--quick", *TOY],
               ["--out", "runs/toy-teacher2-mtp1-eval1", "--seed", "1", *TOY],
               ["--out", "runs/toy-teacher2-mtp1-eval1", "--teacher-steps", "3", "--mtp-steps", "1", "--n-eval", "1"],
               ["--out", "runs/toy-teacher2-mtp1-eval1", "--teacher-steps", "2", "--mtp-steps", "1", "--n-eval", "2"],
               ["--out", "truncated_toy", *TOY], ["--out", "truncated_toy", "--export-hf", "hf", *TOY]]
-    return [("train_toy", c) for c in cases]
+    base = [["--out", "a_file"], [], ["--out", "wp2", "--seed", "-1"],
+            ["--out", "wp2", "--device", "gpu"]]
+    return [("train_toy", c) for c in cases] + [("word_problem_base", c) for c in base]
 
 
 def finetune_cases(r, broken, bad):
@@ -261,6 +267,7 @@ def test_error_lines_name_what_is_wrong(at_root, capsys):
         ("train_toy", ["--out", "a_file"], "--out a_file: is a file"),
         ("train_toy", ["--export-hf", "hf", "--seed", "3", *TOY], "no finished teacher, naive, distill"),
         ("train_toy", ["--out", "runs/toy-teacher2-mtp1-eval1", "--quick", *TOY], "dim 128 -> 64"),
+        ("word_problem_base", ["--out", "a_file"], "--out a_file: is a file"),
         ("finetune_hf", ["train", "--model", broken["no_config"], "--data", "x", "--out", "o"], "no model config"),
         ("finetune_hf", ["train", "--model", broken["mistral"], "--data", "x", "--out", "o"],
          "config.json: unsupported model_type 'mistral'"),

@@ -324,10 +324,13 @@ def test_qwen3_tied_checkpoint_reuses_a_spare_row_and_uses_the_qwen_recipe(tmp_p
 
 
 def test_word_problem_base_model_trains_on_the_plain_format(tmp_path):
-    """train_toy.py --word-problems writes the data and a base model that `train` can tune; its
-    training sequences are finetune_hf's "plain" format token for token."""
-    import train_toy
-    out = train_toy.main(["--word-problems", str(tmp_path / "wp"), "--quick"])
+    """scripts/word_problem_base.py writes the data and a base model that `train` can tune;
+    its training sequences are finetune_hf's "plain" format token for token."""
+    import runpy
+    script = runpy.run_path(str(REPO / "scripts" / "word_problem_base.py"))
+    out = script["main"](["--out", str(tmp_path / "wp"), "--quick"])
+    with pytest.raises(script["CliError"], match="base exists: .* add --restart"):
+        script["main"](["--out", str(tmp_path / "wp"), "--quick"])
     cfg = json.loads((Path(out["base"]) / "config.json").read_text())
     assert cfg["mask_token_id"] is None and cfg["architectures"] == ["LlamaForCausalLM"]
     tok = Tokenizer.from_pretrained(out["base"])
