@@ -532,6 +532,9 @@ def check_run_folder(out: str, cfg: RunConfig) -> dict:
         if changes:
             raise CliError(f"{out} holds a run with other settings ({', '.join(changes)}): "
                            f"choose another --out, or add --restart to train again")
+    elif any(os.path.exists(checkpoint_path(out, phase)) for phase in PHASES):
+        raise CliError(f"{out} holds checkpoints but no run_config.json (an older version's "
+                       f"run): choose another --out, or add --restart to train again")
     done = {}
     for phase in PHASES:
         path = checkpoint_path(out, phase)

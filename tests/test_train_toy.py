@@ -6,6 +6,7 @@ of a repeated item is flagged as degeneration. Held-out prompts must never be tr
 The script itself runs once in --quick mode (tiny model, few steps) into a temporary folder.
 """
 import json
+import os
 import random
 import re
 from collections import Counter
@@ -295,6 +296,10 @@ def test_a_run_folder_resumes_its_phases_and_refuses_other_settings(tmp_path):
             train_toy.check_run_folder(out, replace(cfg, **{name: value}))
     with pytest.raises(train_toy.CliError, match=r"dim 64 -> 32, ffn_dim 192 -> 384\)"):
         train_toy.check_run_folder(out, replace(cfg, dim=32, ffn_dim=384))
+    # checkpoints without their settings: an older version's run, never loaded unchecked
+    os.remove(tmp_path / "run_config.json")
+    with pytest.raises(train_toy.CliError, match="no run_config.json"):
+        train_toy.check_run_folder(out, cfg)
 
 
 def test_both_students_train_on_the_same_batches_and_layouts(monkeypatch):
