@@ -40,19 +40,19 @@ from model import (ADAPTER_TARGETS, ModelConfig, Transformer, add_mask_adapter,
                    save_mask_adapter, write_json)
 
 
-# === train: student + frozen teacher -> data rows -> AdamW -> the step loop -> export ===
-# A step's --batch-size rows are split over the processes and, in each, into --micro-batch
-# rows (gradient accumulation). All processes draw the same k and offset, seeded by the step
-# number, from a seeded data order per epoch: a step is a function of its number, so a
-# resumed run is bit-exact.
+# === train: student + frozen teacher -> data rows -> AdamW -> loop -> export ===
+# A step's --batch-size rows are split over the processes and, in each, into
+# --micro-batch rows (gradient accumulation). All processes draw the same k and
+# offset, seeded by the step number, from a seeded data order per epoch: a step
+# is a function of its number, so a resumed run is bit-exact.
 def train(args) -> Path:
     dist = setup_processes(args.device, args.dtype)
 
-    # 1. The student (with <mask>) and a frozen copy of it as teacher; gt needs none.
+    # 1. The student (with <mask>) and a frozen copy of it as teacher (gt: none).
     student, teacher, tok, mask_id = load_student_and_teacher(
         args, dist, with_teacher=args.mode != "gt")
 
-    # 2. Data: (prompt, response) rows in the model's prompt format, cut and padded.
+    # 2. Data: (prompt, response) rows in the model's format, cut and padded.
     if args.format == "auto":
         args.format = default_format(tok, student.config.model_type)
     pad = padding_token(tok, args.format)
@@ -63,18 +63,18 @@ def train(args) -> Path:
     seqs, response = training_sequences(pairs, tok, args.format, args.seq_len)
     trained = response if args.response_only else None
     check_targets(seqs, trained, tok, args, dist)
-    # Recompute each block's activations in backward (the parameter names stay the same).
+
+    # Recompute each block's activations in backward (same parameter names).
     if args.activation_checkpointing:
         from torch.distributed._composable import checkpoint
         for block in student.layers:
             checkpoint(block)
 
-    # 3. AdamW (no decay on the norms); the rate warms up, holds, then falls to 0 over
-    # the last --decay steps.
+    # 3. AdamW (no decay on the norms); the rate warms up, holds, then falls to
+    # 0 over the last --decay steps.
     def lr_scale(step):
-        warmup = (step + 1) / max(1, args.warmup)
-        decay = (args.steps - step) / max(1, args.decay)
-        return min(1.0, warmup, decay)
+        return min(1.0, (step + 1) / max(1, args.warmup),
+                   (args.steps - step) / max(1, args.decay))
 
     optimizer = student.configure_optimizer(
         args.lr, args.weight_decay, (args.beta1, args.beta2))
@@ -85,15 +85,16 @@ def train(args) -> Path:
     log = out / "log.jsonl"
     start = 0
     if args.overwrite and dist.main:
-        shutil.rmtree(out / "checkpoints", ignore_errors=True)
-        shutil.rmtree(out / "final", ignore_errors=True)
+        for folder in ("checkpoints", "final"):
+            shutil.rmtree(out / folder, ignore_errors=True)
         log.unlink(missing_ok=True)
+
     if args.resume and (ckpt := latest_checkpoint(out)) is not None:
         start, planned = load_checkpoint(ckpt, student, optimizer, scheduler, args)
         if start > args.steps:
             raise ValueError(f"--steps {args.steps}: the run in {out} has done {start} "
                              f"steps already; resume it with --steps {start} or more")
-        # The rate from here is this run's schedule at step `start`, whatever --steps was.
+        # From here the rate is this run's schedule, whatever --steps was.
         scheduler.last_epoch = start - 1
         scheduler.step()
         dist.log(f"resumed from {ckpt} at step {start} of {args.steps}")
@@ -109,13 +110,14 @@ def train(args) -> Path:
             atomic_save(lambda p: Path(p).write_text("".join(kept)), log)
     elif args.resume:
         dist.log(f"--resume: no checkpoint in {out / 'checkpoints'}, starting at step 0")
+
     if dist.main:
         out.mkdir(parents=True, exist_ok=True)
         write_json(out / "train_args.json", vars(args))
 
     micro_batches = args.batch_size // dist.world // args.micro_batch
-    teacher_copy = teacher is not None and args.adapter == "none"
-    state = training_state_bytes(student, dist.dtype, teacher_copy=teacher_copy)
+    state = training_state_bytes(
+        student, dist.dtype, teacher_copy=teacher is not None and args.adapter == "none")
     parts = ", ".join(f"{name} {size / 2**30:.2f}" for name, size in state.items())
     dist.log(f"training state: {sum(state.values()) / 2**30:.2f} GB over {dist.world} "
              f"process(es) ({parts})")
@@ -123,6 +125,7 @@ def train(args) -> Path:
              f"{args.steps:,} steps of {args.batch_size} sequences of {args.seq_len} "
              f"tokens, {dist.world} process(es) on {dist.device}, {micro_batches} "
              f"micro-batch(es) of {args.micro_batch} each")
+
     sequences = args.steps * args.batch_size
     if dist.device.type == "cpu" and sequences >= 1_000_000:
         dist.log(f"note: that is {sequences:,} sequences, the scale of the paper's multi-GPU "
@@ -130,22 +133,23 @@ def train(args) -> Path:
                  "long a step takes here and what the run will cost. A CPU-sized run: the "
                  "README's walkthrough")
 
-    # 4. The loop: the step's batch -> train_step (layout, loss, backward, step) -> log, save.
+    # 4. The loop: batch -> train_step (layout, loss, backward, step) -> log.
     region_len = args.seq_len // args.regions
     per = args.micro_batch
     t0 = time.perf_counter()
     progress = Progress()
     try:
         for step in range(start, args.steps):
-            # The batch: the step's rows and one k and offset, the same on every process;
-            # micro-batch i of the rows goes to process i % world.
+            # The batch: the step's rows and one k and offset, the same on every
+            # process; micro-batch i of the rows goes to process i % world.
             g = torch.Generator().manual_seed(args.seed * 7_919 + step + 1)
             k, offset = sample_k_and_offset(args.k_max, region_len, generator=g)
             rows = rows_of_step(step, global_batch=args.batch_size, n_rows=len(seqs),
                                 seed=args.seed)
-            mine = range(dist.rank, len(rows) // per, dist.world)
-            micro = [rows[i * per:(i + 1) * per] for i in mine]
+            micro = [rows[i * per:(i + 1) * per]
+                     for i in range(dist.rank, len(rows) // per, dist.world)]
             micro = [(seqs[r].long(), None if trained is None else trained[r]) for r in micro]
+
             # The rate this step trains at: train_step moves the schedule on.
             lr = optimizer.param_groups[0]["lr"]
             stats = train_step(student, teacher, optimizer, scheduler, micro, k=k,
@@ -160,11 +164,12 @@ def train(args) -> Path:
             if dist.main and progress.due(last):
                 per_step = elapsed / (done - start)
                 tokens_per_s = args.batch_size * args.seq_len / per_step
-                eta = format_seconds(per_step * (args.steps - done))
                 dist.log(f"step {done}/{args.steps} | loss {stats['loss']:.4f} "
                          f"| agree {stats['agree']:.3f} | k {stats['k']:2d} | lr {lr:.2e} "
                          f"| grad {stats['grad_norm']:.3f} | {per_step:.2f} s/step, "
-                         f"{tokens_per_s:,.0f} tok/s | ETA {eta}")
+                         f"{tokens_per_s:,.0f} tok/s "
+                         f"| ETA {format_seconds(per_step * (args.steps - done))}")
+
             if done % args.save_every == 0 or last:
                 saved = save_checkpoint(student, optimizer, scheduler, done, args, dist)
                 # Weights and AdamW's state: 3x the model in float32.
@@ -183,27 +188,30 @@ def train(args) -> Path:
     return export(student, tok, out / "final", args, dist)
 
 
-def train_step(student, teacher, optimizer, scheduler, micro: list, k: int, offset: int,
+def train_step(student, teacher, optimizer, scheduler, micro, k: int, offset: int,
                args, dist: Dist, mask_id: int, pad: int) -> dict:
-    """One optimizer step on this process's micro-batches, each (rows, trained tokens or
-    None): layout -> loss -> backward for each, then clip and step -> the step's stats."""
-    # 1. Layout: each micro-batch becomes its k-token problems. The padding token ends a
-    # row's text too: it is the layout's EOS.
+    """One optimizer step on this process's micro-batches, each (rows, trained
+    tokens or None): layout -> loss -> backward for each, then clip and step ->
+    the step's stats."""
+    # 1. Layout: each micro-batch becomes its k-token problems. The padding
+    # token ends a row's text too: it is the layout's EOS.
     batches = [mtp_layout(rows, k=k, offset=offset, n_regions=args.regions,
                           mask_id=mask_id, eos_id=pad, pad_id=pad, trained=trained)
                for rows, trained in micro]
 
-    # 2. Weights: mtp_loss averages over its micro-batch's valid predictions; weighted by
-    # their share of the global batch's, the gradient is one mean over it however it is
-    # split (FSDP averages over processes: hence * world). Counted on the host.
+    # 2. Weights: mtp_loss averages over its micro-batch's valid predictions;
+    # weighted by their share of the global batch's, the gradient is one mean
+    # over it however it is split (FSDP averages over processes: hence * world).
+    # They are counted on the host, before moving.
     counts = [int(b.valid.sum()) for b in batches]
     batches = [b.to(dist.device) for b in batches]
     n_global = max(1.0, dist.all_sum(sum(counts)))
 
-    # 3. Loss and backward, per micro-batch. Each backward reduce-scatters at once: no full
-    # gradient is held. Sharded, FSDP2's MixedPrecisionPolicy casts; else autocast does.
-    use_autocast = dist.dtype != torch.float32 and not dist.sharded
-    autocast = torch.autocast(dist.device.type, dtype=dist.dtype, enabled=use_autocast)
+    # 3. Loss and backward, per micro-batch. Each backward reduce-scatters at
+    # once: no full gradient is held. Sharded, FSDP2's MixedPrecisionPolicy
+    # casts; else autocast does.
+    autocast = torch.autocast(dist.device.type, dtype=dist.dtype,
+                              enabled=dist.dtype != torch.float32 and not dist.sharded)
     loss_sum = 0.0
     agree = 0.0
     for batch, n in zip(batches, counts):
@@ -225,6 +233,7 @@ def train_step(student, teacher, optimizer, scheduler, micro: list, k: int, offs
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
+
     return {"loss": dist.all_sum(loss_sum) / n_global,
             "agree": dist.all_sum(agree) / n_global,
             "grad_norm": float(grad_norm), "k": batches[0].k,
@@ -232,10 +241,10 @@ def train_step(student, teacher, optimizer, scheduler, micro: list, k: int, offs
 
 
 def training_state_bytes(model, compute_dtype: torch.dtype, teacher_copy: bool) -> dict:
-    """Bytes the training state holds beside the activations, as built: the weights (float32
-    master weights; a gated adapter's frozen base in the compute dtype), a teacher copy in
-    the compute dtype, float32 gradients and AdamW's two float32 moments of each trained
-    weight."""
+    """Bytes the training state holds beside the activations, as built: the
+    weights (float32 master weights; a gated adapter's frozen base in the
+    compute dtype), a teacher copy in the compute dtype, float32 gradients and
+    AdamW's two float32 moments of each trained weight."""
     params = list(model.parameters())
     trained = sum(p.numel() for p in params if p.requires_grad)
     teacher = 0
@@ -246,8 +255,8 @@ def training_state_bytes(model, compute_dtype: torch.dtype, teacher_copy: bool) 
 
 
 def rows_of_step(step: int, global_batch: int, n_rows: int, seed: int) -> list[int]:
-    """Row indices of the global batch of step `step` (0-based): a seeded permutation per
-    epoch."""
+    """Row indices of the global batch of step `step` (0-based): a seeded
+    permutation per epoch."""
     first = step * global_batch
     epochs = range(first // n_rows, (first + global_batch - 1) // n_rows + 1)
     order = torch.cat([
@@ -256,18 +265,18 @@ def rows_of_step(step: int, global_batch: int, n_rows: int, seed: int) -> list[i
     return order[first - epochs[0] * n_rows:][:global_batch].tolist()
 
 
-# === eval: GSM8K, scored as lm-evaluation-harness's `gsm8k_cot` task scores it =============
-# Prompt: Wei et al.'s (2022) 8 exemplars "Q: ...\nA: ... The answer is N." and
-# "Q: {question}\nA:".
+# === eval: GSM8K, scored as lm-evaluation-harness's `gsm8k_cot` scores it =====
+# Prompt: Wei et al.'s (2022) 8 exemplars "Q: ...\nA: ... The answer is N.",
+# then "Q: {question}\nA:".
 #   strict-match      the FIRST match of `The answer is (\-?[0-9\.\,]+).` -- the last "." is
 #                     an unescaped regex dot (ANY one character), so with nothing after the
 #                     number the group gives back its last digit: a final "The answer is 42"
 #                     gives "4";
 #   flexible-extract  the LAST match of `(-?[$0-9.,]{2,})|(-?[0-9]+)`, the last number-like
 #                     run.
-# Before comparing, extraction and gold answer (the text after "####") lose every "," and
-# "$", all up to "#### " and one trailing ".", and are lower-cased. Standard error:
-# sqrt(sample var / n).
+# Before comparing, extraction and gold answer (the text after "####") lose
+# every "," and "$", all up to "#### " and one trailing ".", and are
+# lower-cased. Standard error: sqrt(sample var / n).
 GSM8K_EXEMPLARS = json.loads((PROMPTS / "gsm8k_cot_exemplars.json").read_text("utf-8"))
 GSM8K_STOP_STRINGS = ("Q:", "</s>", "<|im_end|>")
 STRICT_MATCH = re.compile(r"The answer is (\-?[0-9\.\,]+).")
@@ -281,13 +290,13 @@ def fewshot_prompt(question: str, n_shot: int = 8) -> str:
 
 
 def score(completion: str, gold: str) -> dict:
-    def extract(regex: re.Pattern, select: int) -> str:
-        # Match `select` (0: the first, -1: the last); of a match's groups, the non-empty one.
+    def extract(regex, select):
+        # Match `select` (0: first, -1: last); of its groups, the non-empty one.
         found = [m if isinstance(m, str) else next(g for g in m if g)
                  for m in regex.findall(completion)]
         return found[select].strip() if found else "[invalid]"
 
-    def normalize(answer: str) -> str:
+    def normalize(answer):
         for pattern in IGNORED_BEFORE_COMPARING:
             answer = re.sub(pattern, "", answer)
         return answer.lower()
@@ -299,7 +308,8 @@ def score(completion: str, gold: str) -> dict:
             "flexible_ok": normalize(flexible) == normalize(gold)}
 
 
-def mean_and_stderr(values) -> tuple[float, float]:
+def mean_and_stderr(values):
+    """(mean, standard error of the mean)."""
     values = [float(v) for v in values]
     mean = sum(values) / len(values)
     if len(values) < 2:
@@ -307,15 +317,15 @@ def mean_and_stderr(values) -> tuple[float, float]:
     return mean, statistics.stdev(values) / math.sqrt(len(values))
 
 
-def completion_of(tok: Tokenizer, gen, stop_ids) -> tuple[str, int, int]:
-    """(text, tokens, forward passes) as if decoding had stopped at the first stop string:
-    generate stops at stop TOKENS only, so a stop STRING ("Q:") ends the text with the pass
-    that completed it."""
+def completion_of(tok: Tokenizer, gen, stop_ids):
+    """(text, tokens, forward passes) as if decoding had stopped at the first
+    stop string: generate stops at stop TOKENS only, so a stop STRING ("Q:")
+    ends the text with the pass that completed it."""
     tokens = gen.tokens
     if tokens and tokens[-1] in stop_ids:
         tokens = tokens[:-1]
     text = tok.decode(tokens)
-    # Up to the first stop string; the pass that made the cut is the first whose text has it.
+    # Up to the first stop string, made by the first pass whose text has it.
     cut = min((text.split(s)[0] for s in GSM8K_STOP_STRINGS), key=len)
     if cut != text:
         for passes, end in enumerate(gen.boundaries, 1):
@@ -331,6 +341,7 @@ def evaluate(args) -> list[dict]:
         raise ValueError("nothing to evaluate: give --static-k and/or --taus")
     model, tok, mask_id, fmt, stop_ids = load_for_inference(args)
     questions = read_rows(args.data, [("question", "answer")])[: args.limit or None]
+
     # Checked before any decoding, not after the first decoder.
     need_mask = list(dict.fromkeys(m.kind for m in modes if m.block > 1))
     if need_mask and mask_id is None:
@@ -341,11 +352,15 @@ def evaluate(args) -> list[dict]:
     # 1. Prompts; gold answers: the text after the last "####".
     golds = [answer.split("####")[-1].strip() for _, answer in questions]
     fewshot = args.prompt_style == "fewshot"
+    name = model_name(args.model)
     if fewshot:
+        title = f"{name}: GSM8K chain of thought, {args.n_shot}-shot"
         prompts = [start_tokens(tok, fmt) + tok.encode(fewshot_prompt(q, args.n_shot))
                    for q, _ in questions]
     else:
+        title = f"{name}: GSM-style questions, zero-shot ({fmt} format)"
         prompts = [prompt_tokens(tok, fmt, q) for q, _ in questions]
+
     # An earlier eval's k=1 completions (the untuned model's).
     reference = None
     if args.reference:
@@ -358,15 +373,12 @@ def evaluate(args) -> list[dict]:
         reference = [r["completion"] for r in greedy][:len(golds)]
 
     # 2. Where the results go, and the table's head.
-    name = "/".join(Path(args.model).resolve().parts[-2:])
-    title = f"{name}: GSM-style questions, zero-shot ({fmt} format)"
-    if fewshot:
-        title = f"{name}: GSM8K chain of thought, {args.n_shot}-shot"
-    dtype = next(model.parameters()).dtype
     meta = {"model": args.model, "data": args.data, "prompt_style": args.prompt_style,
             "format": fmt, "n_shot": args.n_shot if fewshot else 0,
             "max_new_tokens": args.max_new_tokens,
-            "device": str(next(model.parameters()).device), **provenance(dtype)}
+            "device": str(next(model.parameters()).device),
+            **provenance(next(model.parameters()).dtype)}
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     same = reference is not None
@@ -376,10 +388,12 @@ def evaluate(args) -> list[dict]:
               "|---|---|---|---|---|" + "---|" * same]
     print(f"### {title}", *header, sep="\n", flush=True)
 
-    # 3. Each decoder over all prompts, longest first; table: the rows of results.md.
+    # 3. Each decoder over all prompts, longest first; table: results.md's rows.
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     ordered = [prompts[i] for i in order]
-    results, table, samples_text = [], [], []
+    results = []
+    table = []
+    samples_text = []
     try:
         for mode in modes:
             gens, seconds = decode_with_progress(model, ordered, mode, mask_id, stop_ids, args)
@@ -390,6 +404,7 @@ def evaluate(args) -> list[dict]:
                               "tokens": n_tokens, "passes": passes,
                               "effective_k": n_tokens / max(1, passes),
                               **score(text, golds[i])}
+
             row = result_row(mode, samples, seconds, args.batch_size)
             # How often the answer is the reference's, word for word.
             if same:
@@ -400,7 +415,8 @@ def evaluate(args) -> list[dict]:
             print(table[-1], flush=True)
             samples_text += [json.dumps({"decoding": row["decoding"], **s}) + "\n"
                              for s in samples]
-            # Written after each decoder: an interrupted eval keeps the decoders it finished.
+
+            # Written after each decoder: an interrupted eval keeps those done.
             write_eval(out, title, meta, header, table, results, samples_text, n=len(golds),
                        batch_size=args.batch_size, same=same)
     except KeyboardInterrupt:
@@ -412,20 +428,22 @@ def evaluate(args) -> list[dict]:
     return results
 
 
-def result_row(mode: DecodeConfig, samples: list[dict], seconds: float,
-               batch_size: int) -> dict:
-    """One decoder's results: accuracies with standard errors, effective k, tokens/s."""
+def result_row(mode: DecodeConfig, samples, seconds, batch_size) -> dict:
+    """One decoder's results: accuracies with standard errors, effective k,
+    tokens/s."""
     flex, flex_se = mean_and_stderr(s["flexible_ok"] for s in samples)
     strict, strict_se = mean_and_stderr(s["strict_ok"] for s in samples)
     eff = [s["effective_k"] for s in samples]
     tokens = sum(s["tokens"] for s in samples)
     passes = sum(s["passes"] for s in samples)
+
     decoding = "k=1 (greedy)" if mode.kind == "greedy" else mode.describe()
     # ConfAdapt has a threshold and a k_max instead of one k.
     row = {"decoding": decoding, "kind": mode.kind, "k": mode.block, "tau": None,
            "k_max": None}
     if mode.kind == "confadapt":
         row.update(k=None, tau=mode.tau, k_max=mode.k_max)
+
     return {**row, "n": len(samples), "flexible_acc": flex, "flexible_se": flex_se,
             "strict_acc": strict, "strict_se": strict_se,
             "effective_k_mean": statistics.mean(eff),
@@ -447,9 +465,10 @@ def table_line(row: dict) -> str:
 
 
 def decode_with_progress(model, prompts, mode: DecodeConfig, mask_id, stop_ids, args):
-    """generate() in parts of 4 batches, a progress line between them -> (generations,
-    decoding seconds, prefill excluded). A part's last passes run with a partly empty
-    batch, so tokens/s is a little under one continuous generate() over all prompts."""
+    """generate() in parts of 4 batches, a progress line between them ->
+    (generations, decoding seconds, prefill excluded). A part's last passes run
+    with a partly empty batch, so tokens/s is a little under one continuous
+    generate() over all prompts."""
     part = 4 * args.batch_size
     gens = []
     seconds = 0.0
@@ -502,7 +521,7 @@ def pareto_plot(rows: list[dict], path, title: str):
         for r, p in zip(pts, zip(x, y)):
             ax.annotate(label.format(**r), p, xytext=(4, 4), textcoords="offset points",
                         fontsize=7)
-    # On the Pareto front: the points no other point matches or beats on both axes.
+    # The Pareto front: points no other point matches or beats on both axes.
     points = [(r["effective_k_mean"], 100 * r["flexible_acc"]) for r in rows]
     front = sorted(p for p in set(points)
                    if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in points))
@@ -515,7 +534,14 @@ def pareto_plot(rows: list[dict], path, title: str):
     fig.savefig(path, dpi=130)
 
 
-def load_for_inference(args) -> tuple[Transformer, Tokenizer, int | None, str, set]:
+def model_name(path) -> str:
+    """A model folder's last two path parts, as titles name it."""
+    return "/".join(Path(path).resolve().parts[-2:])
+
+
+def load_for_inference(args):
+    """(model, tokenizer, mask id or None, prompt format, stop ids) of
+    --model."""
     device = parse_device(args.device)
     model, tok, mask_id, _ = load_model(args.model, device,
                                         compute_dtype(device.type, args.dtype))
@@ -527,7 +553,7 @@ def load_for_inference(args) -> tuple[Transformer, Tokenizer, int | None, str, s
     return model, tok, mask_id, fmt, stop_ids
 
 
-# === analyze: is this domain predictable enough to be worth tuning? ========================
+# === analyze: is this domain predictable enough to be worth tuning? ===========
 # The base model answers the domain's prompts greedily; c_t is each answer token's top-1
 # probability given the true prefix. ConfAdapt accepts a mask prediction when the TUNED model
 # is at least tau sure of it without seeing the tokens just before. Two bounds on that:
@@ -536,13 +562,13 @@ def load_for_inference(args) -> tuple[Transformer, Tokenizer, int | None, str, s
 #   joint (conservative)    accepted while c_t * c_{t+1} * ... * c_{t+j} >= tau: the
 #                           probability of the whole greedy run, a lower bound on the
 #                           marginal of its last token.
-# Both read the UNTUNED model's confidences, and tuning with the hard teacher sharpens them:
-# on this project's SmolLM2 word problems the estimate at tau 0.9 was 1.2-1.3 tokens per
-# pass and tuned models reached 1.8-2.5. Read them as a floor of what tuning can give, not a
-# forecast.
+# Both read the UNTUNED model's confidences, and tuning with the hard teacher
+# sharpens them: on this project's SmolLM2 word problems the estimate at tau 0.9
+# was 1.2-1.3 tokens per pass and tuned models reached 1.8-2.5. Read them as a
+# floor of what tuning can give, not a forecast.
 def simulated_passes(conf: list[float], tau: float, k_max: int, joint: bool) -> int:
-    """Forward passes ConfAdapt(tau, k_max) needs for an answer with these confidences (per
-    token or joint)."""
+    """Forward passes ConfAdapt(tau, k_max) needs for an answer with these
+    confidences (per token or joint)."""
     t = 0
     passes = 0
     while t < len(conf):
@@ -566,28 +592,30 @@ def analyze(args) -> dict:
         questions = read_rows(args.data, [("question",), ("query",), ("prompt",)])
         groups = {Path(args.data).name: [q for (q,) in questions][: args.limit or None]}
 
+    device = next(model.parameters()).device
     reports = {}
     for name, questions in groups.items():
         prompts = [prompt_tokens(tok, fmt, q) for q in questions]
         gens, _ = generate(model, prompts, args.max_new_tokens, DecodeConfig("greedy"),
                            stop_ids=stop_ids, batch_size=args.batch_size)
-        # Per answer: the top-1 probability at each of its tokens, one teacher-forced pass
-        # over prompt + answer.
+        # Per answer: the top-1 probability at each of its tokens, one
+        # teacher-forced pass over prompt + answer.
         confs = []
-        for prompt, gen in ((p, g) for p, g in zip(prompts, gens) if g.tokens):
+        for prompt, gen in zip(prompts, gens):
+            if not gen.tokens:
+                continue
             with torch.inference_mode():
-                device = next(model.parameters()).device
                 ids = torch.tensor([prompt + gen.tokens], device=device)   # (1, P + A)
                 index = torch.arange(len(prompt) - 1, ids.shape[1] - 1, device=ids.device)
                 probs = model(ids, output_index=index[None]).float().softmax(-1)  # (1, A, V)
                 confs.append(probs.max(-1).values[0].tolist())
+
         reports[name] = predictability(confs, args.taus, args.k_max)
 
-    model_name = "/".join(Path(args.model).resolve().parts[-2:])
-    most = min(args.max_new_tokens, model.config.max_seq_len)
     taus = " | ".join(f"tau {t:g}" for t in args.taus)
-    md = [f"### Predictability for {model_name}", "",
-          f"Greedy answers (at most {most} tokens) to held-out prompts, {fmt} format; "
+    md = [f"### Predictability for {model_name(args.model)}", "",
+          f"Greedy answers (at most {min(args.max_new_tokens, model.config.max_seq_len)} "
+          f"tokens) to held-out prompts, {fmt} format; "
           f"ConfAdapt k_max = {args.k_max}; effective k estimated from the untuned model's "
           "confidences (a floor: tuning sharpens them), joint to per-token.",
           "",
@@ -599,18 +627,21 @@ def analyze(args) -> dict:
         md.append(f"| {name} | {r['answers']} | {r['tokens']} "
                   f"| {r['mean_confidence']:.3f} | {ranges} |")
     md += [""] + [f"- {name}: {r['verdict']}" for name, r in reports.items()] + [""]
+
     print("\n".join(md))
     report = {"model": args.model, "format": fmt, "k_max": args.k_max,
               "max_new_tokens": args.max_new_tokens, "domains": reports}
     if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        write_json(Path(args.out) / "analysis.json", report)
-        (Path(args.out) / "analysis.md").write_text("\n".join(md), encoding="utf-8")
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(out / "analysis.json", report)
+        (out / "analysis.md").write_text("\n".join(md), encoding="utf-8")
     return report
 
 
-def predictability(confs: list[list[float]], taus: list[float], k_max: int) -> dict:
-    """One domain's report: effective k both ways per tau, and a verdict at tau 0.9."""
+def predictability(confs, taus, k_max: int) -> dict:
+    """One domain's report: effective k both ways per tau, and a verdict at tau
+    0.9."""
     flat = [c for cs in confs for c in cs]
     if not flat:
         raise ValueError("the model produced no answer tokens")
@@ -622,6 +653,7 @@ def predictability(confs: list[list[float]], taus: list[float], k_max: int) -> d
     rows = [{"tau": tau, "share_confident": sum(c >= tau for c in flat) / len(flat),
              "effective_k_per_token": effective_k(tau, joint=False),
              "effective_k_joint": effective_k(tau, joint=True)} for tau in taus]
+
     ref = min(rows, key=lambda r: abs(r["tau"] - 0.9))
     worth = ref["effective_k_per_token"] >= 2.0
     verdict = (f"at tau={ref['tau']:g} the untuned model's own confidences already allow "
@@ -636,10 +668,10 @@ def predictability(confs: list[list[float]], taus: list[float], k_max: int) -> d
             "estimates": rows, "worth_tuning": worth, "verdict": verdict}
 
 
-# === data: training rows from the model itself =============================================
-# The hard teacher uses data only as prefixes (its targets are its own predictions), so the
-# model's greedy answers to prompts of the target domains serve, from the distribution
-# ConfAdapt decodes.
+# === data: training rows from the model itself ================================
+# The hard teacher uses data only as prefixes (its targets are its own
+# predictions), so the model's greedy answers to prompts of the target domains
+# serve, from the distribution ConfAdapt decodes.
 def make_data(args):
     model, tok, _, fmt, stop_ids = load_for_inference(args)
     rows = []
@@ -658,6 +690,7 @@ def make_data(args):
                 kept = f"{out} holds the {len(rows)} rows of {', '.join(done)}"
             raise KeyboardInterrupt(f"{kept}; {domain} and the domains after it were not "
                                     "made") from None
+
         for q, g in zip(questions, gens):
             finished = bool(g.tokens) and g.tokens[-1] in stop_ids
             answer = tok.decode(g.tokens[:-1] if finished else g.tokens)
@@ -668,33 +701,36 @@ def make_data(args):
               f"{args.max_new_tokens}: marked unfinished, train skips them), "
               f"{sum(len(g.tokens) for g in gens):,} tokens, {stats.seconds:.0f} s",
               flush=True)
+
         # Written after each domain: Ctrl-C keeps them.
         text = "".join(json.dumps(r) + "\n" for r in rows)
         atomic_save(lambda p: Path(p).write_text(text, encoding="utf-8"), out)
     print(f"wrote {len(rows)} rows to {out}")
 
 
-# === export: a Hugging Face folder any transformers-based stack loads ======================
+# === export: a Hugging Face folder any transformers-based stack loads =========
 def export(student, tok: Tokenizer, path: Path, args, dist: Dist) -> Path:
-    """A Hugging Face folder of the tuned model, or with the gated adapter the adapter's
-    folder (its weights and config, naming the unchanged base model; cli.load_model reads
-    both)."""
+    """A Hugging Face folder of the tuned model, or with the gated adapter the
+    adapter's folder (its weights and config, naming the unchanged base model;
+    cli.load_model reads both)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     adapter = uses_adapter(args)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True,
                                ignore_frozen_params=adapter)
     state = get_model_state_dict(student, options=options)
+
     # Saved in the base model's dtype.
     base = read_json(os.path.join(args.model, "config.json"), "model config")
-    dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-    dtype = dtypes.get(base.get("dtype") or base.get("torch_dtype"), torch.float32)
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(
+        base.get("dtype") or base.get("torch_dtype"), torch.float32)
+
     if dist.main:
         with torch.device("meta"):
             model = Transformer(student.config)
             if adapter:
                 add_mask_adapter(model, args.adapter_rank, args.adapter_alpha,
                                  args.adapter_targets)
-        # The adapter's tensors only; else all but a tied lm_head, which is not saved.
+        # The adapter's tensors only; else all but a tied lm_head (not saved).
         model.load_state_dict(state, assign=True, strict=not adapter)
         if adapter:
             save_mask_adapter(model, path, args.model, dtype=dtype)
@@ -704,11 +740,12 @@ def export(student, tok: Tokenizer, path: Path, args, dist: Dist) -> Path:
             # Sampling defaults, stop ids.
             generation = Path(args.model) / "generation_config.json"
             if generation.is_file():
-                shutil.copyfile(generation, Path(path) / generation.name)
-        (Path(path) / "README.md").write_text(model_card(model.config, args), encoding="utf-8")
+                shutil.copyfile(generation, path / generation.name)
+        (path / "README.md").write_text(model_card(model.config, args), encoding="utf-8")
+
     dist.barrier()
     dist.log(f"exported {path}")
-    return Path(path)
+    return path
 
 
 # Also marks our exports: export writes only over a folder whose card has it.
@@ -766,15 +803,15 @@ def export_checkpoint(args):
     saved = argparse.Namespace(**trainer["args"])
     input_path(saved.model, "the base model this checkpoint was tuned from", folder=True)
     student, _, tok, _ = load_student_and_teacher(saved, Dist(), with_teacher=False)
-    # The optimizer and scheduler are unused, but load_checkpoint restores them too.
-    betas = (saved.beta1, saved.beta2)
-    opt = student.configure_optimizer(saved.lr, saved.weight_decay, betas)
+    # Optimizer and scheduler are unused, but load_checkpoint restores them.
+    opt = student.configure_optimizer(
+        saved.lr, saved.weight_decay, (saved.beta1, saved.beta2))
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     load_checkpoint(ckpt, student, opt, scheduler, saved)
     return export(student, tok, Path(args.out), saved, Dist())
 
 
-# --- plumbing: processes, dtypes, loading and sharding, checkpoints, input checks, CLI ---
+# --- plumbing: processes, dtypes, loading, sharding, checkpoints, checks, CLI --
 
 @dataclass
 class Dist:
@@ -817,8 +854,8 @@ def setup_processes(device: str, dtype: str = "auto") -> Dist:
     if not torchrun:
         return Dist(device=device, dtype=compute)
 
-    # Rank 0 alone loads and exports while the others wait: on a slow disk, longer than
-    # NCCL's default 10 minutes.
+    # Rank 0 alone loads and exports while the others wait: on a slow disk,
+    # longer than NCCL's default 10 minutes.
     backend = "nccl" if device.type == "cuda" else "gloo"
     torch.distributed.init_process_group(backend, timeout=timedelta(hours=1))
     # gloo computes in float32.
@@ -829,44 +866,44 @@ def setup_processes(device: str, dtype: str = "auto") -> Dist:
 
 
 def compute_dtype(device_type: str, dtype: str = "auto") -> torch.dtype:
-    """--dtype auto: bfloat16 on GPUs and CPUs with native bfloat16 arithmetic (elsewhere
-    slow), else float32."""
+    """--dtype auto: bfloat16 on GPUs and CPUs with native bfloat16 arithmetic
+    (elsewhere slow), else float32."""
     if dtype != "auto":
         return getattr(torch, dtype)
     if device_type == "cuda":
         native = native_bfloat16_gpu(torch.device("cuda"))
     else:
         # Linux lists the CPU's flags.
-        flags = ""
-        if os.path.isfile("/proc/cpuinfo"):
-            flags = Path("/proc/cpuinfo").read_text()
+        cpuinfo = Path("/proc/cpuinfo")
+        flags = cpuinfo.read_text() if cpuinfo.is_file() else ""
         native = "avx512_bf16" in flags or "amx_bf16" in flags
     return torch.bfloat16 if native else torch.float32
 
 
-# Precision. The student keeps float32 master weights (lr 1e-5 updates vanish in bfloat16's
-# 8-bit mantissa), computing in --dtype (FSDP2's MixedPrecisionPolicy when sharded, else
-# torch.autocast); the teacher never changes, so it is stored in the compute dtype.
-# Sharding. Every rank builds both models on the meta device (no memory), shards each block
-# (one all-gather unit), then the root; rank 0 alone reads the checkpoint, broadcasting its
-# weights straight into every process's shards.
+# Precision. The student keeps float32 master weights (lr 1e-5 updates vanish in
+# bfloat16's 8-bit mantissa), computing in --dtype (FSDP2's MixedPrecisionPolicy
+# when sharded, else torch.autocast); the teacher never changes, so it is stored
+# in the compute dtype. Sharding. Every rank builds both models on the meta
+# device (no memory), shards each block (one all-gather unit), then the root;
+# rank 0 alone reads the checkpoint, broadcasting its weights straight into
+# every process's shards.
 def uses_adapter(args) -> bool:
-    """--adapter gated-lora; the arguments of a checkpoint from before that flag say
-    nothing."""
+    """--adapter gated-lora; the arguments of a checkpoint from before that flag
+    say nothing."""
     return getattr(args, "adapter", "none") != "none"
 
 
 def load_student_and_teacher(args, dist: Dist, with_teacher: bool = True):
-    """(student, teacher or None, tokenizer, mask id) on dist.device, sharded when
-    dist.sharded. With the gated adapter the base is frozen and the teacher is the student
-    with its adapter off."""
+    """(student, teacher or None, tokenizer, mask id) on dist.device, sharded
+    when dist.sharded. With the gated adapter the base is frozen and the teacher
+    is the student with its adapter off."""
     tok = load_tokenizer(args.model)
     full = None
     meta = [None]
     if dist.main:
         full = Transformer.from_pretrained(args.model, dtype=torch.float32)
         meta = [(full.config, add_mask_token(full, tok))]
-    # Rank 0's config and mask id, on every rank; rank 0's tokenizer has <mask> already.
+    # Rank 0's config and mask id on every rank (its tokenizer has <mask>).
     if dist.sharded:
         torch.distributed.broadcast_object_list(meta, src=0)
     cfg, mask_id = meta[0]
@@ -875,8 +912,9 @@ def load_student_and_teacher(args, dist: Dist, with_teacher: bool = True):
     if adapter:
         settings = (args.adapter_rank, args.adapter_alpha, args.adapter_targets)
 
-    # One process. With the adapter, the frozen base is in the compute dtype, like a
-    # teacher copy, and the adapter in float32; a teacher copy is made on the CPU, then moved.
+    # One process. With the adapter, the frozen base is in the compute dtype,
+    # like a teacher copy, and the adapter in float32; a teacher copy is made on
+    # the CPU, then moved.
     if not dist.sharded and adapter:
         full.to(device=dist.device, dtype=dist.dtype)
         add_mask_adapter(full, *settings)
@@ -903,17 +941,18 @@ def load_student_and_teacher(args, dist: Dist, with_teacher: bool = True):
     if with_teacher and not adapter:
         teacher = frozen_teacher(student).to(dist.dtype)
         models.append(teacher)
-    # A mesh for the device: fully_shard's default would put a `--device cpu` run's shards
-    # on a GPU.
+    # A mesh for the device: fully_shard's default would put a `--device cpu`
+    # run's shards on a GPU.
     mesh = init_device_mesh(dist.device.type, (dist.world,))
     mp = MixedPrecisionPolicy(param_dtype=dist.dtype, reduce_dtype=torch.float32)
     from_rank0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     for model in models:
         for block in model.layers:
             fully_shard(block, mesh=mesh, mp_policy=mp)
-        # FSDP2 keeps a root's parameters gathered after its forward, for the backward that
-        # follows; the teacher has no backward, so its embedding and output layer would stay
-        # whole on every rank unless told to reshard (None: FSDP2's default).
+        # FSDP2 keeps a root's parameters gathered after its forward, for the
+        # backward that follows; the teacher has no backward, so its embedding
+        # and output layer would stay whole on every rank unless told to reshard
+        # (None: FSDP2's default).
         reshard = True if model is teacher else None
         fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
         # RoPE frequencies are computed again.
@@ -924,10 +963,10 @@ def load_student_and_teacher(args, dist: Dist, with_teacher: bool = True):
     return student.train(), teacher, tok, mask_id
 
 
-# A checkpoint is checkpoints/step_000123/: torch.distributed.checkpoint's files (each process
-# its shards of model and optimizer state) and trainer.pt (step, scheduler, CPU RNG,
-# arguments), renamed from a temporary name when complete, then named in `latest`: a crash
-# leaves the last one whole.
+# A checkpoint is checkpoints/step_000123/: torch.distributed.checkpoint's files
+# (each process its shards of model and optimizer state) and trainer.pt (step,
+# scheduler, CPU RNG, arguments), renamed from a temporary name when complete,
+# then named in `latest`: a crash leaves the last one whole.
 RESUME_MUST_MATCH = ("model", "data", "format", "seq_len", "response_only", "mode",
                      "prefix_ntp_weight", "adapter", "k_max", "regions", "batch_size", "lr",
                      "warmup", "decay", "weight_decay", "beta1", "beta2", "seed")
@@ -942,13 +981,13 @@ def save_checkpoint(student, optimizer, scheduler, step: int, args, dist: Dist) 
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    dcp.save(checkpoint_state(student, optimizer, args), checkpoint_id=tmp)
+    state, _ = checkpoint_state(student, optimizer, args)
+    dcp.save(state, checkpoint_id=tmp)
     dist.barrier()
     # No GPU RNG state: nothing draws on it.
     if dist.main:
-        trainer = {"step": step, "scheduler": scheduler.state_dict(), "args": vars(args),
-                   "rng_cpu": torch.get_rng_state()}
-        torch.save(trainer, tmp / "trainer.pt")
+        torch.save({"step": step, "scheduler": scheduler.state_dict(), "args": vars(args),
+                    "rng_cpu": torch.get_rng_state()}, tmp / "trainer.pt")
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         atomic_save(lambda p: Path(p).write_text(final.name + "\n"), root / "latest")
@@ -959,18 +998,15 @@ def save_checkpoint(student, optimizer, scheduler, step: int, args, dist: Dist) 
     return final
 
 
-def checkpoint_state(student, optimizer, args) -> dict:
-    """What a checkpoint holds of model and AdamW (this process's shards): every weight, or
-    with the gated adapter only the trained ones."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    model, optim = get_state_dict(student, optimizer, options=state_options(args))
-    return {"model": model, "optim": optim}
-
-
-def state_options(args):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
+def checkpoint_state(student, optimizer, args):
+    """What a checkpoint holds of model and AdamW (this process's shards), and
+    the options that say so: every weight, or with the gated adapter only the
+    trained ones."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     adapter = uses_adapter(args)
-    return StateDictOptions(ignore_frozen_params=adapter, strict=not adapter)
+    options = StateDictOptions(ignore_frozen_params=adapter, strict=not adapter)
+    model, optim = get_state_dict(student, optimizer, options=options)
+    return {"model": model, "optim": optim}, options
 
 
 def latest_checkpoint(out) -> Path | None:
@@ -983,9 +1019,9 @@ def latest_checkpoint(out) -> Path | None:
     return path
 
 
-def load_checkpoint(path: Path, student, optimizer, scheduler, args) -> tuple[int, int]:
-    """Restore model, optimizer, scheduler and RNG from `path` if the run's settings match
-    -> (steps done, the --steps that run was asked for)."""
+def load_checkpoint(path: Path, student, optimizer, scheduler, args):
+    """Restore model, optimizer, scheduler and RNG from `path` if the run's
+    settings match -> (steps done, the --steps that run was asked for)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
     trainer = read_checkpoint(path / "trainer.pt", "training checkpoint", weights_only=True)
@@ -998,17 +1034,17 @@ def load_checkpoint(path: Path, student, optimizer, scheduler, args) -> tuple[in
         paths = [value] if isinstance(value, str) else value
         return [os.path.realpath(p) for p in paths]
 
+    old = trainer["args"]
+    new = vars(args)
     keys = RESUME_MUST_MATCH
-    if setting("adapter", vars(args)) != "none":
+    if setting("adapter", new) != "none":
         keys += ("adapter_rank", "adapter_alpha", "adapter_targets")
-    before = {k: setting(k, trainer["args"]) for k in keys}
-    now = {k: setting(k, vars(args)) for k in keys}
-    changed = [f"--{k.replace('_', '-')} {before[k]} -> {now[k]}" for k in keys
-               if before[k] != now[k]]
+    changed = [f"--{k.replace('_', '-')} {setting(k, old)} -> {setting(k, new)}"
+               for k in keys if setting(k, old) != setting(k, new)]
     if changed:
         raise ValueError(f"cannot resume from {path}: settings differ from the interrupted "
                          f"run ({'; '.join(changed)})")
-    state = checkpoint_state(student, optimizer, args)
+    state, options = checkpoint_state(student, optimizer, args)
     try:
         dcp.load(state, checkpoint_id=str(path))
     # dcp wraps the reader's error in its own exception type.
@@ -1017,17 +1053,17 @@ def load_checkpoint(path: Path, student, optimizer, scheduler, args) -> tuple[in
                          f"({type(e).__name__}); resume from an earlier one by pointing "
                          f"{path.parent}/latest at it") from None
     set_state_dict(student, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"], options=state_options(args))
+                   optim_state_dict=state["optim"], options=options)
     scheduler.load_state_dict(trainer["scheduler"])
     # Per-GPU states, where saved, are unused.
     torch.set_rng_state(trainer["rng_cpu"])
     return trainer["step"], trainer["args"]["steps"]
 
 
-def training_pairs(args, dist: Dist) -> list[tuple[str, str]]:
-    """(prompt, response) pairs of every --data file, without the rows `data` marked
-    unfinished (answers cut at its --max-new-tokens: a cut answer would teach the model to
-    stop mid-text)."""
+def training_pairs(args, dist: Dist):
+    """(prompt, response) pairs of every --data file, without the rows `data`
+    marked unfinished (answers cut at its --max-new-tokens: a cut answer would
+    teach the model to stop mid-text)."""
     # MetaMathQA, or generic.
     fields = [("query", "response"), ("prompt", "response")]
     pairs = []
@@ -1047,12 +1083,11 @@ def training_pairs(args, dist: Dist) -> list[tuple[str, str]]:
     return pairs[: args.limit_rows or None]
 
 
-def check_targets(seqs: torch.Tensor, trained: torch.Tensor | None, tok: Tokenizer, args,
-                  dist: Dist):
-    """Refuse data and settings that give nothing to predict; warn when many rows give
-    nothing. A row's targets are the tokens it trains on (`trained`: the response's, with
-    --response-only) that are text: not the first token, not padding, not the end of a
-    turn."""
+def check_targets(seqs, trained: torch.Tensor | None, tok, args, dist: Dist):
+    """Refuse data and settings that give nothing to predict; warn when many
+    rows give nothing. A row's targets are the tokens it trains on (`trained`:
+    the response's, with --response-only) that are text: not the first token,
+    not padding, not the end of a turn."""
     end = end_token(tok, args.format)
     pad = padding_token(tok, args.format)
     text = (seqs != pad) & (seqs != end)
@@ -1084,7 +1119,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     taus = [0.99, 0.95, 0.9, 0.8, 0.7, 0.5]
 
-    # All commands but export have these; the decoding ones (not train) the first two.
+    # All commands but export; max_new_tokens: the decoding ones (not train).
     def common(c, model_help, max_new_tokens=None):
         c.add_argument("--model", required=True,
                        help=f"Hugging Face layout folder{model_help}")
@@ -1242,17 +1277,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(args):
-    """Before any work: what a command reads exists, what it writes can be made; train's
-    sizes."""
+    """Before any work: what a command reads exists, what it writes can be made;
+    train's sizes."""
     # export has --checkpoint, no --model or --data.
     a = vars(args)
     for flag in ("model", "checkpoint"):
         if a.get(flag) is not None:
             input_path(a[flag], f"--{flag}", folder=True)
     # The model's config says most about a wrong folder.
-    cfg = None
-    if "model" in a:
-        cfg = read_model_config(base_folder(args.model))
+    cfg = read_model_config(base_folder(args.model)) if "model" in a else None
     # One file (eval, analyze) or several (train).
     data = a.get("data")
     if isinstance(data, str):
@@ -1307,15 +1340,16 @@ def check_args(args):
               f"learning rate {how}", flush=True)
 
 
-# What each command writes into its --out folder; a folder holding anything else is not its
-# own.
+# What each command writes into its --out folder; a folder holding anything
+# else is not its own.
 WRITES = {"eval": ("results.json", "results.md", "pareto.png", "samples.jsonl"),
           "analyze": ("analysis.json", "analysis.md")}
 
 
 def check_out_folder(args):
-    """eval, analyze and export write into a new or empty folder, or (--overwrite) over their
-    own earlier output; never into a model folder or a training run they did not write."""
+    """eval, analyze and export write into a new or empty folder, or
+    (--overwrite) over their own earlier output; never into a model folder or a
+    training run they did not write."""
     out = Path(args.out)
     if args.command == "train" or not out.is_dir() or not any(out.iterdir()):
         return
