@@ -35,9 +35,9 @@ from data import (DOMAINS, FORMATS, PROMPTS, Tokenizer, default_format,
                   padding_token, prompt_tokens, sample_k_and_offset, start_tokens,
                   training_sequences)
 from distill import MODES, adapter_off_teacher, frozen_teacher, mtp_loss
-from model import (ADAPTER_TARGETS, ModelConfig, Transformer, add_mask_adapter,
-                   add_mask_token, atomic_save, read_json, read_model_config,
-                   save_mask_adapter, write_json)
+from model import (ADAPTER_TARGETS, Transformer, add_mask_adapter, add_mask_token,
+                   atomic_save, read_json, read_model_config, save_mask_adapter,
+                   write_json)
 
 
 # === train: student + frozen teacher -> data rows -> AdamW -> loop -> export ===
@@ -80,40 +80,10 @@ def train(args) -> Path:
         args.lr, args.weight_decay, (args.beta1, args.beta2))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_scale)
 
-    # --overwrite (check_args made sure it was asked for) or --resume.
+    # --overwrite, or --resume from the last checkpoint: the step to start at.
+    start = start_or_resume(student, optimizer, scheduler, args, dist)
     out = Path(args.out)
     log = out / "log.jsonl"
-    start = 0
-    if args.overwrite and dist.main:
-        for folder in ("checkpoints", "final"):
-            shutil.rmtree(out / folder, ignore_errors=True)
-        log.unlink(missing_ok=True)
-
-    if args.resume and (ckpt := latest_checkpoint(out)) is not None:
-        start, planned = load_checkpoint(ckpt, student, optimizer, scheduler, args)
-        if start > args.steps:
-            raise ValueError(f"--steps {args.steps}: the run in {out} has done {start} "
-                             f"steps already; resume it with --steps {start} or more")
-        # From here the rate is this run's schedule, whatever --steps was.
-        scheduler.last_epoch = start - 1
-        scheduler.step()
-        dist.log(f"resumed from {ckpt} at step {start} of {args.steps}")
-        if planned != args.steps:
-            rate = optimizer.param_groups[0]["lr"]
-            dist.log(f"note: steps 1-{start} followed the schedule of a {planned}-step run; "
-                     f"from here the learning rate follows a {args.steps}-step one "
-                     f"({rate:.2e} at step {start + 1})")
-        # The steps after `start` are done again: their log rows go.
-        if dist.main and log.is_file():
-            kept = [line + "\n" for line in log.read_text().splitlines()
-                    if json.loads(line)["step"] <= start]
-            atomic_save(lambda p: Path(p).write_text("".join(kept)), log)
-    elif args.resume:
-        dist.log(f"--resume: no checkpoint in {out / 'checkpoints'}, starting at step 0")
-
-    if dist.main:
-        out.mkdir(parents=True, exist_ok=True)
-        write_json(out / "train_args.json", vars(args))
 
     micro_batches = args.batch_size // dist.world // args.micro_batch
     state = training_state_bytes(
@@ -239,6 +209,45 @@ def train_step(student, teacher, optimizer, scheduler, micro, k: int, offset: in
             "grad_norm": float(grad_norm), "k": batches[0].k,
             "offset": batches[0].offset, "n_pred": int(n_global)}
 
+
+def start_or_resume(student, optimizer, scheduler, args, dist: Dist) -> int:
+    """The step this run starts at, with --out made ready: 0, after clearing an earlier
+    run with --overwrite (check_args made sure it was asked for), or with --resume the
+    last checkpoint's, restored."""
+    out = Path(args.out)
+    log = out / "log.jsonl"
+    start = 0
+    if args.overwrite and dist.main:
+        for folder in ("checkpoints", "final"):
+            shutil.rmtree(out / folder, ignore_errors=True)
+        log.unlink(missing_ok=True)
+
+    if args.resume and (ckpt := latest_checkpoint(out)) is not None:
+        start, planned = load_checkpoint(ckpt, student, optimizer, scheduler, args)
+        if start > args.steps:
+            raise ValueError(f"--steps {args.steps}: the run in {out} has done {start} "
+                             f"steps already; resume it with --steps {start} or more")
+        # From here the rate is this run's schedule, whatever --steps was.
+        scheduler.last_epoch = start - 1
+        scheduler.step()
+        dist.log(f"resumed from {ckpt} at step {start} of {args.steps}")
+        if planned != args.steps:
+            rate = optimizer.param_groups[0]["lr"]
+            dist.log(f"note: steps 1-{start} followed the schedule of a {planned}-step run; "
+                     f"from here the learning rate follows a {args.steps}-step one "
+                     f"({rate:.2e} at step {start + 1})")
+        # The steps after `start` are done again: their log rows go.
+        if dist.main and log.is_file():
+            kept = [line + "\n" for line in log.read_text().splitlines()
+                    if json.loads(line)["step"] <= start]
+            atomic_save(lambda p: Path(p).write_text("".join(kept)), log)
+    elif args.resume:
+        dist.log(f"--resume: no checkpoint in {out / 'checkpoints'}, starting at step 0")
+
+    if dist.main:
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(out / "train_args.json", vars(args))
+    return start
 
 def training_state_bytes(model, compute_dtype: torch.dtype, teacher_copy: bool) -> dict:
     """Bytes the training state holds beside the activations, as built: the
@@ -452,7 +461,7 @@ def result_row(mode: DecodeConfig, samples, seconds, batch_size) -> dict:
             "tokens_per_second": tokens / max(seconds, 1e-9), "batch_size": batch_size}
 
 
-def table_line(row: dict) -> str:
+def table_line(row):
     """results.md's line of one decoder: accuracies in % ± standard error."""
     line = (f"| {row['decoding']} "
             f"| {100 * row['flexible_acc']:.1f} ± {100 * row['flexible_se']:.1f} "
@@ -485,7 +494,7 @@ def decode_with_progress(model, prompts, mode: DecodeConfig, mask_id, stop_ids, 
     return gens, seconds
 
 
-def write_eval(out: Path, title, meta, header, table, results, samples_text, n,
+def write_eval(out, title, meta, header, table, results, samples_text, n,
                batch_size, same):
     write_json(out / "results.json", {"meta": meta, "results": results})
     md = [f"### {title}", "", *header, *table]
@@ -503,7 +512,7 @@ def write_eval(out: Path, title, meta, header, table, results, samples_text, n,
     pareto_plot(results, out / "pareto.png", title)
 
 
-def pareto_plot(rows: list[dict], path, title: str):
+def pareto_plot(rows, path, title):
     from matplotlib.figure import Figure
     fig = Figure(figsize=(6.4, 4.4))
     ax = fig.add_subplot(xlabel="effective k (tokens per forward pass)",
@@ -534,7 +543,7 @@ def pareto_plot(rows: list[dict], path, title: str):
     fig.savefig(path, dpi=130)
 
 
-def model_name(path) -> str:
+def model_name(path):
     """A model folder's last two path parts, as titles name it."""
     return "/".join(Path(path).resolve().parts[-2:])
 
@@ -639,7 +648,7 @@ def analyze(args) -> dict:
     return report
 
 
-def predictability(confs, taus, k_max: int) -> dict:
+def predictability(confs, taus, k_max):
     """One domain's report: effective k both ways per tau, and a verdict at tau
     0.9."""
     flat = [c for cs in confs for c in cs]
@@ -752,7 +761,7 @@ def export(student, tok: Tokenizer, path: Path, args, dist: Dist) -> Path:
 MODEL_CARD_TAGS = "tags: [multi-token-prediction, self-distillation]"
 
 
-def model_card(cfg: ModelConfig, args) -> str:
+def model_card(cfg, args) -> str:
     how = f"{args.mode}-target self-distillation"
     if args.mode == "gt":
         how = "the naive ground-truth loss"
