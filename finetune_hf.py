@@ -1,10 +1,11 @@
 """Fine-tune a Hugging Face Llama/Qwen/SmolLM2 checkpoint into a multi-token predictor; measure it.
 
-`train`: add <mask> and self-distill against a frozen copy (data.mtp_layout + distill.mtp_loss),
-on one process or FSDP2-sharded under torchrun, then export a Hugging Face folder. `eval`: GSM8K
-scored as lm-evaluation-harness's gsm8k_cot, over static k and ConfAdapt thresholds. `analyze`:
-before tuning, what ConfAdapt could reach on a domain. `data`: own answers as rows. `export`: a
-checkpoint -> a folder.
+`train`: add <mask> and self-distill against a frozen copy (data.mtp_layout +
+distill.mtp_loss), on one process or FSDP2-sharded under torchrun, then export a
+Hugging Face folder. `eval`: GSM8K scored as lm-evaluation-harness's gsm8k_cot,
+over static k and ConfAdapt thresholds. `analyze`: before tuning, what ConfAdapt
+could reach on a domain. `data`: own answers as rows. `export`: a checkpoint ->
+a folder.
 """
 
 from __future__ import annotations
@@ -83,7 +84,6 @@ def train(args) -> Path:
     # --overwrite, or --resume from the last checkpoint: the step to start at.
     start = start_or_resume(student, optimizer, scheduler, args, dist)
     out = Path(args.out)
-    log = out / "log.jsonl"
 
     micro_batches = args.batch_size // dist.world // args.micro_batch
     state = training_state_bytes(
@@ -129,7 +129,7 @@ def train(args) -> Path:
             last = done == args.steps
             elapsed = time.perf_counter() - t0
             if dist.main and (done % args.log_every == 0 or last):
-                with open(log, "a") as f:
+                with open(out / "log.jsonl", "a") as f:
                     f.write(json.dumps({"step": done, **stats, "lr": lr}) + "\n")
             if dist.main and progress.due(last):
                 per_step = elapsed / (done - start)
@@ -765,7 +765,9 @@ def model_card(cfg, args) -> str:
     how = f"{args.mode}-target self-distillation"
     if args.mode == "gt":
         how = "the naive ground-truth loss"
-    where = ", targets in the responses only" if getattr(args, "response_only", False) else ""
+    where = ""
+    if getattr(args, "response_only", False):
+        where = ", targets in the responses only"
     decay = ""
     if getattr(args, "decay", 0):
         decay = f" then linear to 0 over the last {args.decay},"
@@ -922,13 +924,13 @@ def load_student_and_teacher(args, dist: Dist, with_teacher: bool = True):
         settings = (args.adapter_rank, args.adapter_alpha, args.adapter_targets)
 
     # One process. With the adapter, the frozen base is in the compute dtype,
-    # like a teacher copy, and the adapter in float32; a teacher copy is made on
-    # the CPU, then moved.
+    # like a teacher copy, and the adapter in float32.
     if not dist.sharded and adapter:
         full.to(device=dist.device, dtype=dist.dtype)
         add_mask_adapter(full, *settings)
         teacher = adapter_off_teacher(full) if with_teacher else None
         return full.train(), teacher, tok, mask_id
+    # Without it, a teacher copy is made on the CPU, then moved.
     if not dist.sharded:
         teacher = None
         if with_teacher:
