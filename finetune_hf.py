@@ -190,7 +190,7 @@ def train_step(student, teacher, optimizer, scheduler, micro, k: int, offset: in
                                    prefix_ntp_weight=args.prefix_ntp_weight)
         (loss * (n / n_global) * dist.world).backward()
         loss_sum += stats["loss"] * n
-        # Per position j: the share of argmax == target (NaN: no target there).
+        # Per prediction j: the share of argmax == target (NaN: no target there).
         accs = [a for a in stats["acc"] if a == a]
         if accs:
             agree += n * (sum(accs) / len(accs))
@@ -566,7 +566,7 @@ def load_for_inference(args):
 # The base model answers the domain's prompts greedily; c_t is each answer token's top-1
 # probability given the true prefix. ConfAdapt accepts a mask prediction when the TUNED model
 # is at least tau sure of it without seeing the tokens just before. Two bounds on that:
-#   per-token (optimistic)  position j of a pass is accepted while every c it covers is
+#   per-token (optimistic)  prediction j of a pass is accepted while every c it covers is
 #                           >= tau;
 #   joint (conservative)    accepted while c_t * c_{t+1} * ... * c_{t+j} >= tau: the
 #                           probability of the whole greedy run, a lower bound on the

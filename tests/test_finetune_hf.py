@@ -465,6 +465,7 @@ def test_qwen3_tied_checkpoint_reuses_a_spare_row_and_uses_the_qwen_recipe(tmp_p
     torch.testing.assert_close(hf(x).logits, ours(x),
                                atol=1e-5, rtol=1e-4)
 
+
 def test_word_problem_base_model_trains_on_the_plain_format(tmp_path):
     """scripts/word_problem_base.py writes the data and a base model that `train` can tune;
     its training sequences are finetune_hf's "plain" format token for token."""
@@ -479,10 +480,13 @@ def test_word_problem_base_model_trains_on_the_plain_format(tmp_path):
     pairs = read_rows(out["train"], [("query", "response")])
     seqs, supervised = word_problem_batch(tok, pairs[:1] * 3, random.Random(0), 3, 96)
     assert torch.equal(seqs, F.training_sequences(pairs[:1] * 3, tok, "plain", 96)[0].long())
-    end = int((seqs[0] == tok.eos_id).nonzero()[0])                   # the first <eos>
-    assert supervised[0, 1:end + 1].all() and supervised[0].sum() == end   # all but <bos>, up to <eos>
-    assert F.main(["train", "--model", out["base"], "--data", out["train"], "--out", str(tmp_path / "tuned"), *TRAIN,
-                   "--steps", "1"]) == 0
+    # every token but <bos> is supervised, up to the first <eos>
+    end = int((seqs[0] == tok.eos_id).nonzero()[0])
+    assert supervised[0, 1:end + 1].all()
+    assert supervised[0].sum() == end
+    tuned = str(tmp_path / "tuned")
+    args = ["train", "--model", out["base"], "--data", out["train"], "--out", tuned]
+    assert F.main([*args, *TRAIN, "--steps", "1"]) == 0
 
 
 def test_gt_mode_and_activation_checkpointing(tiny, tmp_path):
