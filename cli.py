@@ -72,8 +72,7 @@ def number(kind, low, high=None, low_open=False):
     """An argparse type: a `kind` (int or float) from `low` (excluded when
     low_open) up to `high` (included; None: no limit)."""
     if high is not None:
-        bracket = "(" if low_open else "["
-        where = f"in {bracket}{low:g}, {high:g}]"
+        where = f"in {'(' if low_open else '['}{low:g}, {high:g}]"
     elif low_open:
         where = f"above {low:g}"
     else:
@@ -385,10 +384,7 @@ def cpu_name() -> str:
         words = info.split()
         widest = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
         flags = next((f for f in widest if f in words), "")
-    described = f"{name}, {os.cpu_count()} cores"
-    if flags:
-        described += f", {flags}"
-    return described
+    return f"{name}, {os.cpu_count()} cores" + (f", {flags}" if flags else "")
 
 
 def provenance(dtype: torch.dtype) -> dict:

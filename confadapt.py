@@ -83,8 +83,9 @@ class DecodeConfig:
         }[self.kind]
 
 
-def decode_modes(static_ks=(), taus=(), k_max=16, lossless_k=None) -> list[DecodeConfig]:
-    """A decoding sweep: static k per k (k=1 is greedy), ConfAdapt per tau, lossless."""
+def decode_modes(static_ks=(), taus=(), k_max=16, lossless_k=None):
+    """A decoding sweep -> DecodeConfigs: static k per k (k=1 is greedy), ConfAdapt
+    per tau, lossless."""
     modes = [DecodeConfig("greedy") if k == 1 else DecodeConfig("static", k=k)
              for k in static_ks]
     modes += [DecodeConfig("confadapt", tau=t, k_max=k_max) for t in taus]
@@ -177,8 +178,7 @@ def generate_uncached(model, prompt: list[int], max_new_tokens: int, mode: Decod
     chunks = []
     drafts = []
     while len(out) < budget and not (out and out[-1] in stop_ids):
-        wanted = budget - len(out)
-        drafts, tail = pass_tail(mode, drafts, wanted=wanted, mask_id=mask_id)
+        drafts, tail = pass_tail(mode, drafts, wanted=budget - len(out), mask_id=mask_id)
         x = torch.tensor([prompt + out + tail], device=next(model.parameters()).device)
 
         # the predictions: at the last real token, then at each draft and mask
@@ -274,9 +274,9 @@ def synchronize(device):
         torch.cuda.synchronize(device)
 
 
-def prefill(model, cache, prompts: dict[int, list[int]], pad_id) -> float:
-    """Cache row b starts afresh with prompts[b] but its last token (its first
-    pending one) -> seconds."""
+def prefill(model, cache, prompts, pad_id) -> float:
+    """Cache row b starts afresh with prompts[b] (a dict: cache row -> prompt) but
+    its last token, its first pending one -> seconds."""
     start = time.perf_counter()
     lengths = cache.lengths.clone()
     heads = [[] for _ in range(len(cache.lengths))]
@@ -293,7 +293,7 @@ def prefill(model, cache, prompts: dict[int, list[int]], pad_id) -> float:
     return time.perf_counter() - start
 
 
-def decode_pass(model, cache, inputs: list[list[int]], firsts, n_preds, pad_id):
+def decode_pass(model, cache, inputs, firsts, n_preds, pad_id):
     """One pass of every row -> logits (B, N, V) at input index firsts[b] ..
     firsts[b] + n_preds[b] - 1 of row b (fewer repeat the last, up to
     N = max(n_preds)). Row b feeds inputs[b] at its own cache slots, right-padded;
@@ -301,8 +301,8 @@ def decode_pass(model, cache, inputs: list[list[int]], firsts, n_preds, pad_id):
     device = cache.lengths.device
     T = max(len(x) for x in inputs)
     N = max(n_preds)
-    padded = [x + [pad_id] * (T - len(x)) for x in inputs]
-    tokens = torch.tensor(padded, device=device)   # (B, T)
+    # (B, T): every row right-padded to the longest
+    tokens = torch.tensor([x + [pad_id] * (T - len(x)) for x in inputs], device=device)
     n_tokens = None
     if any(len(x) != T for x in inputs):
         n_tokens = [len(x) for x in inputs]
@@ -311,21 +311,8 @@ def decode_pass(model, cache, inputs: list[list[int]], firsts, n_preds, pad_id):
     return model(tokens, cache=cache, output_index=index, n_tokens=n_tokens)   # (B, N, V)
 
 
-def check_request(prompts, max_new_tokens, batch_size, context):
-    """Refuse what `generate` cannot do, before any work."""
-    for p in prompts:
-        if not p:
-            raise ValueError("empty prompt: give at least one token (e.g. BOS)")
-        if len(p) >= context:
-            raise ValueError(f"prompt of {len(p)} tokens does not fit the context "
-                             f"of {context} tokens")
-    if max_new_tokens < 1 or (batch_size is not None and batch_size < 1):
-        raise ValueError("max_new_tokens and batch_size must be at least 1, "
-                         f"got {max_new_tokens}, {batch_size}")
-
-
-def decode_step(model, cache, batch: list[Row], mode, mask_id, pad_id, stop_ids):
-    """One ragged pass of every row in `batch`, and what each keeps -> how many
+def decode_step(model, cache, batch, mode, mask_id, pad_id, stop_ids):
+    """One ragged pass of every Row in `batch`, and what each keeps -> how many
     positions the pass fed."""
     # 1) every row feeds its pending tokens, then drafts and masks, and wants
     # predictions from its last pending token on
@@ -364,6 +351,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int,
     """Continue every prompt (token ids) by up to max_new_tokens tokens -> a
     Generation per prompt, ended by its first stop token (kept). At most
     batch_size rows decode at once (default: all)."""
+    # 0) refuse what cannot be decoded, before any work
     mode = mode or DecodeConfig()
     mode.validate()
     if mask_id is None:
@@ -372,7 +360,15 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int,
         raise ValueError(f"{mode.describe()} needs a <mask> token, and the model has "
                          "none (only greedy works)")
     context = model.config.max_seq_len
-    check_request(prompts, max_new_tokens, batch_size, context=context)
+    for p in prompts:
+        if not p:
+            raise ValueError("empty prompt: give at least one token (e.g. BOS)")
+        if len(p) >= context:
+            raise ValueError(f"prompt of {len(p)} tokens does not fit the context "
+                             f"of {context} tokens")
+    if max_new_tokens < 1 or (batch_size is not None and batch_size < 1):
+        raise ValueError("max_new_tokens and batch_size must be at least 1, "
+                         f"got {max_new_tokens}, {batch_size}")
     stop_ids = set(stop_ids)
     # padding is never computed: any id does
     pad_id = mask_id or 0
@@ -506,8 +502,8 @@ def save_chunks_png(path, prompt_text, texts, sizes, title="", width=80):
     from matplotlib import figure, patches
 
     # chunk -1 is the prompt
-    pieces = [(-1, prompt_text)] + list(enumerate(texts))
-    chars = [(ch, chunk) for chunk, text in pieces for ch in text.replace("\t", "    ")]
+    chars = [(ch, chunk) for chunk, text in [(-1, prompt_text)] + list(enumerate(texts))
+             for ch in text.replace("\t", "    ")]
     cells, last_row = wrap_cells(chars, width)
 
     n_cols = max((c for _, c, _, _ in cells), default=0) + 1
@@ -517,8 +513,8 @@ def save_chunks_png(path, prompt_text, texts, sizes, title="", width=80):
     for i, (r, c, ch, chunk) in enumerate(cells):
         y = -r * line_h
         if chunk >= 0:
-            box = patches.Rectangle((c, y - 0.55), 1, 1.3, color=PNG_COLOURS[chunk % 2], lw=0)
-            ax.add_patch(box)
+            ax.add_patch(patches.Rectangle((c, y - 0.55), 1, 1.3,
+                                           color=PNG_COLOURS[chunk % 2], lw=0))
         ax.text(c + 0.5, y, ch, ha="center", va="center", family="monospace", fontsize=9,
                 parse_math=False, color="#666666" if chunk < 0 else "black")
         # a chunk's first character carries its size
@@ -564,14 +560,13 @@ def parser() -> Parser:
 
 def decode_config(args) -> DecodeConfig:
     """The decoding rule the flags ask for; a flag of another rule is an error."""
+    kind = "confadapt"
     if args.greedy:
         kind = "greedy"
     elif args.static_k is not None:
         kind = "static"
     elif args.lossless:
         kind = "lossless"
-    else:
-        kind = "confadapt"
     if kind != "confadapt" and args.tau is not None:
         raise CliError("--tau applies to ConfAdapt only "
                        "(not with --static-k, --lossless or --greedy)")
@@ -598,7 +593,8 @@ def summary(s: DecodeStats, gen: Generation) -> str:
 def generate_main(argv):
     args = parser().parse_args(argv)
     if args.png:
-        output_folder(os.path.dirname(args.png) or ".", f"--png {args.png}: its folder")
+        png_folder = os.path.dirname(args.png) or "."
+        output_folder(png_folder, f"--png {args.png}: its folder")
     mode = decode_config(args)
     model, tokenizer, mask_id, stop_ids = load(args, mode)
     fmt = prompt_format(args.format, tokenizer, model)
@@ -628,20 +624,17 @@ def generate_main(argv):
         print(shown, "", summary(s, gen), sep="\n")
 
     if not gen.stopped and len(gen.tokens) < args.max_new_tokens:
-        context = model.config.max_seq_len
-        print(f"note: stopped at the end of the model's context ({context} tokens)",
-              file=sys.stderr)
+        print("note: stopped at the end of the model's context "
+              f"({model.config.max_seq_len} tokens)", file=sys.stderr)
     if args.png:
-        os.makedirs(os.path.dirname(args.png) or ".", exist_ok=True)
+        os.makedirs(png_folder, exist_ok=True)
         title = (f"{s.mode}: {s.tokens} tokens in {s.forward_passes} passes "
                  f"(effective k {s.effective_k:.2f})")
         save_chunks_png(args.png, args.prompt, texts, gen.chunk_sizes, title=title)
 
 
 def main(argv=None) -> int:
-    if argv is None:
-        argv = sys.argv[1:]
-    return run_cli(generate_main, list(argv))
+    return run_cli(generate_main, sys.argv[1:] if argv is None else list(argv))
 
 
 if __name__ == "__main__":
