@@ -103,7 +103,7 @@ positive_float = number(float, 0, low_open=True)
 probability = number(float, 0, 1, low_open=True)
 
 
-def input_path(path, flag: str, folder: bool = False) -> str:
+def input_path(path, flag, folder=False):
     kind, other = ("folder", "a file") if folder else ("file", "a folder")
     if not os.path.exists(path):
         raise CliError(f"{flag} {path}: no such {kind}")
@@ -112,7 +112,7 @@ def input_path(path, flag: str, folder: bool = False) -> str:
     return path
 
 
-def output_folder(path, flag: str) -> str:
+def output_folder(path, flag):
     if os.path.exists(path) and not os.path.isdir(path):
         raise CliError(f"{flag} {path}: is a file, expected a folder")
     # the nearest folder that exists must take the new ones
@@ -132,11 +132,11 @@ class Progress:
     """When to print a progress line: the first and the last, else at most one
     every `seconds`."""
 
-    def __init__(self, seconds: float = 10.0):
+    def __init__(self, seconds=10.0):
         self.seconds = seconds
         self.last = None
 
-    def due(self, last: bool = False) -> bool:
+    def due(self, last=False) -> bool:
         now = time.perf_counter()
         due = last or self.last is None or now - self.last >= self.seconds
         if due:
@@ -144,7 +144,7 @@ class Progress:
         return due
 
 
-def format_seconds(s: float) -> str:
+def format_seconds(s) -> str:
     """1h02m05s, or 2m05s under an hour."""
     s = int(max(0, s))
     h, m = divmod(s // 60, 60)
@@ -155,7 +155,7 @@ def format_seconds(s: float) -> str:
 
 # --- devices and dtypes ---
 
-def parse_device(name: str) -> torch.device:
+def parse_device(name) -> torch.device:
     """--device cpu, cuda, cuda:N or auto -> torch.device; a missing GPU is an
     error, not the CPU."""
     if name == "auto":
@@ -179,7 +179,7 @@ def native_bfloat16_gpu(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
 
 
-def parse_dtype(name: str, device: torch.device) -> torch.dtype:
+def parse_dtype(name, device) -> torch.dtype:
     """--dtype auto: bfloat16 on a GPU with native bfloat16, float32 elsewhere (on
     a CPU float32 is exact, so the lossless mode reproduces greedy decoding token
     for token)."""
@@ -282,7 +282,7 @@ def load(args, mode):
     return model, tokenizer, mask_id, stop_ids
 
 
-def prompt_format(name: str, tokenizer, model) -> str:
+def prompt_format(name, tokenizer, model) -> str:
     """--format auto: the model's chat format when its tokenizer has one, else raw
     text."""
     if name != "auto":
@@ -291,14 +291,14 @@ def prompt_format(name: str, tokenizer, model) -> str:
     return "raw" if fmt == "plain" else fmt
 
 
-def chat_stop_ids(stop_ids: set, tokenizer, fmt: str) -> set:
+def chat_stop_ids(stop_ids, tokenizer, fmt) -> set:
     """In a chat format the end of the assistant's turn stops generation too."""
     if fmt == "raw":
         return stop_ids
     return stop_ids | {end_token(tokenizer, fmt)}
 
 
-def encode_prompt(tokenizer, model, text: str, fmt: str, no_bos: bool = False) -> list[int]:
+def encode_prompt(tokenizer, model, text, fmt, no_bos=False) -> list[int]:
     """raw: BOS (unless no_bos) + the text; a chat format: the text as the user's
     message, up to where the assistant's answer starts, with the special tokens
     the format's template adds."""
@@ -340,7 +340,8 @@ def read_rows(path, choices=None) -> list:
     return fields_of(rows, path, choices)
 
 
-def json_value(text, where: str):
+def json_value(text, where):
+    """json.loads, its error told in one line that says where."""
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
