@@ -23,59 +23,87 @@ from data import FORMATS, Tokenizer, default_format, end_token, prompt_tokens
 from model import (Transformer, add_mask_token, is_adapter_folder, load_mask_adapter,
                    read_adapter_config)
 
-# --- one-line errors --------------------------------------------------------------------------
+
+
+# --- one-line errors ---
 
 class CliError(Exception):
     """A bad command line: run_cli prints it as one line and exits 2."""
 
+
 class Help(argparse.HelpFormatter):
     """--help shows a flag's default where it has a real one, never "(default: None)"."""
+
     def _get_help_string(self, action):
         d = action.default
-        if d is None or d is False or d == argparse.SUPPRESS or "default" in (action.help or ""):
+        no_default = d is None or d is False or d == argparse.SUPPRESS
+        if no_default or "default" in (action.help or ""):
             return action.help
-        d = " ".join(map(str, d)) if isinstance(d, list) else d
+        if isinstance(d, list):
+            d = " ".join(map(str, d))
         return f"{action.help or ''} (default: {d})".strip().replace("%", "%%")
+
 
 class Parser(argparse.ArgumentParser):
     def __init__(self, *args, formatter_class=Help, **kwargs):
         super().__init__(*args, formatter_class=formatter_class, **kwargs)
-    def error(self, message):             # one line, no usage dump; run_cli prints it and exits 2
+
+    def error(self, message):
+        # one line, no usage dump: run_cli prints it and exits 2
         raise CliError(message)
+
 
 def run_cli(body, argv) -> int:
     try:
         body(argv)
         return 0
-    except (CliError, ValueError, OSError) as e:        # OSError: files (FileNotFoundError too)
+    # OSError: the files (FileNotFoundError too)
+    except (CliError, ValueError, OSError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
         print(f"interrupted{': ' + str(e) if e.args else ''}", file=sys.stderr)
         return 130
 
-# --- argument types and paths -----------------------------------------------------------------
+
+# --- argument types and paths ---
 
 def number(kind, low, high=None, low_open=False):
-    where = f"in {'(' if low_open else '['}{low:g}, {high:g}]" if high is not None \
-        else f"{'above' if low_open else 'at least'} {low:g}"
+    """An argparse type: a `kind` (int or float) from `low` (excluded when
+    low_open) up to `high` (included; None: no limit)."""
+    if high is not None:
+        where = f"in {'(' if low_open else '['}{low:g}, {high:g}]"
+    elif low_open:
+        where = f"above {low:g}"
+    else:
+        where = f"at least {low:g}"
+
     def parse(text):
         try:
             x = kind(text)
         except ValueError:
             what = "a whole number" if kind is int else "a number"
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if (x <= low if low_open else x < low) or (high is not None and x > high) or x != x:
+        # x != x: not a number (nan)
+        too_low = x < low or (low_open and x == low)
+        if too_low or (high is not None and x > high) or x != x:
             raise argparse.ArgumentTypeError(f"must be {where}, got {text}")
         return x
+
     return parse
 
-positive_int = number(int, 1)                          # sizes, steps, counts
-count = number(int, 0)                                 # 0 allowed (usually: "all" or "off")
-positive_float = number(float, 0, low_open=True)       # learning rates, clipping norms, seconds
-probability = number(float, 0, 1, low_open=True)       # thresholds tau
 
-def input_path(path, flag: str, folder: bool = False) -> str:
+# sizes, steps, counts
+positive_int = number(int, 1)
+# 0 allowed (usually: "all" or "off")
+count = number(int, 0)
+# learning rates, clipping norms, seconds
+positive_float = number(float, 0, low_open=True)
+# thresholds tau
+probability = number(float, 0, 1, low_open=True)
+
+
+def input_path(path, flag, folder=False):
     kind, other = ("folder", "a file") if folder else ("file", "a folder")
     if not os.path.exists(path):
         raise CliError(f"{flag} {path}: no such {kind}")
@@ -83,9 +111,11 @@ def input_path(path, flag: str, folder: bool = False) -> str:
         raise CliError(f"{flag} {path}: is {other}, expected a {kind}")
     return path
 
-def output_folder(path, flag: str) -> str:
+
+def output_folder(path, flag):
     if os.path.exists(path) and not os.path.isdir(path):
         raise CliError(f"{flag} {path}: is a file, expected a folder")
+    # the nearest folder that exists must take the new ones
     parent = os.path.abspath(path)
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
@@ -95,72 +125,96 @@ def output_folder(path, flag: str) -> str:
         raise CliError(f"{flag} {path}: {parent} is not writable")
     return path
 
-# --- progress ---------------------------------------------------------------------------------
+
+# --- progress ---
 
 class Progress:
-    """When to print a progress line: the first and the last, else at most one every `seconds`."""
-    def __init__(self, seconds: float = 10.0):
-        self.seconds, self.last = seconds, None
-    def due(self, last: bool = False) -> bool:
+    """When to print a progress line: the first and the last, else at most one
+    every `seconds`."""
+
+    def __init__(self, seconds=10.0):
+        self.seconds = seconds
+        self.last = None
+
+    def due(self, last=False) -> bool:
         now = time.perf_counter()
         due = last or self.last is None or now - self.last >= self.seconds
-        self.last = now if due else self.last
+        if due:
+            self.last = now
         return due
 
-def format_seconds(s: float) -> str:
+
+def format_seconds(s) -> str:
+    """1h02m05s, or 2m05s under an hour."""
     s = int(max(0, s))
     h, m = divmod(s // 60, 60)
-    return f"{h}h{m:02d}m{s % 60:02d}s" if h else f"{m}m{s % 60:02d}s"      # 1h02m05s, 2m05s
+    if h:
+        return f"{h}h{m:02d}m{s % 60:02d}s"
+    return f"{m}m{s % 60:02d}s"
 
-# --- devices and dtypes -----------------------------------------------------------------------
 
-def parse_device(name: str) -> torch.device:
-    """--device cpu, cuda, cuda:N or auto -> torch.device; a missing GPU is an error, not CPU."""
+# --- devices and dtypes ---
+
+def parse_device(name) -> torch.device:
+    """--device cpu, cuda, cuda:N or auto -> torch.device; a missing GPU is an
+    error, not the CPU."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if not re.fullmatch(r"(cpu|cuda)(:\d+)?", name):
         raise ValueError(f"unknown device {name!r}: use cpu, cuda, cuda:N or auto")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: CUDA is not available on this machine (this torch, "
-                         f"{torch.__version__}, sees no GPU); use --device cpu")
+        raise ValueError(f"--device {name}: CUDA is not available on this machine "
+                         f"(this torch, {torch.__version__}, sees no GPU); use --device cpu")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         n = torch.cuda.device_count()
         raise ValueError(f"device {name!r} requested, but this machine has {n} CUDA GPU(s)")
     return device
 
+
 def native_bfloat16_gpu(device: torch.device) -> bool:
-    """A CUDA GPU that computes in bfloat16 natively (Ampere and newer); a T4, a V100 or an RTX
-    20xx only emulates it, slowly, though torch.cuda.is_bf16_supported() says yes there."""
+    """A CUDA GPU that computes in bfloat16 natively (Ampere and newer); a T4, a
+    V100 or an RTX 20xx only emulates it, slowly, though
+    torch.cuda.is_bf16_supported() says yes there."""
     return device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
 
-def parse_dtype(name: str, device: torch.device) -> torch.dtype:
-    """--dtype auto: bfloat16 on a GPU with native bfloat16, float32 elsewhere (on a CPU float32
-    is exact, so the lossless mode reproduces greedy decoding token for token)."""
+
+def parse_dtype(name, device) -> torch.dtype:
+    """--dtype auto: bfloat16 on a GPU with native bfloat16, float32 elsewhere (on
+    a CPU float32 is exact, so the lossless mode reproduces greedy decoding token
+    for token)."""
     if name != "auto":
         return getattr(torch, name)
-    return torch.bfloat16 if native_bfloat16_gpu(device) else torch.float32
+    if native_bfloat16_gpu(device):
+        return torch.bfloat16
+    return torch.float32
 
-# --- a model and its tokenizer for a command --------------------------------------------------
+
+# --- a model and its tokenizer for a command ---
 
 def add_model_args(p):
     g = p.add_argument_group("model")
     g.add_argument("--model", required=True,
-                   help="Hugging Face layout folder (config.json, safetensors, tokenizer.json)")
+                   help="Hugging Face layout folder (config.json, safetensors, "
+                   "tokenizer.json)")
     g.add_argument("--device", default="cpu",
                    help="cpu (the default), cuda, cuda:N or auto (cuda when available)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and compute; auto (the default): bfloat16 on a GPU that computes "
-                   "it natively (Ampere and newer), float32 on the CPU and older GPUs")
+    g.add_argument("--dtype", default="auto",
+                   choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and compute; auto (the default): bfloat16 on a GPU "
+                   "that computes it natively (Ampere and newer), float32 on the CPU "
+                   "and older GPUs")
     g.add_argument("--format", default="auto", choices=["auto", "raw", *FORMATS],
-                   help="how --prompt becomes tokens. auto (the default): the model's chat format "
-                   "(llama3-chat, chatml or qwen) with --prompt as the user's message, when its "
-                   "tokenizer has one, else raw; raw: the text itself after the model's BOS token")
+                   help="how --prompt becomes tokens. auto (the default): the model's "
+                   "chat format (llama3-chat, chatml or qwen) with --prompt as the "
+                   "user's message, when its tokenizer has one, else raw; raw: the "
+                   "text itself after the model's BOS token")
     g.add_argument("--no-bos", action="store_true",
                    help="raw: do not put the model's BOS token first")
     g.add_argument("--threads", type=positive_int, default=None,
-                   help="CPU threads for torch (default: torch's choice; small models on a busy "
-                   "machine: 1 is fastest and steadiest)")
+                   help="CPU threads for torch (default: torch's choice; small models "
+                   "on a busy machine: 1 is fastest and steadiest)")
+
 
 def load_tokenizer(path):
     try:
@@ -172,35 +226,49 @@ def load_tokenizer(path):
         raise ValueError(f"cannot read the tokenizer in {path} (tokenizer.json): "
                          f"{type(e).__name__}: {e}") from None
 
+
 def base_folder(path) -> str:
-    """The model folder itself, or the base model a gated mask adapter folder names."""
-    return read_adapter_config(path)["base_model"] if is_adapter_folder(path) else path
+    """The model folder itself, or the base model a gated mask adapter folder
+    names."""
+    if is_adapter_folder(path):
+        return read_adapter_config(path)["base_model"]
+    return path
+
 
 def load_model(path, device="cpu", dtype=torch.float32):
-    """Model (eval mode), tokenizer, mask id (None without one) and stop ids of a model folder,
-    or of a gated mask adapter folder: its base model with <mask> added, then the adapter."""
+    """Model (eval mode), tokenizer, mask id (None without one) and stop ids of a
+    model folder, or of a gated mask adapter folder: its base model with <mask>
+    added, then the adapter."""
     base = base_folder(path)
     model = Transformer.from_pretrained(base, device=device, dtype=dtype)
     tokenizer = load_tokenizer(base)
     if base != path:
         add_mask_token(model, tokenizer)
         load_mask_adapter(model, path)
+
     cfg = model.config
-    mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else tokenizer.mask_id
+    mask_id = cfg.mask_token_id
+    if mask_id is None:
+        mask_id = tokenizer.mask_id
     if mask_id is not None and not 0 <= mask_id < cfg.vocab_size:
         raise ValueError(f"mask token id {mask_id} is outside the model's vocabulary of "
                          f"{cfg.vocab_size}")
     return model, tokenizer, mask_id, stop_ids_of(model, tokenizer)
 
+
 def stop_ids_of(model, tokenizer) -> set:
-    """The config's eos_token_id (one or a list) and the tokenizer's end-of-turn tokens."""
+    """The config's eos_token_id (one or a list) and the tokenizer's end-of-turn
+    tokens."""
     eos = model.config.eos_token_id
-    eos = eos if isinstance(eos, list) else [eos]
+    if not isinstance(eos, list):
+        eos = [eos]
     return {t for t in eos if t is not None} | set(tokenizer.stop_ids)
 
+
 def load(args, mode):
-    """Model, tokenizer, mask id and stop ids for a decoding command (--model, --device, --dtype,
-    --threads); a model without <mask> is refused where `mode` (a DecodeConfig) needs one."""
+    """Model, tokenizer, mask id and stop ids for a decoding command (--model,
+    --device, --dtype, --threads); a model without <mask> is refused where `mode`
+    (a DecodeConfig) needs one."""
     input_path(args.model, "--model", folder=True)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -208,65 +276,92 @@ def load(args, mode):
     dtype = parse_dtype(args.dtype, device)
     model, tokenizer, mask_id, stop_ids = load_model(args.model, device, dtype)
     if mode.block > 1 and mask_id is None:
-        raise ValueError(f"model {args.model} has no mask token (no mask_token_id in config.json, "
-                         "no <mask> in the tokenizer): only --greedy works; add one with "
-                         "model.add_mask_token and fine-tune")
+        raise ValueError(f"model {args.model} has no mask token (no mask_token_id in "
+                         "config.json, no <mask> in the tokenizer): only --greedy works; "
+                         "add one with model.add_mask_token and fine-tune")
     return model, tokenizer, mask_id, stop_ids
 
-def prompt_format(name: str, tokenizer, model) -> str:
-    """--format auto: the model's chat format when its tokenizer has one, else raw text."""
+
+def prompt_format(name, tokenizer, model) -> str:
+    """--format auto: the model's chat format when its tokenizer has one, else raw
+    text."""
     if name != "auto":
         return name
     fmt = default_format(tokenizer, model.config.model_type)
     return "raw" if fmt == "plain" else fmt
 
-def chat_stop_ids(stop_ids: set, tokenizer, fmt: str) -> set:
-    """In a chat format the end of the assistant's turn stops generation too."""
-    return stop_ids if fmt == "raw" else stop_ids | {end_token(tokenizer, fmt)}
 
-def encode_prompt(tokenizer, model, text: str, fmt: str, no_bos: bool = False) -> list[int]:
-    """raw: BOS (unless no_bos) + the text; a chat format: the text as the user's message, up to
-    where the assistant's answer starts, with the special tokens the format's template adds."""
+def chat_stop_ids(stop_ids, tokenizer, fmt) -> set:
+    """In a chat format the end of the assistant's turn stops generation too."""
+    if fmt == "raw":
+        return stop_ids
+    return stop_ids | {end_token(tokenizer, fmt)}
+
+
+def encode_prompt(tokenizer, model, text, fmt, no_bos=False) -> list[int]:
+    """raw: BOS (unless no_bos) + the text; a chat format: the text as the user's
+    message, up to where the assistant's answer starts, with the special tokens
+    the format's template adds."""
     if fmt != "raw":
         if no_bos:
-            raise CliError(f"--no-bos applies to raw prompts; this one is in the {fmt} format "
-                           "(--format raw gives the text as it is)")
+            raise CliError(f"--no-bos applies to raw prompts; this one is in the {fmt} "
+                           "format (--format raw gives the text as it is)")
         return prompt_tokens(tokenizer, fmt, text)
     bos = model.config.bos_token_id
-    return ([] if no_bos or bos is None else [bos]) + tokenizer.encode(text)
+    if no_bos or bos is None:
+        return tokenizer.encode(text)
+    return [bos] + tokenizer.encode(text)
 
-# --- files: rows, checkpoints, and what every results.json records ----------------------------
+
+# --- files: rows, checkpoints, and what every results.json records ---
 
 def read_rows(path, choices=None) -> list:
-    """The rows (dicts) of a JSON array or JSONL file; with `choices`, their first field tuple."""
+    """The rows (dicts) of a JSON array or JSONL file; with `choices`, their
+    first field tuple."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
-    array, rows = text.lstrip().startswith("["), []
-    for i, line in enumerate([text] if array else text.splitlines(), 1):
-        try:
-            rows += json.loads(line) if array else [json.loads(line)] if line.strip() else []
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: malformed JSON array: {e}" if array else
-                             f"{path} line {i}: malformed JSON: {e}") from None
+
+    if text.lstrip().startswith("["):
+        rows = json_value(text, f"{path}: malformed JSON array")
+    else:
+        # JSONL: one row a line, blank lines skipped
+        lines = enumerate(text.splitlines(), 1)
+        rows = [json_value(line, f"{path} line {i}: malformed JSON")
+                for i, line in lines if line.strip()]
+
     if not rows:
         raise ValueError(f"{path} holds no rows")
     if not all(isinstance(r, dict) for r in rows):
         raise ValueError(f"{path}: every row must be a JSON object")
-    return rows if choices is None else fields_of(rows, path, choices)
+    if choices is None:
+        return rows
+    return fields_of(rows, path, choices)
+
+
+def json_value(text, where):
+    """json.loads, its error told in one line that says where."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: {e}") from None
+
 
 def fields_of(rows: list[dict], path, choices) -> list[tuple]:
-    """The first tuple of fields in `choices` that the rows have, as tuples of text."""
+    """The first tuple of fields in `choices` that the rows have, as tuples of
+    text."""
     fields = next((fs for fs in choices if all(f in rows[0] for f in fs)), None)
     if fields is None:
         want = " or ".join(" and ".join(map(repr, fs)) for fs in choices)
-        raise ValueError(f"{path}: expected rows with {want}; the first row has {sorted(rows[0])}")
+        raise ValueError(f"{path}: expected rows with {want}; "
+                         f"the first row has {sorted(rows[0])}")
     for i, row in enumerate(rows, 1):
         if not all(isinstance(row.get(f), str) for f in fields):
             names = " or ".join(repr(f) for f in fields)
             raise ValueError(f"{path}: row {i} lacks a text field {names}")
     return [tuple(r[f] for f in fields) for r in rows]
+
 
 def read_checkpoint(path, what="checkpoint", weights_only=False):
     try:
@@ -275,27 +370,38 @@ def read_checkpoint(path, what="checkpoint", weights_only=False):
         raise ValueError(f"cannot read the {what} {path}: truncated or corrupt "
                          f"({type(e).__name__})") from None
 
+
 def cpu_name() -> str:
-    """The CPU's model name, core count and widest bfloat16 support ("AMD EPYC ..., 2 cores,
-    avx512_bf16"): two CPUs of one name can round differently, so results.json names both."""
-    name, flags = platform.processor() or platform.machine(), ""
+    """The CPU's model name, core count and widest bfloat16 support ("AMD EPYC
+    ..., 2 cores, avx512_bf16"): two CPUs of one name can round differently, so
+    results.json names both."""
+    name = platform.processor() or platform.machine()
+    flags = ""
     if os.path.isfile("/proc/cpuinfo"):
         info = open("/proc/cpuinfo").read()
-        name = next((line.split(":", 1)[1].strip() for line in info.splitlines()
-                     if line.startswith("model name")), name)
+        names = (line.split(":", 1)[1].strip() for line in info.splitlines()
+                 if line.startswith("model name"))
+        name = next(names, name)
         words = info.split()
-        flags = next((f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in words), "")
+        widest = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
+        flags = next((f for f in widest if f in words), "")
     return f"{name}, {os.cpu_count()} cores" + (f", {flags}" if flags else "")
 
+
 def provenance(dtype: torch.dtype) -> dict:
-    """What every results.json records, so that its figures are compared only with figures of the
-    same code, CPU and dtype: the commit (None outside git), the CPU, the compute dtype, torch."""
+    """What every results.json records, so that its figures are compared only
+    with figures of the same code, CPU and dtype: the commit (None outside git),
+    the CPU, the compute dtype, torch."""
+    commit = None
     try:
         here = os.path.dirname(os.path.abspath(__file__))
         git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
                              text=True, timeout=10)
-        commit = git.stdout.strip() if git.returncode == 0 else None
+        if git.returncode == 0:
+            commit = git.stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        commit = None
-    return {"commit": commit or None, "cpu": cpu_name(), "dtype": str(dtype).removeprefix("torch."),
+        pass
+    return {"commit": commit or None,
+            "cpu": cpu_name(),
+            "dtype": str(dtype).removeprefix("torch."),
             "torch": torch.__version__}
