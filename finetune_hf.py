@@ -35,7 +35,8 @@ from data import (DOMAINS, FORMATS, PROMPTS, Tokenizer, default_format,
                   default_n_regions, domain_prompts, end_token, mtp_layout,
                   padding_token, prompt_tokens, sample_k_and_offset, start_tokens,
                   training_sequences)
-from distill import MODES, adapter_off_teacher, frozen_teacher, mtp_loss
+from distill import (MODES, adapter_off_teacher, frozen_teacher, mtp_loss,
+                     training_state_bytes)
 from model import (ADAPTER_TARGETS, Transformer, add_mask_adapter, add_mask_token,
                    atomic_save, read_json, read_model_config, save_mask_adapter,
                    write_json)
@@ -248,20 +249,6 @@ def start_or_resume(student, optimizer, scheduler, args, dist: Dist) -> int:
         out.mkdir(parents=True, exist_ok=True)
         write_json(out / "train_args.json", vars(args))
     return start
-
-def training_state_bytes(model, compute_dtype: torch.dtype, teacher_copy: bool) -> dict:
-    """Bytes the training state holds beside the activations, as built: the
-    weights (float32 master weights; a gated adapter's frozen base in the
-    compute dtype), a teacher copy in the compute dtype, float32 gradients and
-    AdamW's two float32 moments of each trained weight."""
-    params = list(model.parameters())
-    trained = sum(p.numel() for p in params if p.requires_grad)
-    teacher = 0
-    if teacher_copy:
-        teacher = sum(p.numel() for p in params) * compute_dtype.itemsize
-    return {"weights": sum(p.numel() * p.element_size() for p in params),
-            "teacher": teacher, "gradients": 4 * trained, "AdamW": 8 * trained}
-
 
 def rows_of_step(step: int, global_batch: int, n_rows: int, seed: int) -> list[int]:
     """Row indices of the global batch of step `step` (0-based): a seeded

@@ -11,7 +11,7 @@ builds it on one process, with <mask> added as one more row of the embedding and
               embedding in float32 (gradients and AdamW for those alone); the teacher is the
               student with its adapter off, no copy
 
-Training state: finetune_hf.training_state_bytes of that model. Activations: one micro-batch's
+Training state: distill.training_state_bytes of that model. Activations: one micro-batch's
 forward and loss (data.mtp_layout, distill.mtp_loss) run on the meta device, adding up every
 tensor saved for backward: what the step holds when its backward starts. The paper's step by
 default (8 rows of 160 tokens, k = k_max = 16, the longest layout a step draws, 5 regions).
@@ -51,8 +51,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from cli import CliError, Parser, number, output_folder, positive_int, run_cli  # noqa: E402
 from data import default_n_regions, mtp_layout  # noqa: E402
-from distill import adapter_off_teacher, frozen_teacher, mtp_loss  # noqa: E402
-from finetune_hf import training_state_bytes  # noqa: E402
+from distill import (adapter_off_teacher, frozen_teacher, mtp_loss,  # noqa: E402
+                     training_state_bytes)
 from model import (ADAPTER_TARGETS, ModelConfig, Transformer,  # noqa: E402
                    add_mask_adapter, atomic_save, write_json)
 
@@ -202,7 +202,7 @@ def activation_bytes(cfg: ModelConfig, mode: str, step: Step, rank: int, device=
 
 def figures(cfg: ModelConfig, mode: str, step: Step, rank: int) -> dict:
     """One row of the table for `cfg` (with <mask>), in bytes: the training state as
-    finetune_hf.training_state_bytes counts it, and one micro-batch's activations."""
+    distill.training_state_bytes counts it, and one micro-batch's activations."""
     student, _ = student_and_teacher(cfg, mode, rank)
     state = training_state_bytes(student, COMPUTE, teacher_copy=mode == "full")
     total, activations = sum(state.values()), activation_bytes(cfg, mode, step, rank)
