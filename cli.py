@@ -391,7 +391,8 @@ def cpu_name() -> str:
 def provenance(dtype: torch.dtype) -> dict:
     """What every results.json records, so that its figures are compared only
     with figures of the same code, CPU and dtype: the commit (None outside git),
-    the CPU, the compute dtype, torch."""
+    the CPU, the compute dtype, torch, and the CPU threads (in bfloat16 they
+    change the rounding, and so a greedy text, on a CPU)."""
     commit = None
     try:
         here = os.path.dirname(os.path.abspath(__file__))
@@ -404,4 +405,5 @@ def provenance(dtype: torch.dtype) -> dict:
     return {"commit": commit or None,
             "cpu": cpu_name(),
             "dtype": str(dtype).removeprefix("torch."),
-            "torch": torch.__version__}
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads()}

@@ -555,12 +555,14 @@ def test_auto_dtype_is_bfloat16_only_on_a_gpu_that_computes_it(monkeypatch):
     assert parse_dtype("float32", cuda) == torch.float32
 
 
-def test_provenance_names_commit_cpu_dtype_and_torch(monkeypatch):
+def test_provenance_names_commit_cpu_dtype_torch_and_threads(monkeypatch):
     import subprocess
 
     here = provenance(torch.bfloat16)
-    assert set(here) == {"commit", "cpu", "dtype", "torch"} and here["dtype"] == "bfloat16"
+    assert set(here) == {"commit", "cpu", "dtype", "torch", "threads"}
+    assert here["dtype"] == "bfloat16"
     assert here["cpu"] and here["torch"] == torch.__version__
+    assert here["threads"] == torch.get_num_threads()
     def no_git(*args, **kwargs):
         raise FileNotFoundError("git")
     monkeypatch.setattr(subprocess, "run", no_git)
