@@ -369,8 +369,8 @@ def toy_run(args, cfg: RunConfig, out: str, device) -> dict:
     seconds["total"] = time.perf_counter() - t_start
     teacher = done["teacher"].model
     results = dict(rows=rows, summary=summary(rows), samples=samples, seconds=seconds,
-                   device=str(device), threads=torch.get_num_threads(),
-                   # commit, cpu, dtype, torch
+                   device=str(device),
+                   # commit, cpu, dtype, torch, threads
                    **provenance(next(teacher.parameters()).dtype),
                    n_params=teacher.num_params(), config=asdict(cfg), quick=args.quick)
     write_json(os.path.join(out, "results.json"), results)

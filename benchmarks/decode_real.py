@@ -202,8 +202,7 @@ def run(args) -> dict:
     prompts = [prompt_tokens(tok, fmt, text) for _, text in requests]
     dtype_name = str(dtype).removeprefix("torch.")
     meta = {"model": args.model, "reference": args.reference, "machine": machine(device), "device": str(device),
-            **provenance(dtype),
-            "threads": torch.get_num_threads(), "format": fmt,
+            **provenance(dtype), "format": fmt,
             "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "requests": requests,
             "rows": args.rows or max(len(prompts), max(args.batch_sizes)),     # bench_modes.bench's workload
             "prompt_tokens": [len(p) for p in prompts]}

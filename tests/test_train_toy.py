@@ -361,12 +361,13 @@ def test_quick_run_end_to_end(tmp_path):
     phases = {"teacher", "naive", "distill", "evaluation", "total"}
     assert phases <= set(on_disk["seconds"])
 
-    # provenance: the commit (None outside git), the CPU, the compute dtype, torch
+    # provenance: the commit (None outside git), the CPU, the compute dtype, torch, threads
     commit = on_disk["commit"]
     assert commit is None or re.fullmatch("[0-9a-f]{40}", commit)
     assert on_disk["cpu"]
     assert on_disk["dtype"] == "float32"
     assert on_disk["torch"] == torch.__version__
+    assert on_disk["threads"] == torch.get_num_threads()
     for png in ("pareto.png", "training_curves.png", "chunks.png"):
         assert (out / png).stat().st_size > 1000, png
     # the PNG header's width: a column per branching task
