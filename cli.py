@@ -24,7 +24,6 @@ from model import (Transformer, add_mask_token, is_adapter_folder, load_mask_ada
                    read_adapter_config)
 
 
-
 # --- one-line errors ---
 
 class CliError(Exception):
