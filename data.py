@@ -70,8 +70,8 @@ class MTPBatch:
     # (B, M, k) bool: the prediction is supervised
     valid: torch.Tensor
 
-    # (B, N-1) long: the packed index of ground-truth tokens 0 .. N-2
-    ntp_index: torch.Tensor
+    # (B, N) long: the packed index of ground-truth token i (original index i)
+    gt_index: torch.Tensor
     # (B, N-1) long: the next ground-truth token (tokens 1 .. N-1)
     ntp_targets: torch.Tensor
     # (B, N-1) bool: the next token is real (not after the EOS)
@@ -211,7 +211,7 @@ def mtp_layout(seqs: torch.Tensor, k: int, offset: int, n_regions: int,
                     pred_index=rows(pred_index),
                     targets=targets,
                     valid=valid,
-                    ntp_index=rows(gt_index[:-1]),
+                    gt_index=rows(gt_index),
                     ntp_targets=seqs[:, 1:],
                     ntp_valid=ntp_valid,
                     prefix_end=ends,

@@ -35,7 +35,7 @@ from data import (DOMAINS, FORMATS, PROMPTS, Tokenizer, default_format,
                   default_n_regions, domain_prompts, end_token, mtp_layout,
                   padding_token, prompt_tokens, sample_k_and_offset, start_tokens,
                   training_sequences)
-from distill import (MODES, adapter_off_teacher, frozen_teacher, mtp_loss,
+from distill import (MODES, adapter_off_teacher, frozen_teacher, gated_mtp_loss, mtp_loss,
                      training_state_bytes)
 from model import (ADAPTER_TARGETS, Transformer, add_mask_adapter, add_mask_token,
                    atomic_save, read_json, read_model_config, save_mask_adapter,
@@ -187,8 +187,13 @@ def train_step(student, teacher, optimizer, scheduler, micro, k: int, offset: in
     agree = 0.0
     for batch, n in zip(batches, counts):
         with autocast:
-            loss, stats = mtp_loss(student, teacher, batch, mode=args.mode,
-                                   prefix_ntp_weight=args.prefix_ntp_weight)
+            if uses_adapter(args):
+                # mtp_loss with the adapter-off teacher, computing the base
+                # model's ground-truth rows once, without gradient
+                loss, stats = gated_mtp_loss(student, batch, mode=args.mode)
+            else:
+                loss, stats = mtp_loss(student, teacher, batch, mode=args.mode,
+                                       prefix_ntp_weight=args.prefix_ntp_weight)
         (loss * (n / n_global) * dist.world).backward()
         loss_sum += stats["loss"] * n
         # Per prediction j: the share of argmax == target (NaN: no target there).

@@ -191,8 +191,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
 
     def forward(self, x, cos, sin, mask=None, mask_rows=None, cached=None):
-        """mask: None (causal) or bool, (T, T) or (B, 1, T, T). cached: decoding's
-        attention over the KV cache (CachedPass.attend), which replaces `attend`."""
+        """mask: None (causal) or bool, (T, T) or (B, 1, T, T). cached: an attention
+        that also reads a KV cache and replaces `attend`: decoding's
+        (CachedPass.attend) or the gated adapter's training pass (attend_after)."""
         B, T, _ = x.shape
         q = self.wq(x, mask_rows).view(B, T, self.n_heads, self.head_dim)
         k = self.wk(x, mask_rows).view(B, T, self.n_kv_heads, self.head_dim)
@@ -272,12 +273,14 @@ class Transformer(nn.Module):
         return KVCache(self.config, batch_size, max_len, p.device, p.dtype)
 
     def forward(self, tokens, positions=None, attn_mask=None, cache=None,
-                output_index=None, n_tokens=None, use_adapter=True):
+                output_index=None, n_tokens=None, use_adapter=True, context=None):
         """Logits (B, T, V) for `tokens` (B, T); (B, N, V) at output_index (B, N).
         positions (B, T): RoPE positions, default 0..T-1. attn_mask: bool (T, T) or
         (B, T, T), True = may attend, default causal. With a KV `cache` (and
         n_tokens), decoding: see cached_forward. use_adapter=False: the base model,
-        whatever gated mask adapter it carries."""
+        whatever gated mask adapter it carries. `context`: a KV cache whose first S
+        slots the tokens read, but never write, before their own keys: attn_mask is
+        then (B, T, S + T) (the gated adapter's training pass, attend_after)."""
         if cache is not None:
             # decoding takes its own path (the section below)
             return cached_forward(self, tokens, cache, positions=positions, attn_mask=attn_mask,
@@ -295,8 +298,11 @@ class Transformer(nn.Module):
             mask = mask[:, None]                                 # (B, 1, T, T)
         x, mask_rows = self.embed(tokens, use_adapter)           # (B, T, dim)
         cos, sin = self.rope(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin, mask, mask_rows)
+        for i, layer in enumerate(self.layers):
+            attend_context = None
+            if context is not None:
+                attend_context = functools.partial(attend_after, context, i, mask)
+            x = layer(x, cos, sin, mask, mask_rows, attend_context)
         return self.logits(x, output_index)
 
     def embed(self, tokens, use_adapter=True):
@@ -625,6 +631,21 @@ def add_mask_adapter(model: Transformer, rank: int, alpha: float,
     row = model.tok_emb.weight[model.config.mask_token_id].detach()
     model.mask_embedding = nn.Parameter(row.float().clone())
     model.adapter_config = {"rank": rank, "alpha": alpha, "targets": list(targets)}
+
+
+def attend_after(context: KVCache, layer: int, mask, q, k, v):
+    """Attention for tokens that come after a context already in a KV cache: q, k, v
+    (B, heads, T, hd) are the tokens' own; they attend over the cache's first S slots
+    of this layer, then over each other, under mask (B, 1, T, S + T). The cache is
+    read, not written, so gradients reach the tokens' keys and values.
+
+    The gated adapter trains with it (distill.gated_mtp_loss): its ground-truth rows
+    are the base model's, computed once without gradient into the cache, and only
+    the mask slots run with gradient, over them."""
+    S = mask.shape[-1] - q.shape[2]
+    k = torch.cat([context.k[layer, :, :, :S].to(k.dtype), k], dim=2)    # (B, n_kv, S + T, hd)
+    v = torch.cat([context.v[layer, :, :, :S].to(v.dtype), v], dim=2)
+    return attend(q, k, v, mask)
 
 
 def is_adapter_tensor(name: str) -> bool:
