@@ -12,8 +12,9 @@ builds it on one process, with <mask> added as one more row of the embedding and
               student with its adapter off, no copy
 
 Training state: distill.training_state_bytes of that model. Activations: one micro-batch's
-forward and loss (data.mtp_layout, distill.mtp_loss) run on the meta device, adding up every
-tensor saved for backward: what the step holds when its backward starts. The paper's step by
+forward and loss (data.mtp_layout, then distill.mtp_loss, or for the adapter
+distill.gated_mtp_loss, whose gradient pass runs over the mask slots alone) run on the meta
+device, adding up every tensor saved for backward: what the step holds when its backward starts. The paper's step by
 default (8 rows of 160 tokens, k = k_max = 16, the longest layout a step draws, 5 regions).
 
     python benchmarks/memory.py [--k 4 --regions 80] [--out results/memory] [--overwrite]
@@ -51,7 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from cli import CliError, Parser, number, output_folder, positive_int, run_cli  # noqa: E402
 from data import default_n_regions, mtp_layout  # noqa: E402
-from distill import (adapter_off_teacher, frozen_teacher, mtp_loss,  # noqa: E402
+from distill import (frozen_teacher, gated_mtp_loss, mtp_loss,  # noqa: E402
                      training_state_bytes)
 from model import (ADAPTER_TARGETS, ModelConfig, Transformer,  # noqa: E402
                    add_mask_adapter, atomic_save, write_json)
@@ -100,14 +101,15 @@ def student_and_teacher(cfg: ModelConfig, mode: str, rank: int, device="meta"):
     if mode == "adapter":     # the frozen base in the compute dtype; the adapter float32
         student.to(COMPUTE)
         add_mask_adapter(student, rank, ALPHA, ADAPTER_TARGETS)
-        return student.train(), adapter_off_teacher(student)
+        # its teacher is the student with the adapter off, inside gated_mtp_loss
+        return student.train(), None
     return student.train(), frozen_teacher(student).to(COMPUTE)
 
 
 class Answers(TorchDispatchMode):
-    """The two things mtp_loss asks of tensor values, answered for meta tensors (which have none):
-    the rows that hold <mask> (the adapter's gate: n_mask of them) and the statistics it reads
-    on the host (zeros)."""
+    """What the losses ask of tensor values, answered for meta tensors (which have none): the rows
+    that hold <mask> (the adapter's gate: n_mask of them), and what they read on the host: the
+    statistics and a fresh KV cache's lengths (zeros)."""
 
     def __init__(self, n_mask: int):
         super().__init__()
@@ -167,8 +169,9 @@ class FusedAttention(TorchFunctionMode):
 
 
 def saved_for_backward(student, teacher, batch, n_mask: int) -> int:
-    """Bytes of the tensors one mtp_loss forward saves for backward, each storage once, the
-    student's weights left out; on the meta device or any other."""
+    """Bytes of the tensors one step's forward and loss save for backward, each storage once, the
+    student's weights left out; on the meta device or any other. The loss finetune_hf trains with:
+    mtp_loss, or with the adapter (teacher None) gated_mtp_loss."""
     weights = {id(s): s for s in (p.untyped_storage() for p in student.parameters())}
     saved = {}
 
@@ -185,7 +188,10 @@ def saved_for_backward(student, teacher, batch, n_mask: int) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ExitStack() as stack:
         for mode in modes:
             stack.enter_context(mode)
-        mtp_loss(student, teacher, batch, mode="hard")
+        if teacher is None:
+            gated_mtp_loss(student, batch, mode="hard")
+        else:
+            mtp_loss(student, teacher, batch, mode="hard")
     return sum(s.nbytes() for s in saved.values())
 
 

@@ -16,7 +16,7 @@ import confadapt
 from cli import load_model
 from confadapt import DecodeConfig, generate
 from data import MASK, mtp_layout, word_problem_tokenizer
-from distill import adapter_off_teacher, frozen_teacher, mtp_loss
+from distill import adapter_off_teacher, frozen_teacher, gated_mtp_loss, mtp_loss
 from model import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, ModelConfig, Transformer,
                    adapter_state, add_mask_adapter, add_mask_token,
                    load_mask_adapter, save_mask_adapter)
@@ -154,6 +154,61 @@ def test_the_adapter_off_teacher_is_a_frozen_copy_of_the_untuned_model():
     assert torch.equal(seen["off"], seen["copied"])
     # the student itself still computes with its adapter
     assert not torch.equal(packed_logits(adapted, b), packed_logits(untuned, b))
+
+
+def rows_with_padding(k):
+    """Rows that end early (EOS 0 in two of them) and train only on their
+    second half: padding, unsupervised regions and untrained targets."""
+    g = torch.Generator().manual_seed(3)
+    seqs = torch.randint(1, MASK_ID, (3, 40), generator=g)
+    seqs[1, 26] = 0
+    seqs[2, 9] = 0
+    trained = torch.arange(40).expand(3, 40) >= 12
+    return mtp_layout(seqs, k=k, offset=2, n_regions=6, mask_id=MASK_ID,
+                      eos_id=0, trained=trained)
+
+
+@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("mode", ["hard", "soft", "gt"])
+def test_gated_mtp_loss_is_mtp_loss_with_the_adapter_off_teacher(mode, k):
+    """The adapter's training loss computes the ground-truth rows once,
+    without gradient, and only the mask slots with it; its loss, statistics
+    and gradients are mtp_loss's with the adapter-off teacher, up to float32
+    rounding (the passes have other shapes)."""
+    _, adapted = untuned_and_adapted()
+    b = rows_with_padding(k)
+    trained = [p for p in adapted.parameters() if p.requires_grad]
+    packed, packed_stats = mtp_loss(adapted, adapter_off_teacher(adapted), b, mode=mode)
+    packed_grads = torch.autograd.grad(packed, trained)
+    gated, gated_stats = gated_mtp_loss(adapted, b, mode=mode)
+    gated_grads = torch.autograd.grad(gated, trained)
+
+    assert gated.item() == pytest.approx(packed.item(), rel=1e-5, abs=1e-6)
+    assert gated_stats["acc"] == packed_stats["acc"]
+    assert gated_stats["n_pred"] == packed_stats["n_pred"] > 0
+    for ours, theirs in zip(gated_grads, packed_grads):
+        scale = theirs.abs().max()
+        assert scale > 0
+        assert (ours - theirs).abs().max() <= 1e-4 * scale
+
+
+def test_gated_mtp_loss_runs_only_the_mask_slots_with_gradient(monkeypatch):
+    """Three passes: the N ground-truth tokens, base model, no gradient; the
+    M (k-1) slots with the adapter and gradient; the slots again for the
+    teacher, adapter off, no gradient."""
+    _, adapted = untuned_and_adapted()
+    b = rows_with_padding(k=4)
+    passes = []
+    forward = Transformer.forward
+
+    def spy(model, tokens, **kwargs):
+        use_adapter = kwargs.get("use_adapter", True)
+        passes.append((tokens.shape[1], torch.is_grad_enabled(), use_adapter))
+        return forward(model, tokens, **kwargs)
+
+    monkeypatch.setattr(Transformer, "forward", spy)
+    gated_mtp_loss(adapted, b)
+    assert passes == [(40, False, False), (6 * 3, True, True), (6 * 3, False, False)]
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])
