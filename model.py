@@ -288,6 +288,8 @@ class Transformer(nn.Module):
                                   use_adapter=use_adapter)
         if n_tokens is not None:
             raise ValueError("n_tokens needs a KV cache")
+        if context is not None and attn_mask is None:
+            raise ValueError("a pass after a context needs its attn_mask (B, T, S + T)")
 
         if positions is None:
             # (1, T): the same in every row
