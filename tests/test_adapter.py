@@ -283,11 +283,25 @@ def test_load_model_reads_base_and_adapter(tmp_path, capsys):
     assert texts[0] == texts[1]
 
 
-def test_a_loaded_adapter_takes_the_models_dtype(tmp_path):
+def test_a_loaded_adapter_stays_float32_on_a_bfloat16_base(tmp_path):
+    """The update is computed in float32 and added to the base's bfloat16
+    output: close to the float32 model's, and only at the mask rows."""
     untuned, adapted = untuned_and_adapted()
     untuned.save_pretrained(tmp_path / "base")
     save_mask_adapter(adapted, tmp_path / "adapter", tmp_path / "base")
     base = Transformer.from_pretrained(tmp_path / "base", dtype=torch.bfloat16)
     loaded = load_mask_adapter(base, tmp_path / "adapter")
-    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+    names = adapter_state(loaded)
+    dtypes = {n: p.dtype for n, p in loaded.named_parameters()}
+    assert {dtypes[n] for n in names} == {torch.float32}
+    assert {d for n, d in dtypes.items() if n not in names} == {torch.bfloat16}
     assert not any(p.requires_grad for p in loaded.parameters())
+
+    b = packed_batch()
+    ours = packed_logits(loaded, b)
+    assert ours.dtype == torch.bfloat16
+    is_mask = b.kind == MASK
+    untuned_bf16 = Transformer.from_pretrained(tmp_path / "base", dtype=torch.bfloat16)
+    assert torch.equal(ours[~is_mask], packed_logits(untuned_bf16, b)[~is_mask])
+    reference = packed_logits(adapted, b)
+    assert (ours.float() - reference)[is_mask].abs().max() < 0.1 * reference.abs().max()
