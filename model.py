@@ -170,7 +170,7 @@ class Linear(nn.Linear):
         # In the adapter's dtype, float32 (autocast's when training): a CPU
         # multiplies a decoding pass's few rows by the small matrices 5x faster
         # in float32 than in bfloat16.
-        update = (x_mask.to(a.down.dtype) @ a.down.T) @ a.up.T
+        update = F.linear(F.linear(x_mask.to(a.down.dtype), a.down), a.up)   # (n_mask, d_out)
         y.view(-1, y.shape[-1]).index_add_(0, mask_rows, update.to(y.dtype), alpha=a.scale)
         return y
 
