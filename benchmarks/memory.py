@@ -14,8 +14,9 @@ builds it on one process, with <mask> added as one more row of the embedding and
 Training state: distill.training_state_bytes of that model. Activations: one micro-batch's
 forward and loss (data.mtp_layout, then distill.mtp_loss, or for the adapter
 distill.gated_mtp_loss, whose gradient pass runs over the mask slots alone) run on the meta
-device, adding up every tensor saved for backward: what the step holds when its backward starts. The paper's step by
-default (8 rows of 160 tokens, k = k_max = 16, the longest layout a step draws, 5 regions).
+device, adding up every tensor saved for backward: what the step holds when its backward
+starts. The paper's step by default (8 rows of 160 tokens, k = k_max = 16, the longest layout a
+step draws, 5 regions).
 
     python benchmarks/memory.py [--k 4 --regions 80] [--out results/memory] [--overwrite]
 
