@@ -111,6 +111,13 @@ section fsdp_train 120 smoke_model "$PY" -m torch.distributed.run --standalone -
   finetune_hf.py train --model "$SMOKE" "${TRAIN[@]}" --steps 20 --out "$W/fsdp"
 section fsdp_diff 30 fsdp_train "${FIG[@]}" compare "$W/full/final" "$W/fsdp/final" \
   --json "$W/fsdp_diff.json"
+# the gated mask adapter: its step (ground truth once into a KV cache, then the mask slots) under
+# FSDP2, then its lossless decoding (a float32 adapter on the base in the GPU's dtype)
+section adapter_train 120 smoke_model "$PY" -m torch.distributed.run --standalone \
+  --nproc_per_node 1 finetune_hf.py train --model "$SMOKE" "${TRAIN[@]}" --steps 20 \
+  --adapter gated-lora --out "$W/adapter"
+section adapter_decode 60 adapter_train "$PY" confadapt.py --model "$W/adapter/final" \
+  --device "$DEV" --prompt "Tom has 3 apples." --lossless --k-max 4 --json
 # 4. Decoding through the command lines, then host syncs and what holds in bfloat16.
 section confadapt 60 ft_train "$PY" confadapt.py --model "$W/full/final" --device "$DEV" \
   --prompt "Tom has 3 apples." --tau 0.9 --k-max 4 --json
