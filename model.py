@@ -547,9 +547,10 @@ class CachedPass:
         k_new = k.transpose(1, 2).flatten(0, 1)                   # (N, n_kv, hd)
         v_new = v.transpose(1, 2).flatten(0, 1)
         k, v = self.cache.write(layer, self.rows, self.slots, k_new, v_new)
-        # the first S slots of the live rows
-        k = k[self.live, :, : self.S]                            # (B', n_kv, S, hd)
-        v = v[self.live, :, : self.S]
+        # the first S slots of the live rows, in the pass's dtype (a cache built
+        # from FSDP2's float32 shards holds float32; the pass computes in bfloat16)
+        k = k[self.live, :, : self.S].to(q.dtype)                # (B', n_kv, S, hd)
+        v = v[self.live, :, : self.S].to(q.dtype)
         if not self.ragged:
             return attend(q, k, v, self.mask)
 

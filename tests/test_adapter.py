@@ -17,7 +17,7 @@ from cli import load_model
 from confadapt import DecodeConfig, generate
 from data import MASK, mtp_layout, word_problem_tokenizer
 from distill import adapter_off_teacher, frozen_teacher, gated_mtp_loss, mtp_loss
-from model import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, ModelConfig, Transformer,
+from model import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, KVCache, ModelConfig, Transformer,
                    adapter_state, add_mask_adapter, add_mask_token,
                    load_mask_adapter, save_mask_adapter)
 
@@ -209,6 +209,26 @@ def test_gated_mtp_loss_runs_only_the_mask_slots_with_gradient(monkeypatch):
     monkeypatch.setattr(Transformer, "forward", spy)
     gated_mtp_loss(adapted, b)
     assert passes == [(40, False, False), (6 * 3, True, True), (6 * 3, False, False)]
+
+
+def test_gated_mtp_loss_under_fsdp2_mixed_precision(monkeypatch):
+    """FSDP2's mixed precision, emulated on one CPU process: every weight
+    computes in bfloat16 (so bfloat16 keys), while new_cache sees the float32
+    sharded weights (so a float32 cache). The slots' pass must read the cache
+    in the keys' dtype; no autocast here to cast for it."""
+    _, adapted = untuned_and_adapted()
+    adapted.to(torch.bfloat16)
+
+    def float32_cache(model, batch_size, max_len=None):
+        return KVCache(model.config, batch_size, max_len, dtype=torch.float32)
+
+    monkeypatch.setattr(Transformer, "new_cache", float32_cache)
+    loss, _ = gated_mtp_loss(adapted, rows_with_padding(k=4))
+    loss.backward()
+    grads = [p.grad for p in adapted.parameters() if p.requires_grad]
+    assert torch.isfinite(loss)
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert any(g.abs().max() > 0 for g in grads)
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])
