@@ -602,6 +602,15 @@ def test_gated_adapter_under_fsdp2_on_two_cpu_processes_matches_one_process(tiny
                                    atol=2e-6, rtol=1e-5)
 
 
+def test_gated_adapter_under_fsdp2_in_bfloat16(tiny, tmp_path):
+    """FSDP2's mixed precision for real: float32 shards, a bfloat16 computation. The
+    adapter's step reads its KV cache (built from the float32 shards) in bfloat16."""
+    out = tmp_path / "fsdp_bf16"
+    two_processes(tiny, out, "--adapter", "gated-lora", "--adapter-rank", "4", "--steps", "2",
+                  "--micro-batch", "1", "--dtype", "bfloat16")
+    assert (out / "final" / "mask_adapter.safetensors").is_file()
+
+
 # ---------------------------------------------------------------------------------------
 # eval and analyze end to end, and bad input
 # ---------------------------------------------------------------------------------------
