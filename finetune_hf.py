@@ -35,7 +35,7 @@ from data import (DOMAINS, FORMATS, PROMPTS, Tokenizer, default_format,
                   default_n_regions, domain_prompts, end_token, mtp_layout,
                   padding_token, prompt_tokens, sample_k_and_offset, start_tokens,
                   training_sequences)
-from distill import (MODES, adapter_off_teacher, frozen_teacher, gated_mtp_loss, mtp_loss,
+from distill import (MODES, frozen_teacher, gated_mtp_loss, mtp_loss,
                      training_state_bytes)
 from model import (ADAPTER_TARGETS, Transformer, add_mask_adapter, add_mask_token,
                    atomic_save, read_json, read_model_config, save_mask_adapter,
@@ -50,7 +50,8 @@ from model import (ADAPTER_TARGETS, Transformer, add_mask_adapter, add_mask_toke
 def train(args) -> Path:
     dist = setup_processes(args.device, args.dtype)
 
-    # 1. The student (with <mask>) and a frozen copy of it as teacher (gt: none).
+    # 1. The student (with <mask>) and a frozen copy of it as teacher (gt: none;
+    # the gated adapter: none, gated_mtp_loss switches the adapter off instead).
     student, teacher, tok, mask_id = load_student_and_teacher(
         args, dist, with_teacher=args.mode != "gt")
 
@@ -88,7 +89,7 @@ def train(args) -> Path:
 
     micro_batches = args.batch_size // dist.world // args.micro_batch
     state = training_state_bytes(
-        student, dist.dtype, teacher_copy=teacher is not None and args.adapter == "none")
+        student, dist.dtype, teacher_copy=teacher is not None)
     parts = ", ".join(f"{name} {size / 2**30:.2f}" for name, size in state.items())
     dist.log(f"training state: {sum(state.values()) / 2**30:.2f} GB over {dist.world} "
              f"process(es) ({parts})")
@@ -188,8 +189,9 @@ def train_step(student, teacher, optimizer, scheduler, micro, k: int, offset: in
     for batch, n in zip(batches, counts):
         with autocast:
             if uses_adapter(args):
-                # mtp_loss with the adapter-off teacher, computing the base
-                # model's ground-truth rows once, without gradient
+                # mtp_loss with the student's adapter switched off as teacher,
+                # computing the base model's ground-truth rows once, without
+                # gradient
                 loss, stats = gated_mtp_loss(student, batch, mode=args.mode)
             else:
                 loss, stats = mtp_loss(student, teacher, batch, mode=args.mode,
@@ -898,8 +900,8 @@ def uses_adapter(args) -> bool:
 
 def load_student_and_teacher(args, dist: Dist, with_teacher: bool = True):
     """(student, teacher or None, tokenizer, mask id) on dist.device, sharded
-    when dist.sharded. With the gated adapter the base is frozen and the teacher
-    is the student with its adapter off."""
+    when dist.sharded. With the gated adapter the base is frozen and there is no
+    teacher to build: it is the student with its adapter off (gated_mtp_loss)."""
     tok = load_tokenizer(args.model)
     full = None
     meta = [None]
@@ -920,8 +922,7 @@ def load_student_and_teacher(args, dist: Dist, with_teacher: bool = True):
     if not dist.sharded and adapter:
         full.to(device=dist.device, dtype=dist.dtype)
         add_mask_adapter(full, *settings)
-        teacher = adapter_off_teacher(full) if with_teacher else None
-        return full.train(), teacher, tok, mask_id
+        return full.train(), None, tok, mask_id
     # Without it, a teacher copy is made on the CPU, then moved.
     if not dist.sharded:
         teacher = None
@@ -961,8 +962,6 @@ def load_student_and_teacher(args, dist: Dist, with_teacher: bool = True):
         # RoPE frequencies are computed again.
         model.to_empty(device=dist.device)
         set_model_state_dict(model, full.state_dict() if dist.main else {}, options=from_rank0)
-    if adapter and with_teacher:
-        teacher = adapter_off_teacher(student)
     return student.train(), teacher, tok, mask_id
 
 

@@ -167,9 +167,9 @@ class Linear(nn.Linear):
         if a is None or mask_rows is None or len(mask_rows) == 0:
             return y
         x_mask = x.reshape(-1, x.shape[-1]).index_select(0, mask_rows)   # (n_mask, d_in)
-        # In the adapter's dtype, float32 (autocast's when training): a CPU
-        # multiplies a decoding pass's few rows by the small matrices 5x faster
-        # in float32 than in bfloat16.
+        # In the adapter's dtype: float32 when loaded for decoding, as a CPU
+        # multiplies a pass's few rows by the small matrices 5x faster in
+        # float32 than in bfloat16 (training: what autocast or FSDP2 casts to).
         update = F.linear(F.linear(x_mask.to(a.down.dtype), a.down), a.up)   # (n_mask, d_out)
         y.view(-1, y.shape[-1]).index_add_(0, mask_rows, update.to(y.dtype), alpha=a.scale)
         return y

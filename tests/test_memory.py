@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import finetune_hf  # noqa: E402
 import memory  # noqa: E402
 from data import mtp_layout, word_problem_tokenizer  # noqa: E402
-from distill import mtp_loss  # noqa: E402
+from distill import gated_mtp_loss, mtp_loss  # noqa: E402
 from model import ADAPTER_TARGETS, ModelConfig, Transformer  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")            # conftest.py
@@ -61,8 +61,13 @@ def test_the_training_state_is_the_bytes_of_a_student_built_by_finetune_hf(mode,
     student, teacher, _, mask_id = finetune_hf.load_student_and_teacher(args, d)
     optimizer = student.configure_optimizer(lr=1e-3, weight_decay=0.0)
     seqs = torch.randint(0, tok.n_vocab, (2, 40), generator=torch.Generator().manual_seed(0))
+    batch = mtp_layout(seqs, 4, 0, 5, mask_id)
     with torch.autocast("cpu", dtype=memory.COMPUTE):
-        loss, _ = mtp_loss(student, teacher, mtp_layout(seqs, 4, 0, 5, mask_id))
+        if teacher is None:
+            # the gated adapter's teacher is the student with its adapter off
+            loss, _ = gated_mtp_loss(student, batch)
+        else:
+            loss, _ = mtp_loss(student, teacher, batch)
     loss.backward()
     optimizer.step()
     trained = [p for p in student.parameters() if p.requires_grad]
