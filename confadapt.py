@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cli import (CliError, Parser, add_model_args, chat_stop_ids, encode_prompt, load,
+from mtp.cli import (CliError, Parser, add_model_args, chat_stop_ids, encode_prompt, load,
                  output_folder, positive_int, probability, prompt_format, run_cli)
 
 MODES = ("greedy", "static", "confadapt", "lossless")

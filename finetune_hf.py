@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from cli import (CliError, Parser, Progress, base_folder, count, fields_of,
+from mtp.cli import (CliError, Parser, Progress, base_folder, count, fields_of,
                  format_seconds, input_path, load_model, load_tokenizer,
                  native_bfloat16_gpu, number, output_folder, parse_device,
                  positive_float, positive_int, probability, provenance,
@@ -715,7 +715,7 @@ def make_data(args):
 def export(student, tok: Tokenizer, path: Path, args, dist: Dist) -> Path:
     """A Hugging Face folder of the tuned model, or with the gated adapter the
     adapter's folder (its weights and config, naming the unchanged base model;
-    cli.load_model reads both)."""
+    mtp.cli.load_model reads both)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     adapter = uses_adapter(args)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True,
@@ -773,7 +773,7 @@ A low-rank update (rank {args.adapter_rank}, alpha {args.adapter_alpha:g}, on \
 with {how} (arXiv 2602.06019). The update applies ONLY at input positions holding \
 `<mask>` (token {cfg.mask_token_id}); every other position computes exactly the base \
 model, so its own predictions are unchanged. A plain LoRA loader would apply it \
-everywhere: load it with this project's `cli.load_model` (`mask_adapter.json` names the \
+everywhere: load it with this project's `mtp.cli.load_model` (`mask_adapter.json` names the \
 base folder). Prompt format"""
         library = "mtp-distill"
     else:

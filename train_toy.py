@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 import data
-from cli import (CliError, Parser, Progress, count, format_seconds, output_folder,
+from mtp.cli import (CliError, Parser, Progress, count, format_seconds, output_folder,
                  parse_device, positive_int, provenance, read_checkpoint, run_cli)
 from confadapt import DecodeConfig, chunk_texts, decode_modes, generate, save_chunks_png
 from distill import frozen_teacher, mtp_loss

@@ -17,7 +17,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from cli import (Parser, add_model_args, chat_stop_ids, encode_prompt, load,  # noqa: E402
+from mtp.cli import (Parser, add_model_args, chat_stop_ids, encode_prompt, load,  # noqa: E402
                  positive_int, probability, prompt_format, run_cli)
 from confadapt import DecodeConfig, generate, synchronize  # noqa: E402
 

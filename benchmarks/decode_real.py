@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_modes import bench, forward_latency  # noqa: E402
-from cli import (CliError, Parser, base_folder, cpu_name, load_model, parse_device,  # noqa: E402
+from mtp.cli import (CliError, Parser, base_folder, cpu_name, load_model, parse_device,  # noqa: E402
                  parse_dtype, positive_int, provenance, stop_ids_of)
 from confadapt import (DecodeConfig, DecodeStats, Generation, chunk_texts,  # noqa: E402
                        decode_modes, generate, synchronize)

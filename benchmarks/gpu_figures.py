@@ -37,7 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import model as M  # noqa: E402
-from cli import native_bfloat16_gpu, parse_device, parse_dtype  # noqa: E402
+from mtp.cli import native_bfloat16_gpu, parse_device, parse_dtype  # noqa: E402
 from confadapt import DecodeConfig, decode_pass, generate, prefill  # noqa: E402
 from data import mtp_layout, word_problem_tokenizer  # noqa: E402
 from distill import frozen_teacher, mtp_loss  # noqa: E402

@@ -51,7 +51,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from cli import CliError, Parser, number, output_folder, positive_int, run_cli  # noqa: E402
+from mtp.cli import CliError, Parser, number, output_folder, positive_int, run_cli  # noqa: E402
 from data import default_n_regions, mtp_layout  # noqa: E402
 from distill import (frozen_teacher, gated_mtp_loss, mtp_loss,  # noqa: E402
                      training_state_bytes)

@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402
-from cli import Parser, count, positive_int, run_cli  # noqa: E402
+from mtp.cli import Parser, count, positive_int, run_cli  # noqa: E402
 from data import MASK, PAD, MTPBatch  # noqa: E402
 
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402
-from cli import (CliError, Parser, Progress, count, format_seconds,  # noqa: E402
+from mtp.cli import (CliError, Parser, Progress, count, format_seconds,  # noqa: E402
                  output_folder, parse_device, positive_int, read_rows, run_cli)
 from model import ModelConfig, Transformer  # noqa: E402
 

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 import confadapt
-from cli import load_model
+from mtp.cli import load_model
 from confadapt import DecodeConfig, generate
 from data import MASK, mtp_layout, word_problem_tokenizer
 from distill import adapter_off_teacher, frozen_teacher, gated_mtp_loss, mtp_loss
@@ -269,7 +269,7 @@ def test_save_and_load_round_trip(tmp_path):
 
 
 def test_load_model_reads_base_and_adapter(tmp_path, capsys):
-    """cli.load_model (every command's loader) on an adapter folder: the
+    """mtp.cli.load_model (every command's loader) on an adapter folder: the
     base model from the folder it names, <mask> added to it, then the
     adapter."""
     tok = word_problem_tokenizer()

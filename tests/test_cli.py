@@ -6,7 +6,7 @@ was (each file's bytes and modification time). Ctrl-C ends in one line saying ho
 run never lands in another run's folder: a second run, a --quick run and a run with another seed
 leave a finished run's checkpoints and results alone.
 
-The commands are called in-process (main(argv) through cli.run_cli, what `python X.py`
+The commands are called in-process (main(argv) through mtp.cli.run_cli, what `python X.py`
 runs), on a tiny model written here and two tiny finished runs, so the whole file takes seconds.
 """
 import json
@@ -23,7 +23,7 @@ import confadapt
 import data
 import finetune_hf
 import train_toy
-from cli import parse_device, parse_dtype, provenance, run_cli
+from mtp.cli import parse_device, parse_dtype, provenance, run_cli
 from model import ModelConfig, Transformer
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))

@@ -142,7 +142,7 @@ def test_missing_model_and_file_as_out(tmp_path, capsys):
 def test_benchmark_reads_a_gated_adapter_and_compares_with_the_untuned_base(tiny_dir, tmp_path):
     """On an adapter folder, transformers decodes the untuned base, and our greedy and lossless
     modes (base + adapter) print exactly its greedy text."""
-    from cli import load_tokenizer
+    from mtp.cli import load_tokenizer
     from model import add_mask_adapter, add_mask_token, save_mask_adapter
 
     model = Transformer.from_pretrained(tiny_dir)

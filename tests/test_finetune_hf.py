@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 import finetune_hf as F
-from cli import read_rows
+from mtp.cli import read_rows
 from confadapt import Generation
 from data import (DOMAIN_TEMPLATES, QWEN2_PATTERN, Tokenizer, domain_prompts, gsm8k_row,
                   metamath_row, prompt_tokens, response_tokens, training_sequences,
