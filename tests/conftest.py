@@ -1,4 +1,4 @@
-"""Shared test setup: import the top-level modules; keep tests small, deterministic and on the CPU.
+"""Shared test setup: the top-level modules on the path, the CPU by default, one tiny model.
 
 Two suites that never mix. By default every test runs on the CPU: CUDA is hidden before torch
 starts (from the subprocesses the tests start, too), so no test can follow `auto` onto a GPU the
@@ -7,6 +7,9 @@ memory-efficient kernel lays them out (`cuda_attention_layout`). With MTP_GPU_TE
 tests marked `gpu` run, on CUDA (their `device` fixture), in the dtype each names:
 
     MTP_GPU_TESTS=1 python -m pytest -q tests
+
+Every test file may build its model with `tiny_model` (`from conftest import tiny_model`):
+the same random weights for the same seed, small enough for hundreds of forwards a second.
 """
 import os
 import sys
@@ -22,16 +25,35 @@ import torch.nn.functional as F  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
+from model import ModelConfig, Transformer  # noqa: E402
+
+# The tests' model: two layers of width 32, four query heads sharing two key/value heads.
+TINY = {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64, "max_seq_len": 64}
+
+# Smaller still, for tests that save models and run whole commands on them.
+ONE_LAYER = {"dim": 16, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 32}
+
+
+def tiny_model(vocab_size: int = 50, seed: int = 0, **fields) -> Transformer:
+    """A random Transformer of the TINY sizes, with the same weights for the same seed.
+
+    Keyword arguments set any other ModelConfig field: ONE_LAYER's sizes, bos_token_id, ..."""
+    torch.manual_seed(seed)
+    config = ModelConfig(vocab_size=vocab_size, **{**TINY, **fields})
+    return Transformer(config)
+
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: also part of the opt-in GPU suite (MTP_GPU_TESTS=1), run there on CUDA")
+    gpu = "gpu: also part of the opt-in GPU suite (MTP_GPU_TESTS=1), run there on CUDA"
+    config.addinivalue_line("markers", gpu)
     if GPU and not torch.cuda.is_available():
         raise pytest.UsageError("MTP_GPU_TESTS=1, but torch sees no CUDA GPU")
 
 
 def pytest_collection_modifyitems(config, items):
     if GPU:
-        skip = pytest.mark.skip(reason="the GPU suite (MTP_GPU_TESTS=1) runs only the tests marked gpu")
+        reason = "the GPU suite (MTP_GPU_TESTS=1) runs only the tests marked gpu"
+        skip = pytest.mark.skip(reason=reason)
         for item in items:
             if "gpu" not in item.keywords:
                 item.add_marker(skip)
