@@ -20,13 +20,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import finetune_hf as F
+import finetune_hf
 from mtp.cli import read_rows
 from confadapt import Generation
 from data import (DOMAIN_TEMPLATES, QWEN2_PATTERN, Tokenizer, domain_prompts, gsm8k_row,
                   metamath_row, prompt_tokens, response_tokens, training_sequences,
                   word_problem, word_problem_batch, word_problem_split,
                   word_problem_tokenizer, write_word_problems)
+from model import Transformer
 
 REPO = Path(__file__).resolve().parents[1]
 # float32: the comparisons are exact.
@@ -67,12 +68,12 @@ def train_args(tiny, out, *extra, model=None):
 
 def tune(tiny, out, *extra, model=None):
     """`train`, which must succeed."""
-    assert F.main(train_args(tiny, out, *extra, model=model)) == 0
+    assert finetune_hf.main(train_args(tiny, out, *extra, model=model)) == 0
 
 
 def export(checkpoint, out):
     """`export`, which must succeed."""
-    assert F.main(["export", "--checkpoint", str(checkpoint), "--out", str(out)]) == 0
+    assert finetune_hf.main(["export", "--checkpoint", str(checkpoint), "--out", str(out)]) == 0
 
 
 def weights(folder):
@@ -129,7 +130,7 @@ def jsonl(path):
 def test_gsm8k_scoring(completion, gold, strict, flexible, strict_ok, flexible_ok):
     """score() extracts and compares as lm-evaluation-harness's gsm8k_cot does, its
     quirks included."""
-    s = F.score(completion, gold)
+    s = finetune_hf.score(completion, gold)
     assert (s["strict"], s["flexible"]) == (strict, flexible)
     assert (s["strict_ok"], s["flexible_ok"]) == (strict_ok, flexible_ok)
 
@@ -138,7 +139,7 @@ def test_help_names_only_files_the_repository_has(capsys):
     """Every --help names only scripts the repository holds, and no placeholder."""
     for command in ([], ["train"], ["eval"], ["analyze"], ["data"], ["export"]):
         with pytest.raises(SystemExit):
-            F.build_parser().parse_args([*command, "--help"])
+            finetune_hf.build_parser().parse_args([*command, "--help"])
         text = capsys.readouterr().out
         assert "usage: finetune_hf.py" in text
         assert "METHOD" not in text
@@ -149,7 +150,7 @@ def test_help_names_only_files_the_repository_has(capsys):
 def test_gsm8k_prompt_and_stop_strings(tiny):
     """The 8-shot prompt's shape; a completion ends at its first stop string, counted up
     to the end of the pass that made it."""
-    prompt = F.fewshot_prompt("How many?")
+    prompt = finetune_hf.fewshot_prompt("How many?")
     assert prompt.startswith("Q: There are 15 trees in the grove.")
     assert prompt.endswith("The answer is 8.\n\nQ: How many?\nA:")
     assert prompt.count("Q: ") == 9
@@ -160,7 +161,7 @@ def test_gsm8k_prompt_and_stop_strings(tiny):
     tok = word_problem_tokenizer()
     first = tok.encode("x. The answer is 3.\n\nQ: next</s>")
     gen = Generation(first, [len(first)], False)
-    text = F.completion_of(tok, gen, set())[0]
+    text = finetune_hf.completion_of(tok, gen, set())[0]
     assert text == "x. The answer is 3.\n\n"
 
     ids = tok.encode("Tom has 3. The answer is: 3\n\nQ: Ann has 5 more")
@@ -172,20 +173,20 @@ def test_gsm8k_prompt_and_stop_strings(tiny):
     if len(ids) % 3:
         sizes.append(len(ids) % 3)
     gen = Generation(ids, sizes, False)
-    text, n_tokens, passes = F.completion_of(tok, gen, stop_ids={tok.eos_id})
+    text, n_tokens, passes = finetune_hf.completion_of(tok, gen, stop_ids={tok.eos_id})
     assert text == "Tom has 3. The answer is: 3\n\n"
     assert passes == -(-q_at // 3)
     assert n_tokens == min(3 * passes, len(ids))
 
     # A stop TOKEN is dropped from the text.
     eos_ended = Generation(ids[:5] + [tok.eos_id], [4, 2], True)
-    completion = F.completion_of(tok, eos_ended, stop_ids={tok.eos_id})
+    completion = finetune_hf.completion_of(tok, eos_ended, stop_ids={tok.eos_id})
     assert completion == (tok.decode(ids[:5]), 6, 2)
 
 
 def test_mean_and_stderr_like_the_harness():
     """The standard error is the sample standard deviation over sqrt(n)."""
-    mean, se = F.mean_and_stderr([1, 0, 1, 1])
+    mean, se = finetune_hf.mean_and_stderr([1, 0, 1, 1])
     # The sample std 0.5 / sqrt(4).
     assert mean == 0.75
     assert se == pytest.approx(0.25)
@@ -205,7 +206,7 @@ def test_word_problems_formats_and_split():
         gsm = gsm8k_row(p)
         assert row["response"].endswith(f"The answer is: {p.answer}")
         # The gold answer is parsed from '#### N'.
-        assert F.score(row["response"], gsm["answer"])["flexible_ok"]
+        assert finetune_hf.score(row["response"], gsm["answer"])["flexible_ok"]
         for a, op, b, c in re.findall(r"<<(\d+)([-+*])(\d+)=(-?\d+)>>", gsm["answer"]):
             result = {"+": int(a) + int(b),
                       "-": int(a) - int(b),
@@ -248,15 +249,15 @@ def test_formats_and_data_order(tiny):
     ids = prompt_tokens(tok, "plain", "Q?") + response_tokens(tok, "plain", "A")
     expected = [tok.bos_id] + tok.encode("Q?\n\n") + tok.encode("A") + [tok.eos_id]
     assert ids == expected
-    seqs, _ = F.training_sequences([("Q?", "A")], tok, "plain", 12)
+    seqs, _ = training_sequences([("Q?", "A")], tok, "plain", 12)
     assert seqs.shape == (1, 12)
     assert seqs[0, len(ids):].eq(tok.eos_id).all()
     tok.add_special_token("<|endoftext|>")
-    assert F.prompt_tokens(tok, "qwen", "Q?")[0] == tok.token_id("<|endoftext|>")
+    assert prompt_tokens(tok, "qwen", "Q?")[0] == tok.token_id("<|endoftext|>")
 
     # Data order: a pure function of the step; epochs are permutations.
-    a = [F.rows_of_step(s, 4, 10, seed=1) for s in range(5)]
-    again = [F.rows_of_step(s, 4, 10, seed=1) for s in range(5)]
+    a = [finetune_hf.rows_of_step(s, 4, 10, seed=1) for s in range(5)]
+    again = [finetune_hf.rows_of_step(s, 4, 10, seed=1) for s in range(5)]
     assert a == again
     flat = sum(a, [])
     assert sorted(flat[:10]) == list(range(10))
@@ -283,7 +284,7 @@ def test_train_resume_is_exact_and_export_loads_in_transformers(tiny, tmp_path, 
     class Interrupted(Exception):
         pass
 
-    real = F.train_step
+    real = finetune_hf.train_step
     steps = []
 
     # After step 3; the last checkpoint is step 2.
@@ -293,11 +294,11 @@ def test_train_resume_is_exact_and_export_loads_in_transformers(tiny, tmp_path, 
             raise Interrupted
         return real(*a, **kw)
 
-    monkeypatch.setattr(F, "train_step", crash_after_3)
-    args = F.build_parser().parse_args(train_args(tiny, cut, "--steps", "5"))
+    monkeypatch.setattr(finetune_hf, "train_step", crash_after_3)
+    args = finetune_hf.build_parser().parse_args(train_args(tiny, cut, "--steps", "5"))
     with pytest.raises(Interrupted):
-        F.train(args)
-    monkeypatch.setattr(F, "train_step", real)
+        finetune_hf.train(args)
+    monkeypatch.setattr(finetune_hf, "train_step", real)
     assert (cut / "checkpoints" / "latest").read_text().strip() == "step_000002"
 
     # A save that died halfway is ignored.
@@ -319,7 +320,7 @@ def test_train_resume_is_exact_and_export_loads_in_transformers(tiny, tmp_path, 
     assert hf_tok.convert_tokens_to_ids("<mask>") == mask_id == word_problem_tokenizer().n_vocab
     assert hf_tok("3 apples <mask>")["input_ids"][-1] == mask_id
     hf = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
-    ours = F.Transformer.from_pretrained(final)
+    ours = Transformer.from_pretrained(final)
     x = torch.tensor([hf_tok("Tom has 3 apples.<mask><mask>")["input_ids"]])
     torch.testing.assert_close(hf(x).logits, ours(x),
                                atol=1e-5, rtol=1e-4)
@@ -418,10 +419,10 @@ def test_fsdp2_teacher_gives_back_its_gathered_root_after_each_forward(tiny, tmp
     torch.distributed.init_process_group("gloo", init_method=store,
                                          rank=0, world_size=1)
     try:
-        dist = F.Dist(rank=0, world=1, device=torch.device("cpu"), dtype=torch.float32,
+        dist = finetune_hf.Dist(rank=0, world=1, device=torch.device("cpu"), dtype=torch.float32,
                       sharded=True)
         args = argparse.Namespace(model=str(tiny / "base"))
-        _, teacher, _, _ = F.load_student_and_teacher(args, dist)
+        _, teacher, _, _ = finetune_hf.load_student_and_teacher(args, dist)
         with torch.no_grad():
             teacher(torch.zeros(1, 4, dtype=torch.long))
         # Sharded again, not held whole.
@@ -461,7 +462,7 @@ def test_qwen3_tied_checkpoint_reuses_a_spare_row_and_uses_the_qwen_recipe(tmp_p
     assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
     ids = [n] + tok.encode("Tom has 3 apples.\n\n") + [n + 3, n + 3]
     x = torch.tensor([ids])
-    ours = F.Transformer.from_pretrained(out / "final")
+    ours = Transformer.from_pretrained(out / "final")
     torch.testing.assert_close(hf(x).logits, ours(x),
                                atol=1e-5, rtol=1e-4)
 
@@ -479,14 +480,14 @@ def test_word_problem_base_model_trains_on_the_plain_format(tmp_path):
     tok = Tokenizer.from_pretrained(out["base"])
     pairs = read_rows(out["train"], [("query", "response")])
     seqs, supervised = word_problem_batch(tok, pairs[:1] * 3, random.Random(0), 3, 96)
-    assert torch.equal(seqs, F.training_sequences(pairs[:1] * 3, tok, "plain", 96)[0].long())
+    assert torch.equal(seqs, training_sequences(pairs[:1] * 3, tok, "plain", 96)[0].long())
     # every token but <bos> is supervised, up to the first <eos>
     end = int((seqs[0] == tok.eos_id).nonzero()[0])
     assert supervised[0, 1:end + 1].all()
     assert supervised[0].sum() == end
     tuned = str(tmp_path / "tuned")
     args = ["train", "--model", out["base"], "--data", out["train"], "--out", tuned]
-    assert F.main([*args, *TRAIN, "--steps", "1"]) == 0
+    assert finetune_hf.main([*args, *TRAIN, "--steps", "1"]) == 0
 
 
 def test_gt_mode_and_activation_checkpointing(tiny, tmp_path):
@@ -527,9 +528,9 @@ def test_gated_adapter_trains_only_itself_resumes_exactly_and_exports_a_small_fo
     assert ckpt_bytes < base_bytes
     card = (final / "README.md").read_text()
     assert "not a LoRA" in card
-    assert F.MODEL_CARD_TAGS in card
+    assert finetune_hf.MODEL_CARD_TAGS in card
 
-    real = F.train_step
+    real = finetune_hf.train_step
     steps = []
 
     def crash_after_3(*a, **kw):
@@ -538,13 +539,13 @@ def test_gated_adapter_trains_only_itself_resumes_exactly_and_exports_a_small_fo
             raise KeyboardInterrupt
         return real(*a, **kw)
 
-    monkeypatch.setattr(F, "train_step", crash_after_3)
+    monkeypatch.setattr(finetune_hf, "train_step", crash_after_3)
     argv = train_args(tiny, cut, "--steps", "4", *adapter)
-    assert F.main(argv) != 0
-    monkeypatch.setattr(F, "train_step", real)
+    assert finetune_hf.main(argv) != 0
+    monkeypatch.setattr(finetune_hf, "train_step", real)
     # Another rank.
     argv = train_args(tiny, cut, "--steps", "4", *adapter[:2], "--resume")
-    assert F.main(argv) == 2
+    assert finetune_hf.main(argv) == 2
     assert "--adapter-rank 4 -> 32" in capsys.readouterr().err
     tune(tiny, cut, "--steps", "4", *adapter, "--resume")
     resumed = load_file(str(cut / "final" / ADAPTER_WEIGHTS))
@@ -559,9 +560,9 @@ def test_gated_adapter_trains_only_itself_resumes_exactly_and_exports_a_small_fo
               "--prompt-style", "zeroshot", "--max-new-tokens", "8", "--batch-size", "2",
               "--static-k", "1", "--taus"]
     argv = common + ["--model", str(tiny / "base"), "--out", str(tmp_path / "e0")]
-    assert F.main(argv) == 0
+    assert finetune_hf.main(argv) == 0
     argv = common + ["--model", str(final), "--out", str(tmp_path / "e1"), "--lossless-k", "3"]
-    assert F.main(argv) == 0
+    assert finetune_hf.main(argv) == 0
     answers = [[r["completion"] for r in jsonl(tmp_path / e / "samples.jsonl")]
                for e in ("e0", "e1")]
     greedy = answers[0]
@@ -574,12 +575,12 @@ def test_gated_adapter_refuses_the_prefix_loss_and_an_adapter_as_base(tiny, tmp_
     model: one error line each."""
     run = tmp_path / "run"
     argv = train_args(tiny, run, "--adapter", "gated-lora", "--prefix-ntp-weight", "1")
-    assert F.main(argv) == 2
+    assert finetune_hf.main(argv) == 2
     assert "cannot change" in capsys.readouterr().err
     tune(tiny, run, "--steps", "1", "--adapter", "gated-lora")
     again = train_args(tiny, tmp_path / "again", "--adapter", "gated-lora",
                        model=run / "final")
-    assert F.main(again) == 2
+    assert finetune_hf.main(again) == 2
     err = capsys.readouterr().err.strip()
     assert "is a gated mask adapter" in err
     assert "\n" not in err
@@ -626,7 +627,7 @@ def test_eval_sweep_writes_table_and_plot(tiny, tmp_path):
               "--max-new-tokens", "6", "--batch-size", "2"]
     sweep = ["--prompt-style", "zeroshot",
              "--static-k", "1", "3", "--taus", "0.9", "--lossless-k", "4"]
-    assert F.main(common + sweep) == 0
+    assert finetune_hf.main(common + sweep) == 0
     results = json_file(out / "results.json")
     meta = results["meta"]
     res = results["results"]
@@ -648,8 +649,8 @@ def test_eval_sweep_writes_table_and_plot(tiny, tmp_path):
 
     # An 8-shot prompt, into an --out that holds an earlier eval.
     again = common + ["--limit", "1", "--static-k", "1", "--taus"]
-    assert F.main(again) == 2
-    assert F.main(again + ["--overwrite"]) == 0
+    assert finetune_hf.main(again) == 2
+    assert finetune_hf.main(again + ["--overwrite"]) == 0
 
 
 def test_analyze_estimates(tiny, tmp_path):
@@ -657,21 +658,21 @@ def test_analyze_estimates(tiny, tmp_path):
     # ConfAdapt simulated on hand-made confidences: [0.5] [.95 .95] [0.5], as a pass
     # stops at an unsure token, as ConfAdapt does.
     conf = [0.5, 0.95, 0.95, 0.5]
-    assert F.simulated_passes(conf, 0.9, 16, joint=False) == 3
-    assert F.simulated_passes(conf, 0.9, 16, joint=True) == 3
+    assert finetune_hf.simulated_passes(conf, 0.9, 16, joint=False) == 3
+    assert finetune_hf.simulated_passes(conf, 0.9, 16, joint=True) == 3
     # [.95 .95 .95 .95]
-    assert F.simulated_passes([0.95] * 4, 0.9, 16, joint=False) == 1
+    assert finetune_hf.simulated_passes([0.95] * 4, 0.9, 16, joint=False) == 1
     # [.95 .95] [.95 .95]: .95^3 < 0.9
-    assert F.simulated_passes([0.95] * 4, 0.9, 16, joint=True) == 2
+    assert finetune_hf.simulated_passes([0.95] * 4, 0.9, 16, joint=True) == 2
     # k_max caps a pass.
-    assert F.simulated_passes([1.0] * 10, 0.9, 4, joint=True) == 3
+    assert finetune_hf.simulated_passes([1.0] * 10, 0.9, 4, joint=True) == 3
 
     out = tmp_path / "an"
     argv = ["analyze", "--model", str(tiny / "base"),
             "--data", str(tiny / "wp" / "test.jsonl"),
             "--limit", "2", "--max-new-tokens", "4", "--taus", "0.9",
             "--out", str(out)]
-    assert F.main(argv) == 0
+    assert finetune_hf.main(argv) == 0
     report = json_file(out / "analysis.json")["domains"]["test.jsonl"]
     assert report["tokens"] > 0
     assert report["estimates"][0]["effective_k_per_token"] >= 1.0
@@ -681,8 +682,8 @@ def test_analyze_estimates(tiny, tmp_path):
              "--domains", "lists", "word_problems",
              "--limit", "2", "--max-new-tokens", "4", "--taus", "0.9", "0.5",
              "--out", str(out)]
-    assert F.main(again) == 2
-    assert F.main(again + ["--overwrite"]) == 0
+    assert finetune_hf.main(again) == 2
+    assert finetune_hf.main(again + ["--overwrite"]) == 0
     report = json_file(out / "analysis.json")["domains"]
     assert list(report) == ["lists", "word_problems"]
     assert len(report["lists"]["estimates"]) == 2
@@ -696,7 +697,7 @@ def test_data_writes_the_models_own_answers_and_train_reads_them(tiny, tmp_path)
     argv = ["data", "--model", str(tiny / "base"), "--out", str(rows_file),
             "--domains", "lists", "writing",
             "--per-domain", "3", "--max-new-tokens", "5"]
-    assert F.main(argv) == 0
+    assert finetune_hf.main(argv) == 0
     rows = jsonl(rows_file)
     assert [r["domain"] for r in rows] == ["lists"] * 3 + ["writing"] * 3
     assert rows[0]["prompt"] in domain_prompts("lists", 3)
@@ -707,7 +708,7 @@ def test_data_writes_the_models_own_answers_and_train_reads_them(tiny, tmp_path)
             "--data", str(rows_file), str(tiny / "wp" / "train.json"),
             "--out", str(out), *TRAIN,
             "--steps", "2", "--prefix-ntp-weight", "0.5"]
-    assert F.main(argv) == 0
+    assert finetune_hf.main(argv) == 0
     assert json_file(out / "train_args.json")["prefix_ntp_weight"] == 0.5
     log = jsonl(out / "log.jsonl")
     assert len(log) == 2
@@ -769,10 +770,10 @@ def test_auto_compute_dtype_on_a_gpu_that_only_emulates_bfloat16(monkeypatch):
         return including_emulation
 
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", t4)
-    assert F.compute_dtype("cuda") == torch.float32
+    assert finetune_hf.compute_dtype("cuda") == torch.float32
     monkeypatch.setattr(torch.cuda, "is_bf16_supported",
                         lambda including_emulation=True: True)
-    assert F.compute_dtype("cuda") == torch.bfloat16
+    assert finetune_hf.compute_dtype("cuda") == torch.bfloat16
 
 
 def test_bad_input_gives_one_error_line(tiny, tmp_path, capsys):
@@ -806,6 +807,6 @@ def test_bad_input_gives_one_error_line(tiny, tmp_path, capsys):
          "mask"),
     ]
     for argv, expected in cases:
-        assert F.main(argv) == 2
+        assert finetune_hf.main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and "\n" not in err and expected in err, err
