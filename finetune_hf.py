@@ -27,7 +27,7 @@ import torch
 
 from mtp.cli import (CliError, Parser, Progress, base_folder, count, fields_of,
                  format_seconds, input_path, load_model, load_tokenizer,
-                 native_bfloat16_gpu, number, output_folder, parse_device,
+                 number, output_folder, parse_device, parse_dtype,
                  positive_float, positive_int, probability, provenance,
                  read_checkpoint, read_rows, run_cli, stop_ids_of)
 from confadapt import DecodeConfig, accept_confadapt, decode_modes, generate
@@ -546,8 +546,7 @@ def load_for_inference(args):
     """(model, tokenizer, mask id or None, prompt format, stop ids) of
     --model."""
     device = parse_device(args.device)
-    model, tok, mask_id, _ = load_model(args.model, device,
-                                        compute_dtype(device.type, args.dtype))
+    model, tok, mask_id, _ = load_model(args.model, device, parse_dtype(args.dtype, device))
     fmt = args.format
     if fmt == "auto":
         fmt = default_format(tok, model.config.model_type)
@@ -850,7 +849,7 @@ def setup_processes(device: str, dtype: str = "auto") -> Dist:
     from datetime import timedelta
     device = parse_device(device)
     torchrun = "WORLD_SIZE" in os.environ
-    compute = compute_dtype(device.type, dtype)
+    compute = parse_dtype(dtype, device)
     # Under torchrun: one GPU per process, whatever --device named.
     if device.type == "cuda":
         if torchrun:
@@ -868,21 +867,6 @@ def setup_processes(device: str, dtype: str = "auto") -> Dist:
         compute = torch.float32
     return Dist(rank=torch.distributed.get_rank(), world=torch.distributed.get_world_size(),
                 device=device, dtype=compute, sharded=True)
-
-
-def compute_dtype(device_type: str, dtype: str = "auto") -> torch.dtype:
-    """--dtype auto: bfloat16 on GPUs and CPUs with native bfloat16 arithmetic
-    (elsewhere slow), else float32."""
-    if dtype != "auto":
-        return getattr(torch, dtype)
-    if device_type == "cuda":
-        native = native_bfloat16_gpu(torch.device("cuda"))
-    else:
-        # Linux lists the CPU's flags.
-        cpuinfo = Path("/proc/cpuinfo")
-        flags = cpuinfo.read_text() if cpuinfo.is_file() else ""
-        native = "avx512_bf16" in flags or "amx_bf16" in flags
-    return torch.bfloat16 if native else torch.float32
 
 
 # Precision. The student keeps float32 master weights (lr 1e-5 updates vanish in

@@ -23,6 +23,7 @@ import confadapt
 import data
 import finetune_hf
 import train_toy
+from mtp import cli
 from mtp.cli import parse_device, parse_dtype, provenance, run_cli
 from model import ModelConfig, Transformer
 
@@ -541,11 +542,15 @@ def test_analyze_calls_its_estimate_a_floor(at_root, capsys):
     assert "little to gain" not in out
 
 
-def test_auto_dtype_is_bfloat16_only_on_a_gpu_that_computes_it(monkeypatch):
-    """--dtype auto: float32 on the CPU and on GPUs that only emulate bfloat16 (a T4 or V100,
-    where torch.cuda.is_bf16_supported() says yes by default), bfloat16 from Ampere on."""
-    cuda = torch.device("cuda")
-    assert parse_dtype("auto", torch.device("cpu")) == torch.float32
+def test_auto_dtype_is_bfloat16_only_where_the_hardware_computes_it(monkeypatch):
+    """--dtype auto, one policy for every command: float32 on a CPU without bfloat16 instructions
+    and on GPUs that only emulate bfloat16 (a T4 or V100, where torch.cuda.is_bf16_supported() says
+    yes by default); bfloat16 on a CPU with AVX-512 BF16 or AMX and on GPUs from Ampere on."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(cli, "native_bfloat16_cpu", lambda: False)
+    assert parse_dtype("auto", cpu) == torch.float32
+    monkeypatch.setattr(cli, "native_bfloat16_cpu", lambda: True)                     # AVX-512 BF16, AMX
+    assert parse_dtype("auto", cpu) == torch.bfloat16
     def t4(including_emulation=True):
         return including_emulation
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", t4)

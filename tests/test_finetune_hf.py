@@ -763,19 +763,6 @@ def test_bfloat16_training_on_cpu(tiny, tmp_path):
     assert all(math.isfinite(r["loss"]) for r in log)
 
 
-def test_auto_compute_dtype_on_a_gpu_that_only_emulates_bfloat16(monkeypatch):
-    """A T4 or V100 says yes to torch.cuda.is_bf16_supported() counting emulation: float32
-    there."""
-    def t4(including_emulation=True):
-        return including_emulation
-
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", t4)
-    assert finetune_hf.compute_dtype("cuda") == torch.float32
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
-                        lambda including_emulation=True: True)
-    assert finetune_hf.compute_dtype("cuda") == torch.bfloat16
-
-
 def test_bad_input_gives_one_error_line(tiny, tmp_path, capsys):
     """Bad rows, a folder without a tokenizer, a missing file, an unknown or absent
     device, a model without <mask>: exit code 2 and one error line each."""
