@@ -23,7 +23,7 @@ import confadapt
 import data
 import finetune_hf
 import train_toy
-from mtp import cli
+from mtp import cli, finetune_cli
 from mtp.cli import parse_device, parse_dtype, provenance, run_cli
 from model import ModelConfig, Transformer
 
@@ -443,7 +443,7 @@ def test_eval_checks_its_decoders_first_and_keeps_finished_ones_on_ctrl_c(at_roo
     assert captured.out.splitlines()[1].startswith("| decoding |")      # the header comes first
     assert captured.err.strip() == f"interrupted: {out} holds the results of the 1 finished decoder(s)"
     assert [r["decoding"] for r in json.loads((out / "results.json").read_text())["results"]] == ["k=1 (greedy)"]
-    assert finetune_hf.build_parser().parse_args(argv[:5]).out == os.path.join("runs", "gsm8k_eval")
+    assert finetune_cli.build_parser().parse_args(argv[:5]).out == os.path.join("runs", "gsm8k_eval")
 
 
 def test_eval_shows_progress_within_a_decoder(at_root, capsys, tmp_path):
@@ -529,7 +529,7 @@ def test_confadapt_formats_the_prompt_as_asked(at_root, capsys, tmp_path):
 def test_help_says_what_max_new_tokens_and_dtype_do(capsys):
     for command in ("eval", "analyze", "data"):
         with pytest.raises(SystemExit):
-            finetune_hf.build_parser().parse_args([command, "--help"])
+            finetune_cli.build_parser().parse_args([command, "--help"])
         text = " ".join(capsys.readouterr().out.split())
         assert "most tokens of each answer" in text and "auto (the default): bfloat16" in text
 

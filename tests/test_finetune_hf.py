@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 
 import finetune_hf
 from mtp.cli import read_rows
+from mtp.finetune_cli import MODEL_CARD_TAGS, build_parser
 from confadapt import Generation
 from data import (DOMAIN_TEMPLATES, QWEN2_PATTERN, Tokenizer, domain_prompts, gsm8k_row,
                   metamath_row, prompt_tokens, response_tokens, training_sequences,
@@ -139,7 +140,7 @@ def test_help_names_only_files_the_repository_has(capsys):
     """Every --help names only scripts the repository holds, and no placeholder."""
     for command in ([], ["train"], ["eval"], ["analyze"], ["data"], ["export"]):
         with pytest.raises(SystemExit):
-            finetune_hf.build_parser().parse_args([*command, "--help"])
+            build_parser().parse_args([*command, "--help"])
         text = capsys.readouterr().out
         assert "usage: finetune_hf.py" in text
         assert "METHOD" not in text
@@ -295,7 +296,7 @@ def test_train_resume_is_exact_and_export_loads_in_transformers(tiny, tmp_path, 
         return real(*a, **kw)
 
     monkeypatch.setattr(finetune_hf, "train_step", crash_after_3)
-    args = finetune_hf.build_parser().parse_args(train_args(tiny, cut, "--steps", "5"))
+    args = build_parser().parse_args(train_args(tiny, cut, "--steps", "5"))
     with pytest.raises(Interrupted):
         finetune_hf.train(args)
     monkeypatch.setattr(finetune_hf, "train_step", real)
@@ -528,7 +529,7 @@ def test_gated_adapter_trains_only_itself_resumes_exactly_and_exports_a_small_fo
     assert ckpt_bytes < base_bytes
     card = (final / "README.md").read_text()
     assert "not a LoRA" in card
-    assert finetune_hf.MODEL_CARD_TAGS in card
+    assert MODEL_CARD_TAGS in card
 
     real = finetune_hf.train_step
     steps = []
