@@ -26,6 +26,7 @@ import train_toy
 from mtp import cli, finetune_cli
 from mtp.cli import parse_device, parse_dtype, provenance, run_cli
 from model import ModelConfig, Transformer
+from tasks import gsm8k
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import bench_modes  # noqa: E402  (benchmarks/bench_modes.py)
@@ -437,7 +438,7 @@ def test_eval_checks_its_decoders_first_and_keeps_finished_ones_on_ctrl_c(at_roo
     out = tmp_path / "ev"
     argv = ["eval", "--model", "ft/final", "--data", "wp/test.jsonl", "--out", str(out), "--prompt-style",
             "zeroshot", "--max-new-tokens", "4", "--static-k", "1", "2", "--taus"]
-    monkeypatch.setattr(finetune_hf, "generate", interrupted_at_call(2, finetune_hf.generate))  # 2nd decoder
+    monkeypatch.setattr(gsm8k, "generate", interrupted_at_call(2, gsm8k.generate))  # 2nd decoder
     assert finetune_hf.main(argv) == 130
     captured = capsys.readouterr()
     assert captured.out.splitlines()[1].startswith("| decoding |")      # the header comes first

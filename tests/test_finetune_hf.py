@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 import finetune_hf
 from mtp.cli import read_rows
 from mtp.finetune_cli import MODEL_CARD_TAGS, build_parser
-from confadapt import Generation
+from tasks.gsm8k import score
 from data import (DOMAIN_TEMPLATES, QWEN2_PATTERN, Tokenizer, domain_prompts, gsm8k_row,
                   metamath_row, prompt_tokens, response_tokens, training_sequences,
                   word_problem, word_problem_batch, word_problem_split,
@@ -43,33 +43,15 @@ TRAIN = ["--seq-len", "48", "--batch-size", "4", "--micro-batch", "2",
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A tiny Llama checkpoint in Hugging Face layout (+ tokenizer) and word-problem data."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    root = tmp_path_factory.mktemp("finetune_hf")
-    tok = word_problem_tokenizer()
-    cfg = LlamaConfig(vocab_size=tok.n_vocab, hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=4096, bos_token_id=tok.bos_id,
-                      eos_token_id=tok.eos_id, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(root / "base")
-    tok.save_pretrained(root / "base")
-    write_word_problems(root / "wp", n_train=64, n_test=6, seed=1)
-    return root
-
-
-def train_args(tiny, out, *extra, model=None):
-    model = model or tiny / "base"
-    return ["train", "--model", str(model), "--data", str(tiny / "wp" / "train.json"),
+def train_args(tiny_hf, out, *extra, model=None):
+    model = model or tiny_hf / "base"
+    return ["train", "--model", str(model), "--data", str(tiny_hf / "wp" / "train.json"),
             "--out", str(out), *TRAIN, *extra]
 
 
-def tune(tiny, out, *extra, model=None):
+def tune(tiny_hf, out, *extra, model=None):
     """`train`, which must succeed."""
-    assert finetune_hf.main(train_args(tiny, out, *extra, model=model)) == 0
+    assert finetune_hf.main(train_args(tiny_hf, out, *extra, model=model)) == 0
 
 
 def export(checkpoint, out):
@@ -94,48 +76,6 @@ def jsonl(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
-# ---------------------------------------------------------------------------------------
-# GSM8K scoring (lm-evaluation-harness gsm8k_cot semantics) on hand-written completions
-# ---------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("completion, gold, strict, flexible, strict_ok, flexible_ok", [
-    ("5 + 4 = 9. The answer is 9.", "9",
-     "9", "9.", True, True),
-    # The strict regex ends in an unescaped ".", which must eat one more character: with
-    # nothing after the number, the group gives up its last digit.
-    ("So 21 - 15 = 6. The answer is 42", "42",
-     "4", "42", False, True),
-    # "." does not match a newline either.
-    ("The answer is 42\n", "42",
-     "4", "42", False, True),
-    ("The answer is 42 apples", "42",
-     "42", "42", True, True),
-    ("The answer is 1,234.", "1234",
-     "1,234", "1,234.", True, True),
-    ("She pays $1,234.", "1234",
-     "[invalid]", "$1,234.", False, True),
-    ("The answer is -3.", "-3",
-     "-3", "-3.", True, True),
-    # Strict takes the first match, flexible the last; followed by more text, the "." is
-    # captured (and dropped again by the normalisation).
-    ("The answer is 5. The answer is 6.", "6",
-     "5.", "6.", False, True),
-    ("3 + 4 = 7 apples and 2 pears", "7",
-     "[invalid]", "2", False, False),
-    ("no number here", "7",
-     "[invalid]", "[invalid]", False, False),
-    # Everything up to '#### ' is ignored.
-    ("The answer is 18.", "#### 18",
-     "18", "18.", True, True),
-])
-def test_gsm8k_scoring(completion, gold, strict, flexible, strict_ok, flexible_ok):
-    """score() extracts and compares as lm-evaluation-harness's gsm8k_cot does, its
-    quirks included."""
-    s = finetune_hf.score(completion, gold)
-    assert (s["strict"], s["flexible"]) == (strict, flexible)
-    assert (s["strict_ok"], s["flexible_ok"]) == (strict_ok, flexible_ok)
-
-
 def test_help_names_only_files_the_repository_has(capsys):
     """Every --help names only scripts the repository holds, and no placeholder."""
     for command in ([], ["train"], ["eval"], ["analyze"], ["data"], ["export"]):
@@ -146,51 +86,6 @@ def test_help_names_only_files_the_repository_has(capsys):
         assert "METHOD" not in text
         names = re.findall(r"[\w/]+\.py\b", text)
         assert all((REPO / f).is_file() for f in names)
-
-
-def test_gsm8k_prompt_and_stop_strings(tiny):
-    """The 8-shot prompt's shape; a completion ends at its first stop string, counted up
-    to the end of the pass that made it."""
-    prompt = finetune_hf.fewshot_prompt("How many?")
-    assert prompt.startswith("Q: There are 15 trees in the grove.")
-    assert prompt.endswith("The answer is 8.\n\nQ: How many?\nA:")
-    assert prompt.count("Q: ") == 9
-    assert prompt.count("\n\n") == 8
-
-    # Stopping at a stop STRING: count tokens and passes up to the end of the pass that
-    # completed it. The first stop string cuts.
-    tok = word_problem_tokenizer()
-    first = tok.encode("x. The answer is 3.\n\nQ: next</s>")
-    gen = Generation(first, [len(first)], False)
-    text = finetune_hf.completion_of(tok, gen, set())[0]
-    assert text == "x. The answer is 3.\n\n"
-
-    ids = tok.encode("Tom has 3. The answer is: 3\n\nQ: Ann has 5 more")
-    # The tokens through "Q:".
-    q_at = next(i for i in range(len(ids))
-                if "Q:" in tok.decode(ids[: i + 1])) + 1
-    # Passes of 3 tokens; the last one may be shorter.
-    sizes = [3] * (len(ids) // 3)
-    if len(ids) % 3:
-        sizes.append(len(ids) % 3)
-    gen = Generation(ids, sizes, False)
-    text, n_tokens, passes = finetune_hf.completion_of(tok, gen, stop_ids={tok.eos_id})
-    assert text == "Tom has 3. The answer is: 3\n\n"
-    assert passes == -(-q_at // 3)
-    assert n_tokens == min(3 * passes, len(ids))
-
-    # A stop TOKEN is dropped from the text.
-    eos_ended = Generation(ids[:5] + [tok.eos_id], [4, 2], True)
-    completion = finetune_hf.completion_of(tok, eos_ended, stop_ids={tok.eos_id})
-    assert completion == (tok.decode(ids[:5]), 6, 2)
-
-
-def test_mean_and_stderr_like_the_harness():
-    """The standard error is the sample standard deviation over sqrt(n)."""
-    mean, se = finetune_hf.mean_and_stderr([1, 0, 1, 1])
-    # The sample std 0.5 / sqrt(4).
-    assert mean == 0.75
-    assert se == pytest.approx(0.25)
 
 
 # ---------------------------------------------------------------------------------------
@@ -207,7 +102,7 @@ def test_word_problems_formats_and_split():
         gsm = gsm8k_row(p)
         assert row["response"].endswith(f"The answer is: {p.answer}")
         # The gold answer is parsed from '#### N'.
-        assert finetune_hf.score(row["response"], gsm["answer"])["flexible_ok"]
+        assert score(row["response"], gsm["answer"])["flexible_ok"]
         for a, op, b, c in re.findall(r"<<(\d+)([-+*])(\d+)=(-?\d+)>>", gsm["answer"]):
             result = {"+": int(a) + int(b),
                       "-": int(a) - int(b),
@@ -243,7 +138,7 @@ def test_domain_prompts_hold_a_quarter_of_the_subjects_out():
         assert domain_prompts(domain, 5) == train[:5]
 
 
-def test_formats_and_data_order(tiny):
+def test_formats_and_data_order(tiny_hf):
     """The plain format's tokens, the qwen format's leading <|endoftext|>, and a data
     order that is a function of the step alone."""
     tok = word_problem_tokenizer()
@@ -269,7 +164,7 @@ def test_formats_and_data_order(tiny):
 # Training: atomic checkpoints, exact resume, FSDP2, export
 # ---------------------------------------------------------------------------------------
 
-def test_train_resume_is_exact_and_export_loads_in_transformers(tiny, tmp_path, capsys,
+def test_train_resume_is_exact_and_export_loads_in_transformers(tiny_hf, tmp_path, capsys,
                                                                  monkeypatch):
     """A run interrupted after step 3 and resumed equals an uninterrupted one bit for bit;
     its export loads in transformers and gives our logits."""
@@ -277,7 +172,7 @@ def test_train_resume_is_exact_and_export_loads_in_transformers(tiny, tmp_path, 
 
     full = tmp_path / "full"
     cut = tmp_path / "cut"
-    tune(tiny, full, "--steps", "5")
+    tune(tiny_hf, full, "--steps", "5")
     log = capsys.readouterr().out
     assert "step 5/5 | loss" in log
     assert "tok/s | ETA" in log
@@ -296,7 +191,7 @@ def test_train_resume_is_exact_and_export_loads_in_transformers(tiny, tmp_path, 
         return real(*a, **kw)
 
     monkeypatch.setattr(finetune_hf, "train_step", crash_after_3)
-    args = build_parser().parse_args(train_args(tiny, cut, "--steps", "5"))
+    args = build_parser().parse_args(train_args(tiny_hf, cut, "--steps", "5"))
     with pytest.raises(Interrupted):
         finetune_hf.train(args)
     monkeypatch.setattr(finetune_hf, "train_step", real)
@@ -304,7 +199,7 @@ def test_train_resume_is_exact_and_export_loads_in_transformers(tiny, tmp_path, 
 
     # A save that died halfway is ignored.
     (cut / "checkpoints" / ".step_000004.tmp").mkdir()
-    tune(tiny, cut, "--steps", "5", "--resume")
+    tune(tiny_hf, cut, "--steps", "5", "--resume")
     assert "resumed from" in capsys.readouterr().out
     a = weights(full / "final")
     b = weights(cut / "final")
@@ -338,68 +233,68 @@ def test_train_resume_is_exact_and_export_loads_in_transformers(tiny, tmp_path, 
     assert same(a, c)
 
 
-def test_resume_ignores_gpu_rng_states_of_another_machine(tiny, tmp_path, capsys):
+def test_resume_ignores_gpu_rng_states_of_another_machine(tiny_hf, tmp_path, capsys):
     """Checkpoints hold no per-GPU RNG state (nothing draws on it), so a resume never
     depends on how many GPUs it sees; a checkpoint that holds 8 GPUs' states resumes too."""
     out = tmp_path / "run"
-    tune(tiny, out, "--steps", "2", "--device", "cpu")
+    tune(tiny_hf, out, "--steps", "2", "--device", "cpu")
     path = out / "checkpoints" / "step_000002" / "trainer.pt"
     trainer = torch.load(path, weights_only=True)
     assert set(trainer) == {"step", "scheduler", "args", "rng_cpu"}
     trainer["rng_cuda"] = [torch.zeros(16, dtype=torch.uint8)] * 8
     torch.save(trainer, path)
-    tune(tiny, out, "--steps", "3", "--resume", "--device", "cpu")
+    tune(tiny_hf, out, "--steps", "3", "--resume", "--device", "cpu")
     assert "resumed from" in capsys.readouterr().out
 
 
-def test_train_and_export_write_the_base_checkpoints_dtype(tiny, tmp_path):
+def test_train_and_export_write_the_base_checkpoints_dtype(tiny_hf, tmp_path):
     """The exported dtype is the base checkpoint's, whichever device trained: `train` and a
     later `export` of the same run write identical files."""
     base = tmp_path / "bf16_base"
-    shutil.copytree(tiny / "base", base)
+    shutil.copytree(tiny_hf / "base", base)
     cfg = json_file(base / "config.json")
     cfg.pop("torch_dtype", None)
     (base / "config.json").write_text(json.dumps({**cfg, "dtype": "bfloat16"}))
     out = tmp_path / "run"
-    tune(tiny, out, "--steps", "2", model=base)
+    tune(tiny_hf, out, "--steps", "2", model=base)
     export(out, tmp_path / "exp")
     a = weights(out / "final")
     b = weights(tmp_path / "exp")
     assert {t.dtype for t in a.values()} == {torch.bfloat16}
     assert same(a, b)
     assert json_file(out / "final" / "config.json")["torch_dtype"] == "bfloat16"
-    assert {t.dtype for t in weights(tiny / "base").values()} == {torch.float32}
+    assert {t.dtype for t in weights(tiny_hf / "base").values()} == {torch.float32}
 
     # A gated adapter is written in that dtype too.
     adapter = tmp_path / "adapter"
-    tune(tiny, adapter, "--steps", "1", "--adapter", "gated-lora", model=base)
+    tune(tiny_hf, adapter, "--steps", "1", "--adapter", "gated-lora", model=base)
     saved = load_file(str(adapter / "final" / "mask_adapter.safetensors"))
     assert {t.dtype for t in saved.values()} == {torch.bfloat16}
 
 
-def two_processes(tiny, out, *extra):
+def two_processes(tiny_hf, out, *extra):
     """`train` under torchrun: gloo, 2 CPU processes."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc_per_node", "2", str(REPO / "finetune_hf.py"),
-           *train_args(tiny, out, *extra)]
+           *train_args(tiny_hf, out, *extra)]
     run = subprocess.run(cmd, cwd=REPO, env=env, timeout=300,
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
     return run
 
 
-def test_fsdp2_on_two_cpu_processes_matches_one_process(tiny, tmp_path):
+def test_fsdp2_on_two_cpu_processes_matches_one_process(tiny_hf, tmp_path):
     """torchrun, gloo, 2 processes x micro-batch 1 x 2 accumulation steps == 1 process x
     micro-batch 4."""
     single = tmp_path / "single"
     sharded = tmp_path / "fsdp"
-    tune(tiny, single, "--steps", "3", "--micro-batch", "4")
-    run = two_processes(tiny, sharded, "--steps", "3", "--micro-batch", "1")
+    tune(tiny_hf, single, "--steps", "3", "--micro-batch", "4")
+    run = two_processes(tiny_hf, sharded, "--steps", "3", "--micro-batch", "1")
     assert "2 process(es)" in run.stdout
     a = weights(single / "final")
     b = weights(sharded / "final")
-    base = weights(tiny / "base")
+    base = weights(tiny_hf / "base")
     # It did train.
     change = max((a[n][:100] - base[n][:100]).abs().max()
                  for n in base)
@@ -409,7 +304,7 @@ def test_fsdp2_on_two_cpu_processes_matches_one_process(tiny, tmp_path):
                                    atol=2e-6, rtol=1e-5)
 
 
-def test_fsdp2_teacher_gives_back_its_gathered_root_after_each_forward(tiny, tmp_path):
+def test_fsdp2_teacher_gives_back_its_gathered_root_after_each_forward(tiny_hf, tmp_path):
     """The frozen teacher runs no backward, so FSDP2 must reshard its root (the embedding
     and the output layer, about 2 GB for an 8B model) right after its forward, or every
     rank keeps them whole for the run. One process in a gloo group of one is enough to see
@@ -422,7 +317,7 @@ def test_fsdp2_teacher_gives_back_its_gathered_root_after_each_forward(tiny, tmp
     try:
         dist = finetune_hf.Dist(rank=0, world=1, device=torch.device("cpu"), dtype=torch.float32,
                       sharded=True)
-        args = argparse.Namespace(model=str(tiny / "base"))
+        args = argparse.Namespace(model=str(tiny_hf / "base"))
         _, teacher, _, _ = finetune_hf.load_student_and_teacher(args, dist)
         with torch.no_grad():
             teacher(torch.zeros(1, 4, dtype=torch.long))
@@ -491,25 +386,25 @@ def test_word_problem_base_model_trains_on_the_plain_format(tmp_path):
     assert finetune_hf.main([*args, *TRAIN, "--steps", "1"]) == 0
 
 
-def test_gt_mode_and_activation_checkpointing(tiny, tmp_path):
+def test_gt_mode_and_activation_checkpointing(tiny_hf, tmp_path):
     """The naive ground-truth ablation trains, with activations recomputed in backward."""
     gt = tmp_path / "gt"
-    tune(tiny, gt, "--steps", "2", "--mode", "gt", "--activation-checkpointing")
+    tune(tiny_hf, gt, "--steps", "2", "--mode", "gt", "--activation-checkpointing")
     assert "the naive ground-truth" in (gt / "final" / "README.md").read_text()
 
 
 def test_gated_adapter_trains_only_itself_resumes_exactly_and_exports_a_small_folder(
-        tiny, tmp_path, capsys, monkeypatch):
+        tiny_hf, tmp_path, capsys, monkeypatch):
     """--adapter gated-lora: the optimizer holds the adapter and the <mask> embedding only,
     the base folder stays as it was, a resumed run equals an uninterrupted one, checkpoints
     hold no base weight, and final/ (and export) hold the adapter, which every loader reads
     with its base."""
     from model import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-    before = weights(tiny / "base")
+    before = weights(tiny_hf / "base")
     adapter = ["--adapter", "gated-lora", "--adapter-rank", "4", "--adapter-alpha", "8"]
     full = tmp_path / "full"
     cut = tmp_path / "cut"
-    tune(tiny, full, "--steps", "4", *adapter)
+    tune(tiny_hf, full, "--steps", "4", *adapter)
     final = full / "final"
     files = sorted(p.name for p in final.iterdir())
     assert files == sorted([ADAPTER_CONFIG, ADAPTER_WEIGHTS, "README.md"])
@@ -518,14 +413,14 @@ def test_gated_adapter_trains_only_itself_resumes_exactly_and_exports_a_small_fo
     # It did train.
     ups = [t for n, t in saved.items() if n.endswith(".up")]
     assert max(t.abs().max() for t in ups) > 0
-    base_after = weights(tiny / "base")
+    base_after = weights(tiny_hf / "base")
     assert same(before, base_after)
 
     # No base weight in a checkpoint.
     step_4 = full / "checkpoints" / "step_000004"
     ckpt_bytes = sum(f.stat().st_size
                      for f in step_4.rglob("*") if f.is_file())
-    base_bytes = (tiny / "base" / "model.safetensors").stat().st_size
+    base_bytes = (tiny_hf / "base" / "model.safetensors").stat().st_size
     assert ckpt_bytes < base_bytes
     card = (final / "README.md").read_text()
     assert "not a LoRA" in card
@@ -541,14 +436,14 @@ def test_gated_adapter_trains_only_itself_resumes_exactly_and_exports_a_small_fo
         return real(*a, **kw)
 
     monkeypatch.setattr(finetune_hf, "train_step", crash_after_3)
-    argv = train_args(tiny, cut, "--steps", "4", *adapter)
+    argv = train_args(tiny_hf, cut, "--steps", "4", *adapter)
     assert finetune_hf.main(argv) != 0
     monkeypatch.setattr(finetune_hf, "train_step", real)
     # Another rank.
-    argv = train_args(tiny, cut, "--steps", "4", *adapter[:2], "--resume")
+    argv = train_args(tiny_hf, cut, "--steps", "4", *adapter[:2], "--resume")
     assert finetune_hf.main(argv) == 2
     assert "--adapter-rank 4 -> 32" in capsys.readouterr().err
-    tune(tiny, cut, "--steps", "4", *adapter, "--resume")
+    tune(tiny_hf, cut, "--steps", "4", *adapter, "--resume")
     resumed = load_file(str(cut / "final" / ADAPTER_WEIGHTS))
     assert saved.keys() == resumed.keys()
     assert same(saved, resumed)
@@ -557,10 +452,10 @@ def test_gated_adapter_trains_only_itself_resumes_exactly_and_exports_a_small_fo
     assert same(saved, exported)
 
     # eval reads base + adapter; its greedy answers are the untuned model's, word for word.
-    common = ["eval", "--data", str(tiny / "wp" / "test.jsonl"),
+    common = ["eval", "--data", str(tiny_hf / "wp" / "test.jsonl"),
               "--prompt-style", "zeroshot", "--max-new-tokens", "8", "--batch-size", "2",
               "--static-k", "1", "--taus"]
-    argv = common + ["--model", str(tiny / "base"), "--out", str(tmp_path / "e0")]
+    argv = common + ["--model", str(tiny_hf / "base"), "--out", str(tmp_path / "e0")]
     assert finetune_hf.main(argv) == 0
     argv = common + ["--model", str(final), "--out", str(tmp_path / "e1"), "--lossless-k", "3"]
     assert finetune_hf.main(argv) == 0
@@ -571,15 +466,15 @@ def test_gated_adapter_trains_only_itself_resumes_exactly_and_exports_a_small_fo
     assert answers[1][len(greedy):] == greedy
 
 
-def test_gated_adapter_refuses_the_prefix_loss_and_an_adapter_as_base(tiny, tmp_path, capsys):
+def test_gated_adapter_refuses_the_prefix_loss_and_an_adapter_as_base(tiny_hf, tmp_path, capsys):
     """The prefix loss cannot train a gated adapter, and an adapter folder is no base
     model: one error line each."""
     run = tmp_path / "run"
-    argv = train_args(tiny, run, "--adapter", "gated-lora", "--prefix-ntp-weight", "1")
+    argv = train_args(tiny_hf, run, "--adapter", "gated-lora", "--prefix-ntp-weight", "1")
     assert finetune_hf.main(argv) == 2
     assert "cannot change" in capsys.readouterr().err
-    tune(tiny, run, "--steps", "1", "--adapter", "gated-lora")
-    again = train_args(tiny, tmp_path / "again", "--adapter", "gated-lora",
+    tune(tiny_hf, run, "--steps", "1", "--adapter", "gated-lora")
+    again = train_args(tiny_hf, tmp_path / "again", "--adapter", "gated-lora",
                        model=run / "final")
     assert finetune_hf.main(again) == 2
     err = capsys.readouterr().err.strip()
@@ -587,15 +482,15 @@ def test_gated_adapter_refuses_the_prefix_loss_and_an_adapter_as_base(tiny, tmp_
     assert "\n" not in err
 
 
-def test_gated_adapter_under_fsdp2_on_two_cpu_processes_matches_one_process(tiny, tmp_path):
+def test_gated_adapter_under_fsdp2_on_two_cpu_processes_matches_one_process(tiny_hf, tmp_path):
     """The adapter sharded over 2 processes x micro-batch 1 trains what 1 process x
     micro-batch 4 does."""
     from model import ADAPTER_WEIGHTS
     adapter = ["--adapter", "gated-lora", "--adapter-rank", "4", "--steps", "3"]
     single = tmp_path / "single"
     sharded = tmp_path / "fsdp"
-    tune(tiny, single, *adapter, "--micro-batch", "4")
-    two_processes(tiny, sharded, *adapter, "--micro-batch", "1")
+    tune(tiny_hf, single, *adapter, "--micro-batch", "4")
+    two_processes(tiny_hf, sharded, *adapter, "--micro-batch", "1")
     a = load_file(str(single / "final" / ADAPTER_WEIGHTS))
     b = load_file(str(sharded / "final" / ADAPTER_WEIGHTS))
     assert a.keys() == b.keys()
@@ -604,11 +499,11 @@ def test_gated_adapter_under_fsdp2_on_two_cpu_processes_matches_one_process(tiny
                                    atol=2e-6, rtol=1e-5)
 
 
-def test_gated_adapter_under_fsdp2_in_bfloat16(tiny, tmp_path):
+def test_gated_adapter_under_fsdp2_in_bfloat16(tiny_hf, tmp_path):
     """FSDP2's mixed precision for real: float32 shards, a bfloat16 computation. The
     adapter's step reads its KV cache (built from the float32 shards) in bfloat16."""
     out = tmp_path / "fsdp_bf16"
-    two_processes(tiny, out, "--adapter", "gated-lora", "--adapter-rank", "4", "--steps", "2",
+    two_processes(tiny_hf, out, "--adapter", "gated-lora", "--adapter-rank", "4", "--steps", "2",
                   "--micro-batch", "1", "--dtype", "bfloat16")
     assert (out / "final" / "mask_adapter.safetensors").is_file()
 
@@ -617,44 +512,7 @@ def test_gated_adapter_under_fsdp2_in_bfloat16(tiny, tmp_path):
 # eval and analyze end to end, and bad input
 # ---------------------------------------------------------------------------------------
 
-def test_eval_sweep_writes_table_and_plot(tiny, tmp_path):
-    """One sweep over greedy, static k, ConfAdapt and lossless writes results, samples,
-    table and plot; lossless is as accurate as greedy."""
-    model = tmp_path / "m"
-    tune(tiny, model, "--steps", "1")
-    out = tmp_path / "eval"
-    common = ["eval", "--model", str(model / "final"),
-              "--data", str(tiny / "wp" / "test.jsonl"), "--out", str(out),
-              "--max-new-tokens", "6", "--batch-size", "2"]
-    sweep = ["--prompt-style", "zeroshot",
-             "--static-k", "1", "3", "--taus", "0.9", "--lossless-k", "4"]
-    assert finetune_hf.main(common + sweep) == 0
-    results = json_file(out / "results.json")
-    meta = results["meta"]
-    res = results["results"]
-    # Provenance: no commit outside git.
-    assert meta["commit"] is None or re.fullmatch("[0-9a-f]{40}", meta["commit"])
-    assert meta["cpu"]
-    assert meta["dtype"] in ("float32", "bfloat16")
-    assert meta["torch"] == torch.__version__
-    # The gold answer: after '####'.
-    assert jsonl(out / "samples.jsonl")[0]["gold"].isdigit()
-    decoders = ["k=1 (greedy)", "static k=3", "confadapt tau=0.9 k_max=16", "lossless k=4"]
-    assert [r["decoding"] for r in res] == decoders
-    assert res[0]["effective_k_mean"] == 1.0
-    assert res[1]["effective_k_mean"] > 1.0
-    # Lossless equals greedy.
-    assert res[3]["flexible_acc"] == res[0]["flexible_acc"]
-    assert "| static k=3 |" in (out / "results.md").read_text()
-    assert (out / "pareto.png").stat().st_size > 0
-
-    # An 8-shot prompt, into an --out that holds an earlier eval.
-    again = common + ["--limit", "1", "--static-k", "1", "--taus"]
-    assert finetune_hf.main(again) == 2
-    assert finetune_hf.main(again + ["--overwrite"]) == 0
-
-
-def test_analyze_estimates(tiny, tmp_path):
+def test_analyze_estimates(tiny_hf, tmp_path):
     """simulated_passes on hand-made confidences, then analyze on a file and on domains."""
     # ConfAdapt simulated on hand-made confidences: [0.5] [.95 .95] [0.5], as a pass
     # stops at an unsure token, as ConfAdapt does.
@@ -669,8 +527,8 @@ def test_analyze_estimates(tiny, tmp_path):
     assert finetune_hf.simulated_passes([1.0] * 10, 0.9, 4, joint=True) == 3
 
     out = tmp_path / "an"
-    argv = ["analyze", "--model", str(tiny / "base"),
-            "--data", str(tiny / "wp" / "test.jsonl"),
+    argv = ["analyze", "--model", str(tiny_hf / "base"),
+            "--data", str(tiny_hf / "wp" / "test.jsonl"),
             "--limit", "2", "--max-new-tokens", "4", "--taus", "0.9",
             "--out", str(out)]
     assert finetune_hf.main(argv) == 0
@@ -679,7 +537,7 @@ def test_analyze_estimates(tiny, tmp_path):
     assert report["estimates"][0]["effective_k_per_token"] >= 1.0
 
     # --out holds an earlier analysis.
-    again = ["analyze", "--model", str(tiny / "base"),
+    again = ["analyze", "--model", str(tiny_hf / "base"),
              "--domains", "lists", "word_problems",
              "--limit", "2", "--max-new-tokens", "4", "--taus", "0.9", "0.5",
              "--out", str(out)]
@@ -691,11 +549,11 @@ def test_analyze_estimates(tiny, tmp_path):
     assert "| lists | 2 |" in (out / "analysis.md").read_text()
 
 
-def test_data_writes_the_models_own_answers_and_train_reads_them(tiny, tmp_path):
+def test_data_writes_the_models_own_answers_and_train_reads_them(tiny_hf, tmp_path):
     """`data` writes the model's own answers as rows, which `train` reads beside another
     file."""
     rows_file = tmp_path / "own.jsonl"
-    argv = ["data", "--model", str(tiny / "base"), "--out", str(rows_file),
+    argv = ["data", "--model", str(tiny_hf / "base"), "--out", str(rows_file),
             "--domains", "lists", "writing",
             "--per-domain", "3", "--max-new-tokens", "5"]
     assert finetune_hf.main(argv) == 0
@@ -705,8 +563,8 @@ def test_data_writes_the_models_own_answers_and_train_reads_them(tiny, tmp_path)
     assert all(isinstance(r["response"], str) for r in rows)
 
     out = tmp_path / "run"
-    argv = ["train", "--model", str(tiny / "base"),
-            "--data", str(rows_file), str(tiny / "wp" / "train.json"),
+    argv = ["train", "--model", str(tiny_hf / "base"),
+            "--data", str(rows_file), str(tiny_hf / "wp" / "train.json"),
             "--out", str(out), *TRAIN,
             "--steps", "2", "--prefix-ntp-weight", "0.5"]
     assert finetune_hf.main(argv) == 0
@@ -716,10 +574,10 @@ def test_data_writes_the_models_own_answers_and_train_reads_them(tiny, tmp_path)
     assert all(r["loss"] == r["loss"] for r in log)
 
 
-def test_response_only_supervises_the_response_and_not_the_prompt(tiny, tmp_path):
+def test_response_only_supervises_the_response_and_not_the_prompt(tiny_hf, tmp_path):
     """--response-only: only the response is a target, so the same steps predict fewer,
     but some, tokens."""
-    tok = Tokenizer.from_pretrained(tiny / "base")
+    tok = Tokenizer.from_pretrained(tiny_hf / "base")
     pairs = [("Ann has 3 pens. How many pens does Ann have?", "Ann has 3 pens.\n#### 3"),
              ("Q", "12 + 3 = 15")]
     seqs, mask = training_sequences(pairs, tok, "plain", 40)
@@ -735,7 +593,7 @@ def test_response_only_supervises_the_response_and_not_the_prompt(tiny, tmp_path
     n_pred = {}
     for flag in ([], ["--response-only"]):
         out = tmp_path / ("response" if flag else "all")
-        tune(tiny, out, "--steps", "3", *flag)
+        tune(tiny_hf, out, "--steps", "3", *flag)
         n_pred[bool(flag)] = [r["n_pred"] for r in jsonl(out / "log.jsonl")]
     assert len(n_pred[True]) == 3
     # Per step: some, and fewer than without --response-only.
@@ -745,9 +603,9 @@ def test_response_only_supervises_the_response_and_not_the_prompt(tiny, tmp_path
     assert "targets in the responses only" in card
 
 
-def test_decay_takes_the_learning_rate_linearly_to_zero_over_the_last_steps(tiny, tmp_path):
+def test_decay_takes_the_learning_rate_linearly_to_zero_over_the_last_steps(tiny_hf, tmp_path):
     out = tmp_path / "decay"
-    tune(tiny, out, "--steps", "6", "--warmup", "1", "--decay", "4")
+    tune(tiny_hf, out, "--steps", "6", "--warmup", "1", "--decay", "4")
     lrs = [r["lr"] for r in jsonl(out / "log.jsonl")]
     # The log's lr is the rate the step trained at: step s runs at min(1, (6 - s) / 4) of
     # the peak for s = 0..5, so 1, 1, 1, 0.75, 0.5, 0.25.
@@ -755,16 +613,16 @@ def test_decay_takes_the_learning_rate_linearly_to_zero_over_the_last_steps(tiny
     assert "then linear to 0 over the last 4," in (out / "final" / "README.md").read_text()
 
 
-def test_bfloat16_training_on_cpu(tiny, tmp_path):
+def test_bfloat16_training_on_cpu(tiny_hf, tmp_path):
     """bfloat16 autocast on the CPU trains, with finite losses."""
     out = tmp_path / "bf16"
-    tune(tiny, out, "--steps", "2", "--dtype", "bfloat16")
+    tune(tiny_hf, out, "--steps", "2", "--dtype", "bfloat16")
     log = jsonl(out / "log.jsonl")
     assert len(log) == 2
     assert all(math.isfinite(r["loss"]) for r in log)
 
 
-def test_bad_input_gives_one_error_line(tiny, tmp_path, capsys):
+def test_bad_input_gives_one_error_line(tiny_hf, tmp_path, capsys):
     """Bad rows, a folder without a tokenizer, a missing file, an unknown or absent
     device, a model without <mask>: exit code 2 and one error line each."""
     bad = tmp_path / "bad.jsonl"
@@ -772,10 +630,10 @@ def test_bad_input_gives_one_error_line(tiny, tmp_path, capsys):
     no_tok = tmp_path / "no_tokenizer"
     no_tok.mkdir()
     for f in ("config.json", "model.safetensors"):
-        shutil.copy(tiny / "base" / f, no_tok / f)
-    base = str(tiny / "base")
-    train = str(tiny / "wp" / "train.json")
-    test = str(tiny / "wp" / "test.jsonl")
+        shutil.copy(tiny_hf / "base" / f, no_tok / f)
+    base = str(tiny_hf / "base")
+    train = str(tiny_hf / "wp" / "train.json")
+    test = str(tiny_hf / "wp" / "test.jsonl")
     out = str(tmp_path / "o")
     cases = [
         (["train", "--model", base, "--data", str(bad), "--out", out],
