@@ -509,45 +509,8 @@ def test_gated_adapter_under_fsdp2_in_bfloat16(tiny_hf, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------
-# eval and analyze end to end, and bad input
+# data end to end, and bad input
 # ---------------------------------------------------------------------------------------
-
-def test_analyze_estimates(tiny_hf, tmp_path):
-    """simulated_passes on hand-made confidences, then analyze on a file and on domains."""
-    # ConfAdapt simulated on hand-made confidences: [0.5] [.95 .95] [0.5], as a pass
-    # stops at an unsure token, as ConfAdapt does.
-    conf = [0.5, 0.95, 0.95, 0.5]
-    assert finetune_hf.simulated_passes(conf, 0.9, 16, joint=False) == 3
-    assert finetune_hf.simulated_passes(conf, 0.9, 16, joint=True) == 3
-    # [.95 .95 .95 .95]
-    assert finetune_hf.simulated_passes([0.95] * 4, 0.9, 16, joint=False) == 1
-    # [.95 .95] [.95 .95]: .95^3 < 0.9
-    assert finetune_hf.simulated_passes([0.95] * 4, 0.9, 16, joint=True) == 2
-    # k_max caps a pass.
-    assert finetune_hf.simulated_passes([1.0] * 10, 0.9, 4, joint=True) == 3
-
-    out = tmp_path / "an"
-    argv = ["analyze", "--model", str(tiny_hf / "base"),
-            "--data", str(tiny_hf / "wp" / "test.jsonl"),
-            "--limit", "2", "--max-new-tokens", "4", "--taus", "0.9",
-            "--out", str(out)]
-    assert finetune_hf.main(argv) == 0
-    report = json_file(out / "analysis.json")["domains"]["test.jsonl"]
-    assert report["tokens"] > 0
-    assert report["estimates"][0]["effective_k_per_token"] >= 1.0
-
-    # --out holds an earlier analysis.
-    again = ["analyze", "--model", str(tiny_hf / "base"),
-             "--domains", "lists", "word_problems",
-             "--limit", "2", "--max-new-tokens", "4", "--taus", "0.9", "0.5",
-             "--out", str(out)]
-    assert finetune_hf.main(again) == 2
-    assert finetune_hf.main(again + ["--overwrite"]) == 0
-    report = json_file(out / "analysis.json")["domains"]
-    assert list(report) == ["lists", "word_problems"]
-    assert len(report["lists"]["estimates"]) == 2
-    assert "| lists | 2 |" in (out / "analysis.md").read_text()
-
 
 def test_data_writes_the_models_own_answers_and_train_reads_them(tiny_hf, tmp_path):
     """`data` writes the model's own answers as rows, which `train` reads beside another
