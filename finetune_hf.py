@@ -22,14 +22,13 @@ from pathlib import Path
 
 import torch
 
-from mtp.cli import (Progress, fields_of, format_seconds, input_path, load_tokenizer,
-                     parse_device, parse_dtype, read_checkpoint, read_rows, run_cli)
+from mtp.cli import (Progress, format_seconds, input_path, load_tokenizer, parse_device,
+                     parse_dtype, read_checkpoint, run_cli)
 from mtp.analyze import analyze
-from mtp.finetune_cli import MODEL_CARD_TAGS, load_for_inference, run_command
-from confadapt import DecodeConfig, generate
-from data import (Tokenizer, default_format, default_n_regions, domain_prompts, end_token,
-                  mtp_layout, padding_token, prompt_tokens, sample_k_and_offset,
-                  training_sequences)
+from mtp.finetune_cli import MODEL_CARD_TAGS, run_command
+from mtp.training_rows import check_targets, make_data, training_pairs
+from data import (Tokenizer, default_format, default_n_regions, mtp_layout, padding_token,
+                  sample_k_and_offset, training_sequences)
 from distill import frozen_teacher, gated_mtp_loss, mtp_loss, training_state_bytes
 from tasks.gsm8k import evaluate
 from model import (Transformer, add_mask_adapter, add_mask_token, atomic_save, read_json,
@@ -260,46 +259,6 @@ def rows_of_step(step: int, global_batch: int, n_rows: int, seed: int) -> list[i
         torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed * 1_000_003 + e))
         for e in epochs])
     return order[first - epochs[0] * n_rows:][:global_batch].tolist()
-
-
-# === data: training rows from the model itself ================================
-# The hard teacher uses data only as prefixes (its targets are its own
-# predictions), so the model's greedy answers to prompts of the target domains
-# serve, from the distribution ConfAdapt decodes.
-def make_data(args):
-    model, tok, _, fmt, stop_ids = load_for_inference(args)
-    rows = []
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    for domain in args.domains:
-        questions = domain_prompts(domain, args.per_domain, args.split)
-        prompts = [prompt_tokens(tok, fmt, q) for q in questions]
-        try:
-            gens, stats = generate(model, prompts, args.max_new_tokens, DecodeConfig("greedy"),
-                                   stop_ids=stop_ids, batch_size=args.batch_size)
-        except KeyboardInterrupt:
-            kept = f"{out} not written"
-            if rows:
-                done = sorted({r["domain"] for r in rows})
-                kept = f"{out} holds the {len(rows)} rows of {', '.join(done)}"
-            raise KeyboardInterrupt(f"{kept}; {domain} and the domains after it were not "
-                                    "made") from None
-
-        for q, g in zip(questions, gens):
-            finished = bool(g.tokens) and g.tokens[-1] in stop_ids
-            answer = tok.decode(g.tokens[:-1] if finished else g.tokens)
-            rows.append({"domain": domain, "prompt": q, "response": answer,
-                         "finished": finished})
-        cut = sum(not r["finished"] for r in rows if r["domain"] == domain)
-        print(f"{domain}: {len(questions)} answers ({cut} cut at --max-new-tokens "
-              f"{args.max_new_tokens}: marked unfinished, train skips them), "
-              f"{sum(len(g.tokens) for g in gens):,} tokens, {stats.seconds:.0f} s",
-              flush=True)
-
-        # Written after each domain: Ctrl-C keeps them.
-        text = "".join(json.dumps(r) + "\n" for r in rows)
-        atomic_save(lambda p: Path(p).write_text(text, encoding="utf-8"), out)
-    print(f"wrote {len(rows)} rows to {out}")
 
 
 # === export: a Hugging Face folder any transformers-based stack loads =========
@@ -632,60 +591,6 @@ def load_checkpoint(path: Path, student, optimizer, scheduler, args):
     # Per-GPU states, where saved, are unused.
     torch.set_rng_state(trainer["rng_cpu"])
     return trainer["step"], trainer["args"]["steps"]
-
-
-def training_pairs(args, dist: Dist):
-    """(prompt, response) pairs of every --data file, without the rows `data`
-    marked unfinished (answers cut at its --max-new-tokens: a cut answer would
-    teach the model to stop mid-text)."""
-    # MetaMathQA, or generic.
-    fields = [("query", "response"), ("prompt", "response")]
-    pairs = []
-    unfinished = 0
-    for path in args.data:
-        rows = read_rows(path)
-        finished = [row for row in rows if row.get("finished") is not False]
-        unfinished += len(rows) - len(finished)
-        if finished:
-            pairs += fields_of(finished, path, fields)
-    if unfinished:
-        dist.log(f"skipped {unfinished:,} rows marked unfinished (answers cut at data's "
-                 "--max-new-tokens)")
-    if not pairs:
-        raise ValueError(f"every row of {' '.join(args.data)} is marked unfinished: nothing "
-                         "to train on")
-    return pairs[: args.limit_rows or None]
-
-
-def check_targets(seqs, trained: torch.Tensor | None, tok, args, dist: Dist):
-    """Refuse data and settings that give nothing to predict; warn when many
-    rows give nothing. A row's targets are the tokens it trains on (`trained`:
-    the response's, with --response-only) that are text: not the first token,
-    not padding, not the end of a turn."""
-    end = end_token(tok, args.format)
-    pad = padding_token(tok, args.format)
-    text = (seqs != pad) & (seqs != end)
-    text[:, 0] = False
-    if trained is not None:
-        text &= trained
-    empty = ~text.any(1)
-    if not empty.any():
-        return
-    if trained is None:
-        why = "no row has a token to predict"
-    else:
-        # Rows whose prompt fills them whole.
-        cut = (~trained).all(1)
-        why = (f"{int((empty & cut).sum()):,} rows are cut by --seq-len {args.seq_len} "
-               f"before their response starts and {int((empty & ~cut).sum()):,} have an "
-               "empty response")
-        if empty.all():
-            why += " (--response-only trains on response tokens only)"
-    if empty.all():
-        raise ValueError(f"no training targets in {' '.join(args.data)}: {why}")
-    if empty.float().mean() >= 0.1:
-        dist.log(f"warning: {int(empty.sum()):,} of {len(seqs):,} rows give no target "
-                 f"({why}): they only take places in the batches")
 
 
 def main(argv=None) -> int:

@@ -23,7 +23,7 @@ import confadapt
 import data
 import finetune_hf
 import train_toy
-from mtp import cli, finetune_cli
+from mtp import cli, finetune_cli, training_rows
 from mtp.cli import parse_device, parse_dtype, provenance, run_cli
 from model import ModelConfig, Transformer
 from tasks import gsm8k
@@ -419,8 +419,8 @@ def test_export_writes_a_new_folder_and_replaces_only_its_own(at_root, capsys, t
 
 def test_data_keeps_finished_domains_on_ctrl_c_and_never_replaces_a_file_unasked(at_root, capsys, monkeypatch,
                                                                                   tmp_path):
-    real = finetune_hf.generate
-    monkeypatch.setattr(finetune_hf, "generate", interrupted_at_call(2, real))    # in the second domain
+    real = training_rows.generate
+    monkeypatch.setattr(training_rows, "generate", interrupted_at_call(2, real))  # in the second domain
     rows = tmp_path / "rows.jsonl"
     argv = ["data", "--model", "base", "--out", str(rows), "--domains", "lists", "writing", "--per-domain", "2",
             "--max-new-tokens", "4"]
@@ -428,7 +428,7 @@ def test_data_keeps_finished_domains_on_ctrl_c_and_never_replaces_a_file_unasked
     assert capsys.readouterr().err.strip() == (f"interrupted: {rows} holds the 2 rows of lists; writing and the "
                                                "domains after it were not made")
     assert [json.loads(line)["domain"] for line in rows.read_text().splitlines()] == ["lists", "lists"]
-    monkeypatch.setattr(finetune_hf, "generate", real)
+    monkeypatch.setattr(training_rows, "generate", real)
     assert finetune_hf.main(argv) == 2                                  # the rows are kept
     assert finetune_hf.main([*argv, "--overwrite"]) == 0
     assert len(rows.read_text().splitlines()) == 4

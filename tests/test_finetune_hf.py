@@ -509,33 +509,8 @@ def test_gated_adapter_under_fsdp2_in_bfloat16(tiny_hf, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------
-# data end to end, and bad input
+# Targets, schedule, dtype, bad input
 # ---------------------------------------------------------------------------------------
-
-def test_data_writes_the_models_own_answers_and_train_reads_them(tiny_hf, tmp_path):
-    """`data` writes the model's own answers as rows, which `train` reads beside another
-    file."""
-    rows_file = tmp_path / "own.jsonl"
-    argv = ["data", "--model", str(tiny_hf / "base"), "--out", str(rows_file),
-            "--domains", "lists", "writing",
-            "--per-domain", "3", "--max-new-tokens", "5"]
-    assert finetune_hf.main(argv) == 0
-    rows = jsonl(rows_file)
-    assert [r["domain"] for r in rows] == ["lists"] * 3 + ["writing"] * 3
-    assert rows[0]["prompt"] in domain_prompts("lists", 3)
-    assert all(isinstance(r["response"], str) for r in rows)
-
-    out = tmp_path / "run"
-    argv = ["train", "--model", str(tiny_hf / "base"),
-            "--data", str(rows_file), str(tiny_hf / "wp" / "train.json"),
-            "--out", str(out), *TRAIN,
-            "--steps", "2", "--prefix-ntp-weight", "0.5"]
-    assert finetune_hf.main(argv) == 0
-    assert json_file(out / "train_args.json")["prefix_ntp_weight"] == 0.5
-    log = jsonl(out / "log.jsonl")
-    assert len(log) == 2
-    assert all(r["loss"] == r["loss"] for r in log)
-
 
 def test_response_only_supervises_the_response_and_not_the_prompt(tiny_hf, tmp_path):
     """--response-only: only the response is a target, so the same steps predict fewer,
