@@ -16,20 +16,21 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
 
-from mtp.cli import (Progress, format_seconds, input_path, load_tokenizer, parse_device,
-                     parse_dtype, read_checkpoint, run_cli)
+from mtp.cli import (Progress, format_seconds, input_path, load_tokenizer, read_checkpoint,
+                     run_cli)
 from mtp.analyze import analyze
+from mtp.distributed import (Dist, check_same_run, latest_checkpoint, load_shards,
+                             setup_processes, shard_from_rank0, training_state_bytes)
 from mtp.finetune_cli import MODEL_CARD_TAGS, run_command
 from mtp.training_rows import check_targets, make_data, training_pairs
 from data import (Tokenizer, default_format, default_n_regions, mtp_layout, padding_token,
                   sample_k_and_offset, training_sequences)
-from distill import frozen_teacher, gated_mtp_loss, mtp_loss, training_state_bytes
+from distill import frozen_teacher, gated_mtp_loss, mtp_loss
 from tasks.gsm8k import evaluate
 from model import (Transformer, add_mask_adapter, add_mask_token, atomic_save, read_json,
                    save_mask_adapter, write_json)
@@ -362,60 +363,6 @@ def export_checkpoint(args):
     return export(student, tok, Path(args.out), saved, Dist())
 
 
-# --- plumbing: processes, dtypes, loading, sharding, checkpoints, checks, CLI --
-
-@dataclass
-class Dist:
-    """The process group as train sees it: one process, or one of torchrun's."""
-    rank: int = 0
-    world: int = 1
-    device: torch.device = torch.device("cpu")
-    # What the matrix multiplications compute in.
-    dtype: torch.dtype = torch.float32
-    # Under torchrun: FSDP2, at any world size.
-    sharded: bool = False
-    # Rank 0 alone reads, logs and writes files.
-    main = property(lambda self: self.rank == 0)
-
-    def log(self, message: str):
-        if self.main:
-            print(message, flush=True)
-
-    def all_sum(self, x: float) -> float:
-        t = torch.tensor([float(x)], dtype=torch.float64, device=self.device)
-        if self.sharded:
-            torch.distributed.all_reduce(t)
-        return float(t)
-
-    def barrier(self):
-        if self.sharded:
-            torch.distributed.barrier()
-
-
-def setup_processes(device: str, dtype: str = "auto") -> Dist:
-    from datetime import timedelta
-    device = parse_device(device)
-    torchrun = "WORLD_SIZE" in os.environ
-    compute = parse_dtype(dtype, device)
-    # Under torchrun: one GPU per process, whatever --device named.
-    if device.type == "cuda":
-        if torchrun:
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    if not torchrun:
-        return Dist(device=device, dtype=compute)
-
-    # Rank 0 alone loads and exports while the others wait: on a slow disk,
-    # longer than NCCL's default 10 minutes.
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    torch.distributed.init_process_group(backend, timeout=timedelta(hours=1))
-    # gloo computes in float32.
-    if device.type == "cpu" and dtype == "auto":
-        compute = torch.float32
-    return Dist(rank=torch.distributed.get_rank(), world=torch.distributed.get_world_size(),
-                device=device, dtype=compute, sharded=True)
-
-
 # Precision. The student keeps float32 master weights (lr 1e-5 updates vanish in
 # bfloat16's 8-bit mantissa), computing in --dtype (FSDP2's MixedPrecisionPolicy
 # when sharded, else torch.autocast); the teacher never changes, so it is stored
@@ -445,66 +392,31 @@ def load_student_and_teacher(args, dist: Dist, with_teacher: bool = True):
     cfg, mask_id = meta[0]
     tok.add_special_token("<mask>", mask_id)
     adapter = uses_adapter(args)
+    settings = None
     if adapter:
         settings = (args.adapter_rank, args.adapter_alpha, args.adapter_targets)
 
+    # Sharded: rank 0's weights broadcast into every process's shards.
+    if dist.sharded:
+        student, teacher = shard_from_rank0(full, cfg, dist, settings, with_teacher)
+        return student.train(), teacher, tok, mask_id
     # One process. With the adapter, the frozen base is in the compute dtype,
     # like a teacher copy, and the adapter in float32.
-    if not dist.sharded and adapter:
+    if adapter:
         full.to(device=dist.device, dtype=dist.dtype)
         add_mask_adapter(full, *settings)
         return full.train(), None, tok, mask_id
     # Without it, a teacher copy is made on the CPU, then moved.
-    if not dist.sharded:
-        teacher = None
-        if with_teacher:
-            teacher = frozen_teacher(full).to(device=dist.device, dtype=dist.dtype)
-        return full.to(dist.device).train(), teacher, tok, mask_id
-
-    # Sharded: every rank the same modules; rank 0's values arrive below.
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    with torch.device("meta"):
-        student = Transformer(cfg)
-    if adapter:
-        add_mask_adapter(student, *settings)
-        if dist.main:
-            add_mask_adapter(full, *settings)
-    models = [student]
     teacher = None
-    if with_teacher and not adapter:
-        teacher = frozen_teacher(student).to(dist.dtype)
-        models.append(teacher)
-    # A mesh for the device: fully_shard's default would put a `--device cpu`
-    # run's shards on a GPU.
-    mesh = init_device_mesh(dist.device.type, (dist.world,))
-    mp = MixedPrecisionPolicy(param_dtype=dist.dtype, reduce_dtype=torch.float32)
-    from_rank0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    for model in models:
-        for block in model.layers:
-            fully_shard(block, mesh=mesh, mp_policy=mp)
-        # FSDP2 keeps a root's parameters gathered after its forward, for the
-        # backward that follows; the teacher has no backward, so its embedding
-        # and output layer would stay whole on every rank unless told to reshard
-        # (None: FSDP2's default).
-        reshard = True if model is teacher else None
-        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
-        # RoPE frequencies are computed again.
-        model.to_empty(device=dist.device)
-        set_model_state_dict(model, full.state_dict() if dist.main else {}, options=from_rank0)
-    return student.train(), teacher, tok, mask_id
+    if with_teacher:
+        teacher = frozen_teacher(full).to(device=dist.device, dtype=dist.dtype)
+    return full.to(dist.device).train(), teacher, tok, mask_id
 
 
 # A checkpoint is checkpoints/step_000123/: torch.distributed.checkpoint's files
 # (each process its shards of model and optimizer state) and trainer.pt (step,
 # scheduler, CPU RNG, arguments), renamed from a temporary name when complete,
 # then named in `latest`: a crash leaves the last one whole.
-RESUME_MUST_MATCH = ("model", "data", "format", "seq_len", "response_only", "mode",
-                     "prefix_ntp_weight", "adapter", "k_max", "regions", "batch_size", "lr",
-                     "warmup", "decay", "weight_decay", "beta1", "beta2", "seed")
-
-
 def save_checkpoint(student, optimizer, scheduler, step: int, args, dist: Dist) -> Path:
     import torch.distributed.checkpoint as dcp
     root = Path(args.out) / "checkpoints"
@@ -542,49 +454,14 @@ def checkpoint_state(student, optimizer, args):
     return {"model": model, "optim": optim}, options
 
 
-def latest_checkpoint(out) -> Path | None:
-    pointer = Path(out) / "checkpoints" / "latest"
-    if not pointer.is_file():
-        return None
-    path = pointer.parent / pointer.read_text().strip()
-    if not (path / "trainer.pt").is_file():
-        return None
-    return path
-
-
 def load_checkpoint(path: Path, student, optimizer, scheduler, args):
     """Restore model, optimizer, scheduler and RNG from `path` if the run's
     settings match -> (steps done, the --steps that run was asked for)."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
     trainer = read_checkpoint(path / "trainer.pt", "training checkpoint", weights_only=True)
-
-    def setting(name, run: dict):
-        # Paths compare as real paths; a run from before --adapter had none.
-        value = run.get(name, "none" if name == "adapter" else None)
-        if name not in ("model", "data") or value is None:
-            return value
-        paths = [value] if isinstance(value, str) else value
-        return [os.path.realpath(p) for p in paths]
-
-    old = trainer["args"]
-    new = vars(args)
-    keys = RESUME_MUST_MATCH
-    if setting("adapter", new) != "none":
-        keys += ("adapter_rank", "adapter_alpha", "adapter_targets")
-    changed = [f"--{k.replace('_', '-')} {setting(k, old)} -> {setting(k, new)}"
-               for k in keys if setting(k, old) != setting(k, new)]
-    if changed:
-        raise ValueError(f"cannot resume from {path}: settings differ from the interrupted "
-                         f"run ({'; '.join(changed)})")
+    check_same_run(trainer["args"], vars(args), path)
     state, options = checkpoint_state(student, optimizer, args)
-    try:
-        dcp.load(state, checkpoint_id=str(path))
-    # dcp wraps the reader's error in its own exception type.
-    except Exception as e:
-        raise ValueError(f"cannot read the checkpoint {path}: truncated or corrupt "
-                         f"({type(e).__name__}); resume from an earlier one by pointing "
-                         f"{path.parent}/latest at it") from None
+    load_shards(state, path)
     set_state_dict(student, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"], options=options)
     scheduler.load_state_dict(trainer["scheduler"])
