@@ -1,11 +1,19 @@
-"""Fine-tune a Hugging Face Llama/Qwen/SmolLM2 checkpoint into a multi-token predictor; measure it.
+"""Fine-tune a Hugging Face Llama/Qwen/SmolLM2 checkpoint into a multi-token predictor.
 
-`train`: add <mask> and self-distill against a frozen copy (data.mtp_layout +
-distill.mtp_loss), on one process or FSDP2-sharded under torchrun, then export a
-Hugging Face folder. `eval`: GSM8K scored as lm-evaluation-harness's gsm8k_cot,
-over static k and ConfAdapt thresholds. `analyze`: before tuning, what ConfAdapt
-could reach on a domain. `data`: own answers as rows. `export`: a checkpoint ->
-a folder.
+`train` reads a checkpoint, adds one token, <mask>, and self-distills the model
+against a frozen copy of itself: each step lays its rows out as k-token problems
+(data.mtp_layout), scores the student's predictions against the teacher's
+(distill.mtp_loss) and steps AdamW. Checkpoints make a run resumable bit for bit;
+it ends in a Hugging Face folder with <mask> in it (`export` writes one from any
+checkpoint). The same loop runs on one process or, under torchrun, sharded with
+FSDP2 (mtp/distributed.py).
+
+The other commands measure and feed it: `eval` scores GSM8K as
+lm-evaluation-harness's gsm8k_cot over static k and ConfAdapt thresholds
+(tasks/gsm8k.py); `analyze` estimates before tuning what ConfAdapt could reach on
+a domain (mtp/analyze.py); `data` writes a model's own answers as training rows
+(mtp/training_rows.py). The flags and the checks made before any work:
+mtp/finetune_cli.py.
 """
 
 from __future__ import annotations
@@ -50,10 +58,15 @@ def train(args) -> Path:
         args, dist, with_teacher=args.mode != "gt")
 
     # 2. Data: (prompt, response) rows in the model's format, cut and padded.
-    if args.format == "auto":
-        args.format = default_format(tok, student.config.model_type)
+    # What --format auto and an unset --regions leave open is settled here, in a
+    # copy of the arguments: checkpoints, train_args.json and the model card
+    # record the values the run uses.
+    fmt = args.format
+    if fmt == "auto":
+        fmt = default_format(tok, student.config.model_type)
+    regions = args.regions or default_n_regions(args.seq_len, args.k_max)
+    args = argparse.Namespace(**(vars(args) | {"format": fmt, "regions": regions}))
     pad = padding_token(tok, args.format)
-    args.regions = args.regions or default_n_regions(args.seq_len, args.k_max)
     pairs = training_pairs(args, dist)
     # (rows, seq_len) each; `trained` marks the response, the only targets with
     # --response-only (without it every token is trained: None).
@@ -154,6 +167,60 @@ def train(args) -> Path:
     return export(student, tok, out / "final", args, dist)
 
 
+# Precision. The student keeps float32 master weights (lr 1e-5 updates vanish in
+# bfloat16's 8-bit mantissa), computing in --dtype (FSDP2's MixedPrecisionPolicy
+# when sharded, else torch.autocast); the teacher never changes, so it is stored
+# in the compute dtype. Sharding. Every rank builds both models on the meta
+# device (no memory), shards each block (one all-gather unit), then the root;
+# rank 0 alone reads the checkpoint, broadcasting its weights straight into
+# every process's shards (mtp.distributed.shard_from_rank0).
+def load_student_and_teacher(args, dist: Dist, with_teacher: bool = True):
+    """(student, teacher or None, tokenizer, mask id) on dist.device, sharded
+    when dist.sharded. With the gated adapter the base is frozen and there is no
+    teacher to build: it is the student with its adapter off (gated_mtp_loss)."""
+    tok = load_tokenizer(args.model)
+    full = None
+    meta = [None]
+    # Rank 0 reads the checkpoint in float32 and adds <mask>: the first spare row
+    # of the embedding (and output) matrix, or a new one, drawn like a typical
+    # token (model.add_mask_token).
+    if dist.main:
+        full = Transformer.from_pretrained(args.model, dtype=torch.float32)
+        meta = [(full.config, add_mask_token(full, tok))]
+    # Rank 0's config and mask id on every rank (its tokenizer has <mask>).
+    if dist.sharded:
+        torch.distributed.broadcast_object_list(meta, src=0)
+    cfg, mask_id = meta[0]
+    tok.add_special_token("<mask>", mask_id)
+    adapter = uses_adapter(args)
+    settings = None
+    if adapter:
+        settings = (args.adapter_rank, args.adapter_alpha, args.adapter_targets)
+
+    # Sharded: rank 0's weights broadcast into every process's shards.
+    if dist.sharded:
+        student, teacher = shard_from_rank0(full, cfg, dist, settings, with_teacher)
+        return student.train(), teacher, tok, mask_id
+    # One process. With the adapter, the frozen base is in the compute dtype,
+    # like a teacher copy, and the adapter in float32.
+    if adapter:
+        full.to(device=dist.device, dtype=dist.dtype)
+        add_mask_adapter(full, *settings)
+        return full.train(), None, tok, mask_id
+    # Without it, a teacher copy is made on the CPU, then moved.
+    teacher = None
+    if with_teacher:
+        teacher = frozen_teacher(full).to(device=dist.device, dtype=dist.dtype)
+    return full.to(dist.device).train(), teacher, tok, mask_id
+
+
+def uses_adapter(args) -> bool:
+    """Whether the run trains a gated mask adapter (--adapter gated-lora) rather
+    than every weight. `args` may be a checkpoint's saved arguments, which need
+    not name the flag: then it trains none."""
+    return getattr(args, "adapter", "none") != "none"
+
+
 def train_step(student, teacher, optimizer, scheduler, micro, k: int, offset: int,
                args, dist: Dist, mask_id: int, pad: int) -> dict:
     """One optimizer step on this process's micro-batches, each (rows, trained
@@ -212,6 +279,17 @@ def train_step(student, teacher, optimizer, scheduler, micro, k: int, offset: in
             "offset": batches[0].offset, "n_pred": int(n_global)}
 
 
+def rows_of_step(step: int, global_batch: int, n_rows: int, seed: int) -> list[int]:
+    """Row indices of the global batch of step `step` (0-based): a seeded
+    permutation per epoch."""
+    first = step * global_batch
+    epochs = range(first // n_rows, (first + global_batch - 1) // n_rows + 1)
+    order = torch.cat([
+        torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed * 1_000_003 + e))
+        for e in epochs])
+    return order[first - epochs[0] * n_rows:][:global_batch].tolist()
+
+
 def start_or_resume(student, optimizer, scheduler, args, dist: Dist) -> int:
     """The step this run starts at, with --out made ready: 0, after clearing an earlier
     run with --overwrite (check_args made sure it was asked for), or with --resume the
@@ -251,15 +329,62 @@ def start_or_resume(student, optimizer, scheduler, args, dist: Dist) -> int:
         write_json(out / "train_args.json", vars(args))
     return start
 
-def rows_of_step(step: int, global_batch: int, n_rows: int, seed: int) -> list[int]:
-    """Row indices of the global batch of step `step` (0-based): a seeded
-    permutation per epoch."""
-    first = step * global_batch
-    epochs = range(first // n_rows, (first + global_batch - 1) // n_rows + 1)
-    order = torch.cat([
-        torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed * 1_000_003 + e))
-        for e in epochs])
-    return order[first - epochs[0] * n_rows:][:global_batch].tolist()
+
+# A checkpoint is checkpoints/step_000123/: torch.distributed.checkpoint's files
+# (each process its shards of model and optimizer state) and trainer.pt (step,
+# scheduler, CPU RNG, arguments), renamed from a temporary name when complete,
+# then named in `latest`: a crash leaves the last one whole.
+def save_checkpoint(student, optimizer, scheduler, step: int, args, dist: Dist) -> Path:
+    import torch.distributed.checkpoint as dcp
+    root = Path(args.out) / "checkpoints"
+    final = root / f"step_{step:06d}"
+    tmp = root / f".step_{step:06d}.tmp"
+    if dist.main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    state, _ = checkpoint_state(student, optimizer, args)
+    dcp.save(state, checkpoint_id=tmp)
+    dist.barrier()
+    # No GPU RNG state: nothing draws on it.
+    if dist.main:
+        torch.save({"step": step, "scheduler": scheduler.state_dict(), "args": vars(args),
+                    "rng_cpu": torch.get_rng_state()}, tmp / "trainer.pt")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        atomic_save(lambda p: Path(p).write_text(final.name + "\n"), root / "latest")
+        old = sorted(p for p in root.glob("step_*") if p.name != final.name)
+        for stale in old[: max(0, len(old) - (args.keep - 1))]:
+            shutil.rmtree(stale, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def checkpoint_state(student, optimizer, args):
+    """What a checkpoint holds of model and AdamW (this process's shards), and
+    the options that say so: every weight, or with the gated adapter only the
+    trained ones."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    adapter = uses_adapter(args)
+    options = StateDictOptions(ignore_frozen_params=adapter, strict=not adapter)
+    model, optim = get_state_dict(student, optimizer, options=options)
+    return {"model": model, "optim": optim}, options
+
+
+def load_checkpoint(path: Path, student, optimizer, scheduler, args):
+    """Restore model, optimizer, scheduler and RNG from `path` if the run's
+    settings match -> (steps done, the --steps that run was asked for)."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    trainer = read_checkpoint(path / "trainer.pt", "training checkpoint", weights_only=True)
+    check_same_run(trainer["args"], vars(args), path)
+    state, options = checkpoint_state(student, optimizer, args)
+    load_shards(state, path)
+    set_state_dict(student, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"], options=options)
+    scheduler.load_state_dict(trainer["scheduler"])
+    # Per-GPU states, where saved, are unused.
+    torch.set_rng_state(trainer["rng_cpu"])
+    return trainer["step"], trainer["args"]["steps"]
 
 
 # === export: a Hugging Face folder any transformers-based stack loads =========
@@ -361,113 +486,6 @@ def export_checkpoint(args):
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     load_checkpoint(ckpt, student, opt, scheduler, saved)
     return export(student, tok, Path(args.out), saved, Dist())
-
-
-# Precision. The student keeps float32 master weights (lr 1e-5 updates vanish in
-# bfloat16's 8-bit mantissa), computing in --dtype (FSDP2's MixedPrecisionPolicy
-# when sharded, else torch.autocast); the teacher never changes, so it is stored
-# in the compute dtype. Sharding. Every rank builds both models on the meta
-# device (no memory), shards each block (one all-gather unit), then the root;
-# rank 0 alone reads the checkpoint, broadcasting its weights straight into
-# every process's shards.
-def uses_adapter(args) -> bool:
-    """--adapter gated-lora; the arguments of a checkpoint from before that flag
-    say nothing."""
-    return getattr(args, "adapter", "none") != "none"
-
-
-def load_student_and_teacher(args, dist: Dist, with_teacher: bool = True):
-    """(student, teacher or None, tokenizer, mask id) on dist.device, sharded
-    when dist.sharded. With the gated adapter the base is frozen and there is no
-    teacher to build: it is the student with its adapter off (gated_mtp_loss)."""
-    tok = load_tokenizer(args.model)
-    full = None
-    meta = [None]
-    if dist.main:
-        full = Transformer.from_pretrained(args.model, dtype=torch.float32)
-        meta = [(full.config, add_mask_token(full, tok))]
-    # Rank 0's config and mask id on every rank (its tokenizer has <mask>).
-    if dist.sharded:
-        torch.distributed.broadcast_object_list(meta, src=0)
-    cfg, mask_id = meta[0]
-    tok.add_special_token("<mask>", mask_id)
-    adapter = uses_adapter(args)
-    settings = None
-    if adapter:
-        settings = (args.adapter_rank, args.adapter_alpha, args.adapter_targets)
-
-    # Sharded: rank 0's weights broadcast into every process's shards.
-    if dist.sharded:
-        student, teacher = shard_from_rank0(full, cfg, dist, settings, with_teacher)
-        return student.train(), teacher, tok, mask_id
-    # One process. With the adapter, the frozen base is in the compute dtype,
-    # like a teacher copy, and the adapter in float32.
-    if adapter:
-        full.to(device=dist.device, dtype=dist.dtype)
-        add_mask_adapter(full, *settings)
-        return full.train(), None, tok, mask_id
-    # Without it, a teacher copy is made on the CPU, then moved.
-    teacher = None
-    if with_teacher:
-        teacher = frozen_teacher(full).to(device=dist.device, dtype=dist.dtype)
-    return full.to(dist.device).train(), teacher, tok, mask_id
-
-
-# A checkpoint is checkpoints/step_000123/: torch.distributed.checkpoint's files
-# (each process its shards of model and optimizer state) and trainer.pt (step,
-# scheduler, CPU RNG, arguments), renamed from a temporary name when complete,
-# then named in `latest`: a crash leaves the last one whole.
-def save_checkpoint(student, optimizer, scheduler, step: int, args, dist: Dist) -> Path:
-    import torch.distributed.checkpoint as dcp
-    root = Path(args.out) / "checkpoints"
-    final = root / f"step_{step:06d}"
-    tmp = root / f".step_{step:06d}.tmp"
-    if dist.main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    state, _ = checkpoint_state(student, optimizer, args)
-    dcp.save(state, checkpoint_id=tmp)
-    dist.barrier()
-    # No GPU RNG state: nothing draws on it.
-    if dist.main:
-        torch.save({"step": step, "scheduler": scheduler.state_dict(), "args": vars(args),
-                    "rng_cpu": torch.get_rng_state()}, tmp / "trainer.pt")
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        atomic_save(lambda p: Path(p).write_text(final.name + "\n"), root / "latest")
-        old = sorted(p for p in root.glob("step_*") if p.name != final.name)
-        for stale in old[: max(0, len(old) - (args.keep - 1))]:
-            shutil.rmtree(stale, ignore_errors=True)
-    dist.barrier()
-    return final
-
-
-def checkpoint_state(student, optimizer, args):
-    """What a checkpoint holds of model and AdamW (this process's shards), and
-    the options that say so: every weight, or with the gated adapter only the
-    trained ones."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-    adapter = uses_adapter(args)
-    options = StateDictOptions(ignore_frozen_params=adapter, strict=not adapter)
-    model, optim = get_state_dict(student, optimizer, options=options)
-    return {"model": model, "optim": optim}, options
-
-
-def load_checkpoint(path: Path, student, optimizer, scheduler, args):
-    """Restore model, optimizer, scheduler and RNG from `path` if the run's
-    settings match -> (steps done, the --steps that run was asked for)."""
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-    trainer = read_checkpoint(path / "trainer.pt", "training checkpoint", weights_only=True)
-    check_same_run(trainer["args"], vars(args), path)
-    state, options = checkpoint_state(student, optimizer, args)
-    load_shards(state, path)
-    set_state_dict(student, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"], options=options)
-    scheduler.load_state_dict(trainer["scheduler"])
-    # Per-GPU states, where saved, are unused.
-    torch.set_rng_state(trainer["rng_cpu"])
-    return trainer["step"], trainer["args"]["steps"]
 
 
 def main(argv=None) -> int:
