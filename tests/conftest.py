@@ -72,6 +72,15 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="module")
+def one_thread_for_module():
+    """one_thread for module-scoped fixtures, which are set up before any function-scoped one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_hf(tmp_path_factory):
     """A tiny Llama checkpoint in Hugging Face layout, written by transformers itself

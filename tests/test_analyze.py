@@ -52,7 +52,7 @@ def test_predictability_is_tokens_per_simulated_pass_with_the_verdict_of_tau_0_9
 
 
 @pytest.fixture(scope="module")
-def analysis(tiny_hf, tmp_path_factory):
+def analysis(one_thread_for_module, tiny_hf, tmp_path_factory):
     """`analyze` of the base model's answers to a file's first 2 prompts: its --out."""
     out = tmp_path_factory.mktemp("analyze") / "an"
     argv = ["analyze", "--model", str(tiny_hf / "base"),

@@ -1,10 +1,10 @@
-"""finetune_hf.py on tiny Hugging Face checkpoints: training, exact resume, FSDP2 on two
-CPU processes, GSM8K scoring as lm-evaluation-harness does it, export to transformers,
-bad input.
-
-The tiny base model is written by transformers itself (LlamaForCausalLM.save_pretrained)
-with the word-problem tokenizer beside it, exactly as a downloaded checkpoint would look.
+"""finetune_hf.py on tiny Hugging Face checkpoints (conftest's tiny_hf, written by
+transformers itself): training, exact resume, FSDP2 on two CPU processes, the gated mask
+adapter, export to transformers, bad input. Expensive runs are made once per file, in
+module-scoped fixtures, and checked claim by claim.
 """
+import contextlib
+import io
 import json
 import math
 import os
@@ -75,18 +75,6 @@ def jsonl(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
-def test_help_names_only_files_the_repository_has(capsys):
-    """Every --help names only scripts the repository holds, and no placeholder."""
-    for command in ([], ["train"], ["eval"], ["analyze"], ["data"], ["export"]):
-        with pytest.raises(SystemExit):
-            build_parser().parse_args([*command, "--help"])
-        text = capsys.readouterr().out
-        assert "usage: finetune_hf.py" in text
-        assert "METHOD" not in text
-        names = re.findall(r"[\w/]+\.py\b", text)
-        assert all((REPO / f).is_file() for f in names)
-
-
 # ---------------------------------------------------------------------------------------
 # Data: word problems, formats, data order
 # ---------------------------------------------------------------------------------------
@@ -137,9 +125,8 @@ def test_domain_prompts_hold_a_quarter_of_the_subjects_out():
         assert domain_prompts(domain, 5) == train[:5]
 
 
-def test_formats_and_data_order(tiny_hf):
-    """The plain format's tokens, the qwen format's leading <|endoftext|>, and a data
-    order that is a function of the step alone."""
+def test_formats():
+    """The plain format's tokens, the qwen format's leading <|endoftext|>."""
     tok = word_problem_tokenizer()
     ids = prompt_tokens(tok, "plain", "Q?") + response_tokens(tok, "plain", "A")
     expected = [tok.bos_id] + tok.encode("Q?\n\n") + tok.encode("A") + [tok.eos_id]
@@ -150,7 +137,12 @@ def test_formats_and_data_order(tiny_hf):
     tok.add_special_token("<|endoftext|>")
     assert prompt_tokens(tok, "qwen", "Q?")[0] == tok.token_id("<|endoftext|>")
 
-    # Data order: a pure function of the step; epochs are permutations.
+
+# ---------------------------------------------------------------------------------------
+# Training: atomic checkpoints, exact resume, FSDP2, export
+# ---------------------------------------------------------------------------------------
+
+def test_data_order_is_a_function_of_the_step_and_each_epoch_a_permutation():
     a = [finetune_hf.rows_of_step(s, 4, 10, seed=1) for s in range(5)]
     again = [finetune_hf.rows_of_step(s, 4, 10, seed=1) for s in range(5)]
     assert a == again
@@ -159,56 +151,93 @@ def test_formats_and_data_order(tiny_hf):
     assert sorted(flat[10:20]) == list(range(10))
 
 
-# ---------------------------------------------------------------------------------------
-# Training: atomic checkpoints, exact resume, FSDP2, export
-# ---------------------------------------------------------------------------------------
+def printed_by(body) -> tuple:
+    """(what body() returns, what it prints on stdout and stderr): module-scoped
+    fixtures have no capsys."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+        result = body()
+    return result, printed.getvalue()
 
-def test_train_resume_is_exact_and_export_loads_in_transformers(tiny_hf, tmp_path, capsys,
-                                                                 monkeypatch):
-    """A run interrupted after step 3 and resumed equals an uninterrupted one bit for bit;
-    its export loads in transformers and gives our logits."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    full = tmp_path / "full"
-    cut = tmp_path / "cut"
-    tune(tiny_hf, full, "--steps", "5")
-    log = capsys.readouterr().out
-    assert "step 5/5 | loss" in log
-    assert "tok/s | ETA" in log
-
-    class Interrupted(Exception):
-        pass
-
+def crash_at_call(n: int, error):
+    """finetune_hf.train_step, except that its n-th call raises `error`: within
+    pytest.MonkeyPatch.context(), a run stopped part-way."""
     real = finetune_hf.train_step
-    steps = []
+    calls = []
 
-    # After step 3; the last checkpoint is step 2.
-    def crash_after_3(*a, **kw):
-        steps.append(1)
-        if len(steps) == 4:
-            raise Interrupted
-        return real(*a, **kw)
+    def train_step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == n:
+            raise error
+        return real(*args, **kwargs)
+    return train_step
 
-    monkeypatch.setattr(finetune_hf, "train_step", crash_after_3)
-    args = build_parser().parse_args(train_args(tiny_hf, cut, "--steps", "5"))
-    with pytest.raises(Interrupted):
-        finetune_hf.train(args)
-    monkeypatch.setattr(finetune_hf, "train_step", real)
-    assert (cut / "checkpoints" / "latest").read_text().strip() == "step_000002"
 
-    # A save that died halfway is ignored.
-    (cut / "checkpoints" / ".step_000004.tmp").mkdir()
-    tune(tiny_hf, cut, "--steps", "5", "--resume")
-    assert "resumed from" in capsys.readouterr().out
+class Interrupted(Exception):
+    pass
+
+
+@pytest.fixture(scope="module")
+def full_run(one_thread_for_module, tiny_hf, tmp_path_factory):
+    """A 5-step run, uninterrupted: (its --out, what it printed)."""
+    out = tmp_path_factory.mktemp("full") / "run"
+    _, printed = printed_by(lambda: tune(tiny_hf, out, "--steps", "5"))
+    return out, printed
+
+
+@pytest.fixture(scope="module")
+def resumed_run(one_thread_for_module, tiny_hf, tmp_path_factory):
+    """The same run stopped after step 3 (its last checkpoint: step 2), with a save that
+    died halfway left behind, then resumed: (its --out, the checkpoint `latest` named when
+    it stopped, what the resume printed)."""
+    out = tmp_path_factory.mktemp("cut") / "run"
+    args = build_parser().parse_args(train_args(tiny_hf, out, "--steps", "5"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(finetune_hf, "train_step", crash_at_call(4, Interrupted))
+        with pytest.raises(Interrupted):
+            printed_by(lambda: finetune_hf.train(args))
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    (out / "checkpoints" / ".step_000004.tmp").mkdir()
+    _, printed = printed_by(lambda: tune(tiny_hf, out, "--steps", "5", "--resume"))
+    return out, latest, printed
+
+
+def test_train_logs_loss_speed_and_eta(full_run):
+    _, printed = full_run
+    assert "step 5/5 | loss" in printed
+    assert "tok/s | ETA" in printed
+
+
+def test_a_stopped_run_keeps_its_last_whole_checkpoint(resumed_run):
+    """Stopped during step 4 (checkpoints every 2 steps): `latest` names step 2."""
+    _, latest, _ = resumed_run
+    assert latest == "step_000002"
+
+
+def test_a_resumed_run_equals_an_uninterrupted_one_bit_for_bit(full_run, resumed_run):
+    """Resumed from step 2, past a save that died halfway, it ends with the same weights."""
+    full, _ = full_run
+    cut, _, printed = resumed_run
+    assert "resumed from" in printed
     a = weights(full / "final")
     b = weights(cut / "final")
     assert a.keys() == b.keys()
     assert same(a, b)
-    kept = sorted(p.name for p in (cut / "checkpoints").glob("step_*"))
+
+
+def test_a_run_keeps_its_last_keep_checkpoints(resumed_run):
+    """--keep 2 (the default): the dead save's folder and the older checkpoints go."""
+    cut, _, _ = resumed_run
+    kept = sorted(p.name for p in (cut / "checkpoints").glob("*step_*"))
     assert kept == ["step_000004", "step_000005"]
 
-    # Export: loadable by transformers, <mask> in tokenizer and config, same logits as ours.
-    final = full / "final"
+
+def test_the_export_loads_in_transformers_with_mask_and_gives_our_logits(full_run):
+    """<mask> in tokenizer and config, one row past the tokenizer's vocabulary."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    final = full_run[0] / "final"
     cfg = json_file(final / "config.json")
     hf_tok = AutoTokenizer.from_pretrained(final)
     mask_id = cfg["mask_token_id"]
@@ -219,17 +248,20 @@ def test_train_resume_is_exact_and_export_loads_in_transformers(tiny_hf, tmp_pat
     x = torch.tensor([hf_tok("Tom has 3 apples.<mask><mask>")["input_ids"]])
     torch.testing.assert_close(hf(x).logits, ours(x),
                                atol=1e-5, rtol=1e-4)
-    card = (final / "README.md").read_text()
+
+
+def test_the_model_card_says_how_to_decode_naming_only_files_the_repository_has(full_run):
+    card = (full_run[0] / "final" / "README.md").read_text()
     assert "confadapt.py --model" in card
     assert "METHOD" not in card
-    # The scripts it names exist.
     names = re.findall(r"[\w/]+\.py\b", card)
     assert all((REPO / f).is_file() for f in names)
 
-    # The `export` command rebuilds the same folder from the last checkpoint.
+
+def test_export_rebuilds_the_same_folder_from_the_last_checkpoint(full_run, tmp_path):
+    full, _ = full_run
     export(full, tmp_path / "exp")
-    c = weights(tmp_path / "exp")
-    assert same(a, c)
+    assert same(weights(full / "final"), weights(tmp_path / "exp"))
 
 
 def test_resume_ignores_gpu_rng_states_of_another_machine(tiny_hf, tmp_path, capsys):
@@ -368,70 +400,101 @@ def test_gt_mode_and_activation_checkpointing(tiny_hf, tmp_path):
     assert "the naive ground-truth" in (gt / "final" / "README.md").read_text()
 
 
-def test_gated_adapter_trains_only_itself_resumes_exactly_and_exports_a_small_folder(
-        tiny_hf, tmp_path, capsys, monkeypatch):
-    """--adapter gated-lora: the optimizer holds the adapter and the <mask> embedding only,
-    the base folder stays as it was, a resumed run equals an uninterrupted one, checkpoints
-    hold no base weight, and final/ (and export) hold the adapter, which every loader reads
-    with its base."""
-    from model import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+ADAPTER = ["--adapter", "gated-lora", "--adapter-rank", "4", "--adapter-alpha", "8"]
+
+
+@pytest.fixture(scope="module")
+def adapter_run(one_thread_for_module, tiny_hf, tmp_path_factory):
+    """A 4-step --adapter gated-lora run: (its --out, the base folder's weights before it)."""
     before = weights(tiny_hf / "base")
-    adapter = ["--adapter", "gated-lora", "--adapter-rank", "4", "--adapter-alpha", "8"]
-    full = tmp_path / "full"
-    cut = tmp_path / "cut"
-    tune(tiny_hf, full, "--steps", "4", *adapter)
-    final = full / "final"
+    out = tmp_path_factory.mktemp("adapter") / "run"
+    printed_by(lambda: tune(tiny_hf, out, "--steps", "4", *ADAPTER))
+    return out, before
+
+
+@pytest.fixture(scope="module")
+def adapter_resumed(one_thread_for_module, tiny_hf, tmp_path_factory):
+    """The same run stopped by Ctrl-C in step 4, then resumed with another rank (refused)
+    and with its own: (its --out, what the refused resume printed)."""
+    out = tmp_path_factory.mktemp("adapter_cut") / "run"
+    argv = train_args(tiny_hf, out, "--steps", "4", *ADAPTER)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(finetune_hf, "train_step", crash_at_call(4, KeyboardInterrupt))
+        status, _ = printed_by(lambda: finetune_hf.main(argv))
+    assert status != 0
+    other_rank = train_args(tiny_hf, out, "--steps", "4", *ADAPTER[:2], "--resume")
+    status, refused = printed_by(lambda: finetune_hf.main(other_rank))
+    assert status == 2
+    printed_by(lambda: tune(tiny_hf, out, "--steps", "4", *ADAPTER, "--resume"))
+    return out, refused
+
+
+def test_gated_adapter_final_holds_the_trained_adapter_alone(adapter_run):
+    """final/ holds the adapter's config and weights and a card: the low-rank updates and
+    the <mask> embedding, which training changed."""
+    from model import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+    final = adapter_run[0] / "final"
     files = sorted(p.name for p in final.iterdir())
     assert files == sorted([ADAPTER_CONFIG, ADAPTER_WEIGHTS, "README.md"])
     saved = load_file(str(final / ADAPTER_WEIGHTS))
     assert all(".adapter." in n or n == "mask_embedding" for n in saved)
-    # It did train.
     ups = [t for n, t in saved.items() if n.endswith(".up")]
     assert max(t.abs().max() for t in ups) > 0
-    base_after = weights(tiny_hf / "base")
-    assert same(before, base_after)
 
-    # No base weight in a checkpoint.
-    step_4 = full / "checkpoints" / "step_000004"
+
+def test_gated_adapter_leaves_the_base_folder_as_it_was(adapter_run, tiny_hf):
+    _, before = adapter_run
+    assert same(before, weights(tiny_hf / "base"))
+
+
+def test_gated_adapter_checkpoints_hold_no_base_weight(adapter_run, tiny_hf):
+    """The optimizer holds the adapter and the <mask> embedding only, and so does a
+    checkpoint: smaller than the base model's weights."""
+    step_4 = adapter_run[0] / "checkpoints" / "step_000004"
     ckpt_bytes = sum(f.stat().st_size
                      for f in step_4.rglob("*") if f.is_file())
     base_bytes = (tiny_hf / "base" / "model.safetensors").stat().st_size
     assert ckpt_bytes < base_bytes
-    card = (final / "README.md").read_text()
+
+
+def test_gated_adapter_card_says_it_is_no_lora(adapter_run):
+    card = (adapter_run[0] / "final" / "README.md").read_text()
     assert "not a LoRA" in card
     assert MODEL_CARD_TAGS in card
 
-    real = finetune_hf.train_step
-    steps = []
 
-    def crash_after_3(*a, **kw):
-        steps.append(1)
-        if len(steps) == 4:
-            raise KeyboardInterrupt
-        return real(*a, **kw)
+def test_gated_adapter_resumes_only_with_its_own_settings(adapter_resumed):
+    _, refused = adapter_resumed
+    assert "--adapter-rank 4 -> 32" in refused
 
-    monkeypatch.setattr(finetune_hf, "train_step", crash_after_3)
-    argv = train_args(tiny_hf, cut, "--steps", "4", *adapter)
-    assert finetune_hf.main(argv) != 0
-    monkeypatch.setattr(finetune_hf, "train_step", real)
-    # Another rank.
-    argv = train_args(tiny_hf, cut, "--steps", "4", *adapter[:2], "--resume")
-    assert finetune_hf.main(argv) == 2
-    assert "--adapter-rank 4 -> 32" in capsys.readouterr().err
-    tune(tiny_hf, cut, "--steps", "4", *adapter, "--resume")
-    resumed = load_file(str(cut / "final" / ADAPTER_WEIGHTS))
+
+def test_gated_adapter_resumed_equals_uninterrupted(adapter_run, adapter_resumed):
+    from model import ADAPTER_WEIGHTS
+    saved = load_file(str(adapter_run[0] / "final" / ADAPTER_WEIGHTS))
+    resumed = load_file(str(adapter_resumed[0] / "final" / ADAPTER_WEIGHTS))
     assert saved.keys() == resumed.keys()
     assert same(saved, resumed)
+
+
+def test_gated_adapter_export_writes_the_adapter_again(adapter_run, tmp_path):
+    from model import ADAPTER_WEIGHTS
+    full, _ = adapter_run
     export(full, tmp_path / "exp")
+    saved = load_file(str(full / "final" / ADAPTER_WEIGHTS))
     exported = load_file(str(tmp_path / "exp" / ADAPTER_WEIGHTS))
     assert same(saved, exported)
 
-    # eval reads base + adapter; its greedy answers are the untuned model's, word for word.
+
+def test_gated_adapter_answers_as_the_untuned_model_word_for_word(adapter_run, tiny_hf,
+                                                                   tmp_path):
+    """eval reads base + adapter; its greedy answers, and its lossless ones, are the
+    untuned model's."""
     common = ["eval", "--data", str(tiny_hf / "wp" / "test.jsonl"),
               "--prompt-style", "zeroshot", "--max-new-tokens", "8", "--batch-size", "2",
               "--static-k", "1", "--taus"]
     argv = common + ["--model", str(tiny_hf / "base"), "--out", str(tmp_path / "e0")]
     assert finetune_hf.main(argv) == 0
+    final = adapter_run[0] / "final"
     argv = common + ["--model", str(final), "--out", str(tmp_path / "e1"), "--lossless-k", "3"]
     assert finetune_hf.main(argv) == 0
     answers = [[r["completion"] for r in jsonl(tmp_path / e / "samples.jsonl")]

@@ -101,7 +101,7 @@ def test_mean_and_stderr_like_the_harness():
 
 
 @pytest.fixture(scope="module")
-def sweep(tiny_hf, tmp_path_factory):
+def sweep(one_thread_for_module, tiny_hf, tmp_path_factory):
     """`eval` of a model tuned for one step (so it has <mask>) over greedy, static k,
     ConfAdapt and lossless: (the eval's argv without its decoders, its --out)."""
     root = tmp_path_factory.mktemp("gsm8k")

@@ -17,7 +17,7 @@ def jsonl(path):
 
 
 @pytest.fixture(scope="module")
-def own_rows(tiny_hf, tmp_path_factory):
+def own_rows(one_thread_for_module, tiny_hf, tmp_path_factory):
     """`data`: the base model's answers to 3 prompts of 2 domains, a JSONL file."""
     rows_file = tmp_path_factory.mktemp("rows") / "own.jsonl"
     argv = ["data", "--model", str(tiny_hf / "base"), "--out", str(rows_file),
