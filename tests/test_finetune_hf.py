@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -193,8 +194,10 @@ def resumed_run(one_thread_for_module, tiny_hf, tmp_path_factory):
     it stopped, what the resume printed)."""
     out = tmp_path_factory.mktemp("cut") / "run"
     args = build_parser().parse_args(train_args(tiny_hf, out, "--steps", "5"))
-    with pytest.MonkeyPatch.context() as patch:
+    with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings():
         patch.setattr(finetune_hf, "train_step", crash_at_call(4, Interrupted))
+        # As `finetune_hf.py train` does (mtp.finetune_cli.run_command).
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         with pytest.raises(Interrupted):
             printed_by(lambda: finetune_hf.train(args))
     latest = (out / "checkpoints" / "latest").read_text().strip()
