@@ -52,20 +52,6 @@ def adapter_off_teacher(student: torch.nn.Module):
     return functools.partial(student, use_adapter=False)
 
 
-def training_state_bytes(model, compute_dtype: torch.dtype, teacher_copy: bool) -> dict:
-    """Bytes the training state holds beside the activations, as built: the
-    weights (float32 master weights; a gated adapter's frozen base in the
-    compute dtype), a teacher copy in the compute dtype, float32 gradients and
-    AdamW's two float32 moments of each trained weight."""
-    params = list(model.parameters())
-    trained = sum(p.numel() for p in params if p.requires_grad)
-    teacher = 0
-    if teacher_copy:
-        teacher = sum(p.numel() for p in params) * compute_dtype.itemsize
-    return {"weights": sum(p.numel() * p.element_size() for p in params),
-            "teacher": teacher, "gradients": 4 * trained, "AdamW": 8 * trained}
-
-
 def teacher_input(batch: MTPBatch, proposals: torch.Tensor) -> torch.Tensor:
     """The student input with each region's mask slots holding the
     student's guesses -> (B, L).

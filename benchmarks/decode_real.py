@@ -418,10 +418,10 @@ def parse(argv):
     g = p.add_argument_group("model and machine")
     g.add_argument("--model", required=True, help="Hugging Face layout folder (the MTP-tuned model for real figures)")
     g.add_argument("--out", required=True, help="folder for results.json/.md, samples.md, decoding.png, latency.png")
-    g.add_argument("--device", default="cpu", help="cpu (the default), cuda, cuda:1, ...")
+    g.add_argument("--device", default="auto", help="auto (the default: cuda if available), cpu, cuda, cuda:1, ...")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="dtype of the decoding runs; auto (the default): bfloat16 on a GPU that "
-                   "computes it natively, float32 on the CPU and older GPUs")
+                   help="dtype of the decoding runs; auto (the default): bfloat16 where the hardware "
+                   "computes it natively (a GPU from Ampere on, a CPU with AVX-512 BF16 or AMX), else float32")
     g.add_argument("--threads", type=positive_int, default=None,
                    help="CPU threads for torch (default: torch's choice)")
     g.add_argument("--format", default="auto", choices=("auto",) + FORMATS,

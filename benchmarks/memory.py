@@ -11,7 +11,7 @@ builds it on one process, with <mask> added as one more row of the embedding and
               embedding in float32 (gradients and AdamW for those alone); the teacher is the
               student with its adapter off, no copy
 
-Training state: distill.training_state_bytes of that model. Activations: one micro-batch's
+Training state: mtp.distributed.training_state_bytes of that model. Activations: one micro-batch's
 forward and loss (data.mtp_layout, then distill.mtp_loss, or for the adapter
 distill.gated_mtp_loss, whose gradient pass runs over the mask slots alone) run on the meta
 device, adding up every tensor saved for backward: what the step holds when its backward
@@ -53,10 +53,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mtp.cli import CliError, Parser, number, output_folder, positive_int, run_cli  # noqa: E402
 from data import default_n_regions, mtp_layout  # noqa: E402
-from distill import (frozen_teacher, gated_mtp_loss, mtp_loss,  # noqa: E402
-                     training_state_bytes)
+from distill import frozen_teacher, gated_mtp_loss, mtp_loss  # noqa: E402
 from model import (ADAPTER_TARGETS, ModelConfig, Transformer,  # noqa: E402
                    add_mask_adapter, atomic_save, write_json)
+from mtp.distributed import training_state_bytes  # noqa: E402
 
 aten = torch.ops.aten
 
@@ -209,7 +209,7 @@ def activation_bytes(cfg: ModelConfig, mode: str, step: Step, rank: int, device=
 
 def figures(cfg: ModelConfig, mode: str, step: Step, rank: int) -> dict:
     """One row of the table for `cfg` (with <mask>), in bytes: the training state as
-    distill.training_state_bytes counts it, and one micro-batch's activations."""
+    mtp.distributed.training_state_bytes counts it, and one micro-batch's activations."""
     student, _ = student_and_teacher(cfg, mode, rank)
     state = training_state_bytes(student, COMPUTE, teacher_copy=mode == "full")
     total, activations = sum(state.values()), activation_bytes(cfg, mode, step, rank)

@@ -178,15 +178,25 @@ def native_bfloat16_gpu(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
 
 
+def native_bfloat16_cpu() -> bool:
+    """A CPU with bfloat16 instructions (AVX-512 BF16 or AMX), as Linux lists its
+    flags; other CPUs emulate bfloat16, slower than float32."""
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = cpuinfo.read_text().split() if cpuinfo.is_file() else []
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def parse_dtype(name, device) -> torch.dtype:
-    """--dtype auto: bfloat16 on a GPU with native bfloat16, float32 elsewhere (on
-    a CPU float32 is exact, so the lossless mode reproduces greedy decoding token
-    for token)."""
+    """--dtype auto: bfloat16 where `device` computes it natively (a GPU from
+    Ampere on, a CPU with AVX-512 BF16 or AMX), float32 elsewhere, where bfloat16
+    is emulated and slow. Every command resolves auto here."""
     if name != "auto":
         return getattr(torch, name)
-    if native_bfloat16_gpu(device):
-        return torch.bfloat16
-    return torch.float32
+    if device.type == "cuda":
+        native = native_bfloat16_gpu(device)
+    else:
+        native = native_bfloat16_cpu()
+    return torch.bfloat16 if native else torch.float32
 
 
 # --- a model and its tokenizer for a command ---
@@ -196,13 +206,14 @@ def add_model_args(p):
     g.add_argument("--model", required=True,
                    help="Hugging Face layout folder (config.json, safetensors, "
                    "tokenizer.json)")
-    g.add_argument("--device", default="cpu",
-                   help="cpu (the default), cuda, cuda:N or auto (cuda when available)")
+    g.add_argument("--device", default="auto",
+                   help="auto (the default: cuda when available, else cpu), cpu, cuda or "
+                   "cuda:N")
     g.add_argument("--dtype", default="auto",
                    choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and compute; auto (the default): bfloat16 on a GPU "
-                   "that computes it natively (Ampere and newer), float32 on the CPU "
-                   "and older GPUs")
+                   help="weights and compute; auto (the default): bfloat16 where the "
+                   "hardware computes it natively (a GPU from Ampere on, a CPU with "
+                   "AVX-512 BF16 or AMX), else float32")
     g.add_argument("--format", default="auto", choices=["auto", "raw", *FORMATS],
                    help="how --prompt becomes tokens. auto (the default): the model's "
                    "chat format (llama3-chat, chatml or qwen) with --prompt as the "
@@ -377,7 +388,7 @@ def cpu_name() -> str:
     name = platform.processor() or platform.machine()
     flags = ""
     if os.path.isfile("/proc/cpuinfo"):
-        info = open("/proc/cpuinfo").read()
+        info = Path("/proc/cpuinfo").read_text()
         names = (line.split(":", 1)[1].strip() for line in info.splitlines()
                  if line.startswith("model name"))
         name = next(names, name)

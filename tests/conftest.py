@@ -92,3 +92,35 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def one_thread_for_module():
+    """one_thread for module-scoped fixtures, which are set up before any function-scoped one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory):
+    """A tiny Llama checkpoint in Hugging Face layout, written by transformers itself
+    (LlamaForCausalLM.save_pretrained) with the word-problem tokenizer beside it, as a downloaded
+    checkpoint looks: base/, and word-problem data: wp/train.json, wp/test.jsonl. For
+    finetune_hf.py's commands; tests read it and never change it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from data import word_problem_tokenizer, write_word_problems
+
+    root = tmp_path_factory.mktemp("tiny_hf")
+    tok = word_problem_tokenizer()
+    cfg = LlamaConfig(vocab_size=tok.n_vocab, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=4096, bos_token_id=tok.bos_id,
+                      eos_token_id=tok.eos_id, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(root / "base")
+    tok.save_pretrained(root / "base")
+    write_word_problems(root / "wp", n_train=64, n_test=6, seed=1)
+    return root

@@ -31,7 +31,9 @@ import data
 import finetune_hf
 import train_toy
 from conftest import ONE_LAYER, tiny_model
+from mtp import cli, finetune_cli, training_rows
 from mtp.cli import parse_device, parse_dtype, provenance, run_cli
+from tasks import gsm8k
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -732,8 +734,8 @@ def data_command(rows):
 @pytest.fixture
 def data_cut_in_writing(at_root, capsys, monkeypatch, tmp_path):
     """`data` interrupted in its second domain: the rows file, and what it wrote to stderr."""
-    real = finetune_hf.generate
-    monkeypatch.setattr(finetune_hf, "generate", interrupted_at_call(2, real))
+    real = training_rows.generate
+    monkeypatch.setattr(training_rows, "generate", interrupted_at_call(2, real))
     rows = tmp_path / "rows.jsonl"
     assert finetune_hf.main(data_command(rows)) == 130
     return rows, capsys.readouterr().err
@@ -775,8 +777,8 @@ def eval_command(out):
 @pytest.fixture
 def eval_cut_in_its_second_decoder(at_root, capsys, monkeypatch, tmp_path):
     """`eval` interrupted in its second decoder: what it printed, and its folder."""
-    real = finetune_hf.generate
-    monkeypatch.setattr(finetune_hf, "generate", interrupted_at_call(2, real))
+    real = gsm8k.generate
+    monkeypatch.setattr(gsm8k, "generate", interrupted_at_call(2, real))
     out = tmp_path / "ev"
     assert finetune_hf.main(eval_command(out)) == 130
     return capsys.readouterr(), out
@@ -801,7 +803,7 @@ def test_eval_on_ctrl_c_keeps_the_finished_decoders_results(eval_cut_in_its_seco
 
 def test_eval_writes_to_runs_gsm8k_eval_by_default():
     command = argv("eval --model ft/final --data wp/test.jsonl")
-    parsed = finetune_hf.build_parser().parse_args(command)
+    parsed = finetune_cli.build_parser().parse_args(command)
     assert parsed.out == os.path.join("runs", "gsm8k_eval")
 
 
@@ -960,7 +962,7 @@ def test_confadapt_says_when_it_stops_at_the_end_of_the_context(at_root, capsys)
 def help_text(command, capsys):
     """What `finetune_hf.py COMMAND --help` prints, its whitespace collapsed."""
     with pytest.raises(SystemExit):
-        finetune_hf.build_parser().parse_args([command, "--help"])
+        finetune_cli.build_parser().parse_args([command, "--help"])
     return " ".join(capsys.readouterr().out.split())
 
 
@@ -1009,8 +1011,14 @@ def test_analyze_calls_a_sure_models_domain_worth_tuning(at_root, capsys, tmp_pa
 CUDA = torch.device("cuda")
 
 
-def test_auto_dtype_is_float32_on_the_cpu():
+def test_auto_dtype_is_float32_on_a_cpu_without_bfloat16_instructions(monkeypatch):
+    monkeypatch.setattr(cli, "native_bfloat16_cpu", lambda: False)
     assert parse_dtype("auto", torch.device("cpu")) == torch.float32
+
+
+def test_auto_dtype_is_bfloat16_on_a_cpu_with_avx512_bf16_or_amx(monkeypatch):
+    monkeypatch.setattr(cli, "native_bfloat16_cpu", lambda: True)
+    assert parse_dtype("auto", torch.device("cpu")) == torch.bfloat16
 
 
 def test_auto_dtype_is_float32_on_a_gpu_that_only_emulates_bfloat16(monkeypatch):

@@ -15,6 +15,7 @@ import memory  # noqa: E402
 from data import mtp_layout, word_problem_tokenizer  # noqa: E402
 from distill import gated_mtp_loss, mtp_loss  # noqa: E402
 from model import ADAPTER_TARGETS, ModelConfig, Transformer  # noqa: E402
+from mtp.distributed import Dist  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")            # conftest.py
 
@@ -57,7 +58,7 @@ def test_the_training_state_is_the_bytes_of_a_student_built_by_finetune_hf(mode,
     adapter = "none" if mode == "full" else "gated-lora"
     args = argparse.Namespace(model=str(tmp_path), adapter=adapter, adapter_rank=RANK,
                               adapter_alpha=memory.ALPHA, adapter_targets=list(ADAPTER_TARGETS))
-    d = finetune_hf.Dist(dtype=memory.COMPUTE)
+    d = Dist(dtype=memory.COMPUTE)
     student, teacher, _, mask_id = finetune_hf.load_student_and_teacher(args, d)
     optimizer = student.configure_optimizer(lr=1e-3, weight_decay=0.0)
     seqs = torch.randint(0, tok.n_vocab, (2, 40), generator=torch.Generator().manual_seed(0))

@@ -1,0 +1,186 @@
+"""Processes, dtypes, FSDP2 sharding and distributed checkpoints for finetune_hf.py's
+`train`: the plumbing that lets one training loop run on one process or, under
+torchrun, sharded over many. Not part of the method: a learner can skip it.
+
+One process computes in --dtype under torch.autocast. Under torchrun every process
+holds a shard of each model (FSDP2, one all-gather unit per block, then the root)
+and computes in --dtype through FSDP2's MixedPrecisionPolicy; rank 0 alone reads
+files, logs and writes, and a checkpoint holds each process's shards
+(torch.distributed.checkpoint).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from distill import frozen_teacher
+from model import Transformer, add_mask_adapter
+from mtp.cli import parse_device, parse_dtype
+
+
+@dataclass
+class Dist:
+    """The process group as train sees it: one process, or one of torchrun's."""
+    rank: int = 0
+    world: int = 1
+    device: torch.device = torch.device("cpu")
+    # What the matrix multiplications compute in.
+    dtype: torch.dtype = torch.float32
+    # Under torchrun: FSDP2, at any world size.
+    sharded: bool = False
+    # Rank 0 alone reads, logs and writes files.
+    main = property(lambda self: self.rank == 0)
+
+    def log(self, message: str):
+        if self.main:
+            print(message, flush=True)
+
+    def all_sum(self, x: float) -> float:
+        t = torch.tensor([float(x)], dtype=torch.float64, device=self.device)
+        if self.sharded:
+            torch.distributed.all_reduce(t)
+        return float(t)
+
+    def barrier(self):
+        if self.sharded:
+            torch.distributed.barrier()
+
+
+def setup_processes(device: str, dtype: str = "auto") -> Dist:
+    """This process's Dist from --device and --dtype: one process, or under
+    torchrun (WORLD_SIZE set) one of a process group it joins."""
+    device = parse_device(device)
+    torchrun = "WORLD_SIZE" in os.environ
+    compute = parse_dtype(dtype, device)
+    # Under torchrun: one GPU per process, whatever --device named.
+    if device.type == "cuda":
+        if torchrun:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    if not torchrun:
+        return Dist(device=device, dtype=compute)
+
+    # Rank 0 alone loads and exports while the others wait: on a slow disk,
+    # longer than NCCL's default 10 minutes.
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    torch.distributed.init_process_group(backend, timeout=timedelta(hours=1))
+    # gloo computes in float32.
+    if device.type == "cpu" and dtype == "auto":
+        compute = torch.float32
+    return Dist(rank=torch.distributed.get_rank(), world=torch.distributed.get_world_size(),
+                device=device, dtype=compute, sharded=True)
+
+
+def training_state_bytes(model, compute_dtype: torch.dtype, teacher_copy: bool) -> dict:
+    """Bytes the training state holds beside the activations, as built: the
+    weights (float32 master weights; a gated adapter's frozen base in the
+    compute dtype), a teacher copy in the compute dtype, float32 gradients and
+    AdamW's two float32 moments of each trained weight."""
+    params = list(model.parameters())
+    trained = sum(p.numel() for p in params if p.requires_grad)
+    teacher = 0
+    if teacher_copy:
+        teacher = sum(p.numel() for p in params) * compute_dtype.itemsize
+    return {"weights": sum(p.numel() * p.element_size() for p in params),
+            "teacher": teacher, "gradients": 4 * trained, "AdamW": 8 * trained}
+
+
+def shard_from_rank0(full, cfg, dist: Dist, adapter=None, with_teacher: bool = True):
+    """(student, frozen teacher or None), FSDP2-sharded over the process group.
+    Every rank builds the same modules on the meta device (no memory), shards
+    each block, then the root; rank 0's `full` model (None on the other ranks)
+    is broadcast straight into every process's shards. `adapter`: the (rank,
+    alpha, targets) of a gated mask adapter, whose teacher is no copy."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    with torch.device("meta"):
+        student = Transformer(cfg)
+    if adapter:
+        add_mask_adapter(student, *adapter)
+        if dist.main:
+            add_mask_adapter(full, *adapter)
+    models = [student]
+    teacher = None
+    if with_teacher and not adapter:
+        teacher = frozen_teacher(student).to(dist.dtype)
+        models.append(teacher)
+    # A mesh for the device: fully_shard's default would put a `--device cpu`
+    # run's shards on a GPU.
+    mesh = init_device_mesh(dist.device.type, (dist.world,))
+    mp = MixedPrecisionPolicy(param_dtype=dist.dtype, reduce_dtype=torch.float32)
+    from_rank0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    for model in models:
+        for block in model.layers:
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        # FSDP2 keeps a root's parameters gathered after its forward, for the
+        # backward that follows; the teacher has no backward, so its embedding
+        # and output layer would stay whole on every rank unless told to reshard
+        # (None: FSDP2's default).
+        reshard = True if model is teacher else None
+        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+        # RoPE frequencies are computed again.
+        model.to_empty(device=dist.device)
+        set_model_state_dict(model, full.state_dict() if dist.main else {}, options=from_rank0)
+    return student, teacher
+
+
+# --- checkpoints: finding the last one, and what a resume must match ---
+
+# The settings a run keeps from its first step to its last: resuming with any
+# other value would train a different run.
+RESUME_MUST_MATCH = ("model", "data", "format", "seq_len", "response_only", "mode",
+                     "prefix_ntp_weight", "adapter", "k_max", "regions", "batch_size", "lr",
+                     "warmup", "decay", "weight_decay", "beta1", "beta2", "seed")
+ADAPTER_SETTINGS = ("adapter_rank", "adapter_alpha", "adapter_targets")
+
+
+def latest_checkpoint(out) -> Path | None:
+    """The checkpoint `checkpoints/latest` names in a run's folder, if it is whole."""
+    pointer = Path(out) / "checkpoints" / "latest"
+    if not pointer.is_file():
+        return None
+    path = pointer.parent / pointer.read_text().strip()
+    if not (path / "trainer.pt").is_file():
+        return None
+    return path
+
+
+def check_same_run(old: dict, new: dict, path):
+    """Refuse to resume from the checkpoint at `path`, whose run had the arguments
+    `old`, with arguments `new` that change any setting of RESUME_MUST_MATCH."""
+    def setting(name, run: dict):
+        # Arguments that do not name --adapter train no adapter; paths compare
+        # as real paths.
+        value = run.get(name, "none" if name == "adapter" else None)
+        if name not in ("model", "data") or value is None:
+            return value
+        paths = [value] if isinstance(value, str) else value
+        return [os.path.realpath(p) for p in paths]
+
+    keys = RESUME_MUST_MATCH
+    if setting("adapter", new) != "none":
+        keys += ADAPTER_SETTINGS
+    changed = [f"--{k.replace('_', '-')} {setting(k, old)} -> {setting(k, new)}"
+               for k in keys if setting(k, old) != setting(k, new)]
+    if changed:
+        raise ValueError(f"cannot resume from {path}: settings differ from the interrupted "
+                         f"run ({'; '.join(changed)})")
+
+
+def load_shards(state: dict, path: Path):
+    """torch.distributed.checkpoint.load of this process's shards into `state`,
+    a truncated or corrupt checkpoint told in one line."""
+    import torch.distributed.checkpoint as dcp
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    # dcp wraps the reader's error in its own exception type.
+    except Exception as e:
+        raise ValueError(f"cannot read the checkpoint {path}: truncated or corrupt "
+                         f"({type(e).__name__}); resume from an earlier one by pointing "
+                         f"{path.parent}/latest at it") from None

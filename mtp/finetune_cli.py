@@ -1,0 +1,325 @@
+"""finetune_hf.py's command line: its five commands' flags, the checks made before
+any work, and the dispatch to the command; not part of the method, a learner can
+skip it.
+
+A mistake in a flag or a path ends in one line `error: ...` before any model is
+loaded (mtp.cli.run_cli prints it). The eval, analyze and export commands write
+into a new or empty folder, or with --overwrite over their own earlier output,
+never into a model folder or a training run they did not write.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+from data import DOMAINS, FORMATS, default_format, end_token
+from distill import MODES
+from model import ADAPTER_TARGETS, read_model_config
+from mtp.cli import (CliError, Parser, base_folder, count, input_path, load_model, number,
+                     output_folder, parse_device, parse_dtype, positive_float, positive_int,
+                     probability, stop_ids_of)
+
+DESCRIPTION = ("Fine-tune a Hugging Face Llama/Qwen/SmolLM2 checkpoint into a multi-token "
+               "predictor; measure it.")
+
+# What each command writes into its --out folder; a folder holding anything
+# else is not its own.
+WRITES = {"eval": ("results.json", "results.md", "pareto.png", "samples.jsonl"),
+          "analyze": ("analysis.json", "analysis.md")}
+
+# In the model card of every export: export writes only over a folder whose
+# card has it.
+MODEL_CARD_TAGS = "tags: [multi-token-prediction, self-distillation]"
+
+
+def run_command(commands: dict, argv):
+    """Parse `argv`, check it, run its command (`commands` maps each name to its
+    function); under torchrun the process group ends however the command ends."""
+    args = build_parser().parse_args(argv)
+    # Checkpoints (torch.distributed.checkpoint) warn about this on one process.
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        check_args(args)
+        commands[args.command](args)
+    finally:
+        if "WORLD_SIZE" in os.environ and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="finetune_hf.py", description=DESCRIPTION)
+    sub = p.add_subparsers(dest="command", required=True)
+    taus = [0.99, 0.95, 0.9, 0.8, 0.7, 0.5]
+
+    # All commands but export; max_new_tokens: the decoding ones (not train).
+    def common(c, model_help, max_new_tokens=None):
+        c.add_argument("--model", required=True,
+                       help=f"Hugging Face layout folder{model_help}")
+        c.add_argument("--format", default="auto", choices=("auto", *FORMATS),
+                       help="prompt format (auto: detect)")
+        if max_new_tokens:
+            c.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens,
+                           help="most tokens of each answer (data: a cut answer is marked "
+                           "unfinished)")
+            c.add_argument("--batch-size", type=positive_int, default=16,
+                           help="prompts per batch")
+        c.add_argument("--device", default="auto",
+                       help="auto (cuda if any), cpu, cuda or cuda:N")
+        c.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                       help="compute dtype; auto (the default): bfloat16 where the hardware "
+                       "computes it natively (a GPU from Ampere on, a CPU with AVX-512 BF16 or "
+                       "AMX), else float32")
+        c.add_argument("--threads", type=positive_int,
+                       help="CPU threads (default: one per core)")
+
+    t = sub.add_parser("train",
+                       help="MTP fine-tuning by self-distillation (torchrun: multi-GPU)")
+    common(t, " (config.json, safetensors, tokenizer)")
+    g = t.add_argument_group("data")
+    g.add_argument("--data", required=True, nargs="+",
+                   help="rows (query or prompt, response): JSON array or JSONL")
+    g.add_argument("--seq-len", type=number(int, 2), default=160, help="tokens per sequence")
+    g.add_argument("--limit-rows", type=count, default=0,
+                   help="use only the first N rows (0: all)")
+    g.add_argument("--response-only", action="store_true",
+                   help="predict response tokens only (the paper: all)")
+    o = t.add_argument_group("optimization (defaults: the paper's full-scale recipe)")
+    o.add_argument("--steps", type=positive_int, default=100_000, help="optimizer steps")
+    o.add_argument("--batch-size", type=positive_int, default=128,
+                   help="per step, all processes")
+    o.add_argument("--micro-batch", type=positive_int, default=8,
+                   help="per forward pass and process")
+    o.add_argument("--lr", type=positive_float, default=1e-5,
+                   help="peak learning rate (AdamW)")
+    o.add_argument("--warmup", type=count, default=2000, help="linear warm-up steps")
+    o.add_argument("--decay", type=count, default=0,
+                   help="lr linearly to 0 over the last N steps (the paper: 0)")
+    o.add_argument("--weight-decay", type=number(float, 0), default=0.1,
+                   help="AdamW weight decay")
+    o.add_argument("--beta1", type=number(float, 0, 0.9999), default=0.9, help="AdamW beta1")
+    o.add_argument("--beta2", type=number(float, 0, 0.9999), default=0.95,
+                   help="AdamW beta2")
+    o.add_argument("--clip", type=positive_float, default=1.0,
+                   help="gradient norm clipping")
+    o.add_argument("--seed", type=count, default=0,
+                   help="data order and every step's k and offset")
+    m = t.add_argument_group("multi-token prediction")
+    m.add_argument("--mode", default="hard", choices=MODES,
+                   help="hard / soft: self-distillation; gt: naive ablation")
+    m.add_argument("--k-max", type=number(int, 2), default=16,
+                   help="k is drawn uniformly from [2, k_max] every step")
+    m.add_argument("--regions", type=positive_int,
+                   help="MTP problems per sequence (default seq_len / (2 k_max))")
+    m.add_argument("--prefix-ntp-weight", type=number(float, 0), default=0.0,
+                   help="plus this much plain NTP loss")
+    m.add_argument("--adapter", default="none", choices=("none", "gated-lora"),
+                   help="none (the default, the paper's recipe): tune every weight against "
+                   "a frozen copy; gated-lora: freeze the model and train a low-rank update "
+                   "that acts only at <mask> positions (the model's own predictions stay "
+                   "exactly the base model's; the teacher is the base itself, no copy); "
+                   "final/ then holds the adapter, not a model")
+    m.add_argument("--adapter-rank", type=positive_int, default=32,
+                   help="gated-lora: rank of each update")
+    m.add_argument("--adapter-alpha", type=positive_float, default=64.0,
+                   help="gated-lora: the update is scaled by alpha / rank")
+    m.add_argument("--adapter-targets", nargs="+", choices=ADAPTER_TARGETS,
+                   default=list(ADAPTER_TARGETS),
+                   help="gated-lora: the projections that get an update (default: all)")
+    c = t.add_argument_group("checkpoints")
+    c.add_argument("--out", required=True,
+                   help="output folder: checkpoints/, log.jsonl, final/ (the exported model)")
+    c.add_argument("--save-every", type=positive_int, default=1000,
+                   help="checkpoint every N steps")
+    c.add_argument("--keep", type=positive_int, default=2, help="checkpoints to keep")
+    # One or neither.
+    x = c.add_mutually_exclusive_group()
+    x.add_argument("--resume", action="store_true",
+                   help="continue from --out's last checkpoint")
+    x.add_argument("--overwrite", action="store_true", help="replace the run in --out")
+    c.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute block activations in backward")
+    c.add_argument("--log-every", type=positive_int, default=1,
+                   help="log.jsonl row every N steps")
+
+    e = sub.add_parser("eval", help="GSM8K sweep over static k and ConfAdapt thresholds")
+    common(e, " (a tuned model, or any for k = 1)", 256)
+    e.add_argument("--data", required=True, help="GSM8K test JSONL (question, answer)")
+    e.add_argument("--out", default="runs/gsm8k_eval",
+                   help="folder for results.json/.md, pareto.png, samples.jsonl")
+    e.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier eval's files in --out")
+    e.add_argument("--prompt-style", default="fewshot", choices=("fewshot", "zeroshot"),
+                   help="fewshot: lm-eval gsm8k_cot; zeroshot: the question in the training "
+                   "format (small models)")
+    e.add_argument("--n-shot", type=number(int, 0, 8), default=8,
+                   help="fewshot: exemplars before the question")
+    e.add_argument("--static-k", type=positive_int, nargs="*", default=[1, 2, 3, 4],
+                   help="static k values (1: greedy)")
+    e.add_argument("--taus", type=probability, nargs="*", default=taus,
+                   help="ConfAdapt thresholds, each in (0, 1]")
+    e.add_argument("--k-max", type=positive_int, default=16,
+                   help="ConfAdapt: most tokens per pass")
+    e.add_argument("--lossless-k", type=count, default=0,
+                   help="also run the lossless mode with this k (0: no)")
+    e.add_argument("--limit", type=count, default=0, help="first N questions only (0: all)")
+    e.add_argument("--reference",
+                   help="an earlier eval's --out: report how often each answer equals its "
+                   "k=1 answer")
+
+    a = sub.add_parser("analyze",
+                       help="before tuning: how predictable are the model's answers on this "
+                       "domain?")
+    common(a, ": the base model, before tuning", 256)
+    src = a.add_mutually_exclusive_group(required=True)
+    src.add_argument("--data", help="the domain's prompts: rows with question, query or prompt")
+    src.add_argument("--domains", nargs="+", choices=DOMAINS,
+                     help="held-out prompts generated in code, per domain")
+    a.add_argument("--limit", type=count, default=64, help="first N prompts only (0: all)")
+    a.add_argument("--taus", type=probability, nargs="+", default=taus,
+                   help="ConfAdapt thresholds, each in (0, 1]")
+    a.add_argument("--k-max", type=number(int, 2), default=16, help="most tokens per pass")
+    a.add_argument("--out", help="also write analysis.json and analysis.md here")
+    a.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier analysis in --out")
+
+    r = sub.add_parser("data",
+                       help="training rows from the model itself: its greedy answers to "
+                       "domain prompts")
+    common(r, "", 128)
+    r.add_argument("--out", required=True,
+                   help="JSONL file of {domain, prompt, response} rows (train --data takes "
+                   "it)")
+    r.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    r.add_argument("--domains", nargs="+", choices=DOMAINS, default=list(DOMAINS),
+                   help="domains")
+    r.add_argument("--per-domain", type=positive_int, default=100,
+                   help="prompts per domain (fewer if it has fewer)")
+    r.add_argument("--split", default="train", choices=("train", "test"),
+                   help="prompt split")
+
+    x = sub.add_parser("export", help="a training checkpoint -> a Hugging Face folder")
+    x.add_argument("--checkpoint", required=True,
+                   help="a run's --out folder or one checkpoints/step_N folder")
+    x.add_argument("--out", required=True,
+                   help="the Hugging Face folder to write: new or empty")
+    x.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier export in --out")
+    x.add_argument("--threads", type=positive_int, help="CPU threads (default: one per core)")
+    return p
+
+
+def check_args(args):
+    """Before any work: what a command reads exists, what it writes can be made;
+    train's sizes."""
+    # export has --checkpoint, no --model or --data.
+    a = vars(args)
+    for flag in ("model", "checkpoint"):
+        if a.get(flag) is not None:
+            input_path(a[flag], f"--{flag}", folder=True)
+    # The model's config says most about a wrong folder.
+    cfg = read_model_config(base_folder(args.model)) if "model" in a else None
+    # One file (eval, analyze) or several (train).
+    data = a.get("data")
+    if isinstance(data, str):
+        data = [data]
+    for path in data or []:
+        input_path(path, "--data")
+    # An earlier eval's --out.
+    if a.get("reference") is not None:
+        input_path(os.path.join(args.reference, "samples.jsonl"), "--reference")
+    # data's --out is a file.
+    if args.command == "data":
+        if os.path.isdir(args.out):
+            raise CliError(f"--out {args.out}: is a folder, expected a file name")
+        output_folder(os.path.dirname(args.out) or ".", f"--out {args.out}: its folder")
+        if os.path.exists(args.out) and not args.overwrite:
+            raise CliError(f"--out {args.out} exists: add --overwrite to replace it")
+    elif a.get("out") is not None:
+        output_folder(args.out, "--out")
+        check_out_folder(args)
+    if args.command != "train":
+        return
+
+    used = [f for f in ("checkpoints", "log.jsonl", "final") if (Path(args.out) / f).exists()]
+    if used and not (args.resume or args.overwrite):
+        raise CliError(f"--out {args.out} already holds a training run ({used[0]}): add "
+                       "--resume to continue it, or --overwrite to replace it")
+    if args.seq_len + args.k_max - 2 >= cfg.max_seq_len:
+        raise CliError(f"--seq-len {args.seq_len} with --k-max {args.k_max} needs positions "
+                       f"up to {args.seq_len + args.k_max - 2}; the model supports "
+                       f"{cfg.max_seq_len}")
+    if args.adapter != "none" and args.prefix_ntp_weight > 0:
+        raise CliError("--prefix-ntp-weight trains the next-token predictions, which the "
+                       "gated adapter cannot change (it acts only at <mask> positions): "
+                       "leave it at 0")
+    if base_folder(args.model) != args.model:
+        raise CliError(f"--model {args.model} is a gated mask adapter: train from its base "
+                       f"model ({base_folder(args.model)})")
+    if args.regions is not None and args.regions > args.seq_len:
+        raise CliError(f"--regions {args.regions}: at most --seq-len ({args.seq_len}) "
+                       "regions fit in a sequence")
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if args.batch_size % (world * args.micro_batch):
+        raise CliError(f"--batch-size {args.batch_size} must be a multiple of --micro-batch "
+                       f"{args.micro_batch} x {world} processes")
+    if args.warmup > args.steps // 2:
+        reached = min(1.0, args.steps / max(1, args.warmup))
+        if reached < 1:
+            how = f"only reaches {100 * reached:.2g}% of --lr {args.lr:g}"
+        else:
+            how = f"reaches --lr {args.lr:g} only at step {args.warmup}"
+        print(f"warning: --warmup {args.warmup} is over half of --steps {args.steps}: the "
+              f"learning rate {how}", flush=True)
+
+
+def check_out_folder(args):
+    """eval, analyze and export write into a new or empty folder, or
+    (--overwrite) over their own earlier output; never into a model folder or a
+    training run they did not write."""
+    out = Path(args.out)
+    if args.command == "train" or not out.is_dir() or not any(out.iterdir()):
+        return
+    if any((out / f).exists() for f in ("checkpoints", "log.jsonl", "train_args.json")):
+        raise CliError(f"--out {out} holds a training run: write into a new folder")
+    if args.command == "export":
+        card = out / "README.md"
+        ours = card.is_file() and MODEL_CARD_TAGS in card.read_text(encoding="utf-8",
+                                                                     errors="replace")
+        if not ours:
+            what = "a model" if (out / "config.json").exists() else "files"
+            raise CliError(f"--out {out} holds {what} that export did not write: export "
+                           "into a new or empty folder")
+    else:
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in WRITES[args.command])
+        if foreign:
+            raise CliError(f"--out {out} holds files {args.command} does not write "
+                           f"({', '.join(foreign[:3])}): write into a new or empty folder")
+    if not args.overwrite:
+        raise CliError(f"--out {out} holds an earlier {args.command}'s output: add "
+                       "--overwrite to replace it")
+
+
+
+def model_name(path):
+    """A model folder's last two path parts, as titles name it."""
+    return "/".join(Path(path).resolve().parts[-2:])
+
+
+def load_for_inference(args):
+    """(model, tokenizer, mask id or None, prompt format, stop ids) of --model,
+    for the commands that decode (eval, analyze, data)."""
+    device = parse_device(args.device)
+    model, tok, mask_id, _ = load_model(args.model, device, parse_dtype(args.dtype, device))
+    fmt = args.format
+    if fmt == "auto":
+        fmt = default_format(tok, model.config.model_type)
+    # The format's end of turn stops decoding too.
+    stop_ids = stop_ids_of(model, tok) | {end_token(tok, fmt)}
+    return model, tok, mask_id, fmt, stop_ids
