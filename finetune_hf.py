@@ -31,10 +31,10 @@ from mtp.cli import (CliError, Parser, Progress, base_folder, count, fields_of,
                  positive_float, positive_int, probability, provenance,
                  read_checkpoint, read_rows, run_cli, stop_ids_of)
 from confadapt import DecodeConfig, accept_confadapt, decode_modes, generate
-from data import (DOMAINS, FORMATS, PROMPTS, Tokenizer, default_format,
-                  default_n_regions, domain_prompts, end_token, mtp_layout,
-                  padding_token, prompt_tokens, sample_k_and_offset, start_tokens,
-                  training_sequences)
+from data import default_n_regions, mtp_layout, sample_k_and_offset
+from mtp.tokenizer import (FORMATS, Tokenizer, default_format, end_token, padding_token,
+                           prompt_tokens, start_tokens, training_sequences)
+from tasks.word_problems import DOMAINS, PROMPTS, domain_prompts
 from distill import (MODES, frozen_teacher, gated_mtp_loss, mtp_loss,
                      training_state_bytes)
 from model import (ADAPTER_TARGETS, Transformer, add_mask_adapter, add_mask_token,

@@ -4,7 +4,7 @@
     python train_toy.py --quick             smoke test (about 12 seconds)
     python train_toy.py --export-hf hf_toy  a finished run's models in Hugging Face layout
 
-1. teacher: a small Llama-style transformer learns data.py's five toy tasks by
+1. teacher: a small Llama-style transformer learns the five toy tasks of tasks/toy.py by
    next-token prediction
 2. students: two copies with a `<mask>` token learn multi-token prediction on the same
    batches and layouts: "naive" against the true next k tokens, "distill" by
@@ -38,6 +38,8 @@ from confadapt import DecodeConfig, chunk_texts, decode_modes, generate, save_ch
 from distill import frozen_teacher, mtp_loss
 from model import (ModelConfig, Transformer, add_mask_token, atomic_save, read_json,
                    write_json)
+from tasks.toy import (BRANCHING_TASKS, TOY_SEQ_LEN, TOY_TASKS, check_toy, encode_example,
+                       heldout_examples, toy_batch, toy_tokenizer)
 
 # The phases, one checkpoint each, and their models' names in results.json
 PHASES = ("teacher", "naive", "distill")
@@ -54,8 +56,8 @@ class RunConfig:
     ffn_dim: int = 384
 
     # the data: tasks drawn uniformly; every toy sequence fits (repeat, the longest, is 21)
-    tasks: tuple = data.TOY_TASKS
-    seq_len: int = data.TOY_SEQ_LEN
+    tasks: tuple = TOY_TASKS
+    seq_len: int = TOY_SEQ_LEN
 
     # phase 1, the teacher: next-token prediction
     batch_size: int = 32
@@ -192,13 +194,13 @@ def student_from(teacher: Transformer, device) -> Transformer:
     """A trainable copy of the teacher with <mask> added, as `student_tokenizer` has it."""
     student = Transformer(replace(teacher.config))
     student.load_state_dict(teacher.state_dict())
-    add_mask_token(student, data.toy_tokenizer())
+    add_mask_token(student, toy_tokenizer())
     return student.to(device)
 
 
 def student_tokenizer():
     """The toy tokenizer plus <mask> as its next id, where add_mask_token puts it."""
-    tokenizer = data.toy_tokenizer()
+    tokenizer = toy_tokenizer()
     tokenizer.add_special_token("<mask>")
     return tokenizer
 
@@ -248,14 +250,14 @@ def score(model, mode: DecodeConfig, task: str, examples: list, tokenizer,
           cfg: RunConfig) -> tuple[dict, str]:
     """One model, decoding setting and task: its results row (less the model's name) and
     the first prompt's output, each forward pass's tokens after a "|"."""
-    prompts = [data.encode_example(tokenizer, ex)[0] for ex in examples]
+    prompts = [encode_example(tokenizer, ex)[0] for ex in examples]
     gens, stats = generate(model, prompts, cfg.max_new_tokens, mode=mode,
                            stop_ids=[tokenizer.eos_id])
     scores = []
     for ex, g in zip(examples, gens):
         # the answer: the tokens before <|eos|>, if it stopped
         tokens = g.tokens[:-1] if g.stopped else g.tokens
-        scores.append(data.check_toy(task, ex.key, tokenizer.decode(tokens), g.stopped))
+        scores.append(check_toy(task, ex.key, tokenizer.decode(tokens), g.stopped))
 
     n = len(scores)
     row = {"decode": mode.kind, "k": mode.block,
@@ -291,7 +293,7 @@ SUMMARY = (
 
 def summary(rows: list[dict]) -> dict:
     """{task: {"column: metric": value}} at full precision; format_summary rounds it."""
-    tasks = sorted({r["task"] for r in rows}, key=data.TOY_TASKS.index)
+    tasks = sorted({r["task"] for r in rows}, key=TOY_TASKS.index)
     out = {task: {} for task in tasks}
     for task, values in out.items():
         for column, match, metrics in SUMMARY:
@@ -313,8 +315,8 @@ class Phase(NamedTuple):
 def toy_run(args, cfg: RunConfig, out: str, device) -> dict:
     """Train (or load) the three models, evaluate them, report; return what results.json
     holds."""
-    tokenizer = data.toy_tokenizer()
-    batches = partial(data.toy_batch, tokenizer, tasks=cfg.tasks, seq_len=cfg.seq_len)
+    tokenizer = toy_tokenizer()
+    batches = partial(toy_batch, tokenizer, tasks=cfg.tasks, seq_len=cfg.seq_len)
     done = {}
     if not args.restart:
         done = check_run_folder(out, cfg)
@@ -356,7 +358,7 @@ def toy_run(args, cfg: RunConfig, out: str, device) -> dict:
     models = {label: done[phase].model for label, phase in zip(MODELS, PHASES)}
     print(f"== evaluation on held-out prompts: {', '.join(models)}")
     t_eval = time.perf_counter()
-    eval_sets = {task: data.heldout_examples(task, cfg.n_eval) for task in cfg.tasks}
+    eval_sets = {task: heldout_examples(task, cfg.n_eval) for task in cfg.tasks}
     rows, samples = evaluate(models, mask_tokenizer, eval_sets, cfg)
     seconds = {phase: done[phase].seconds for phase in PHASES}
     seconds["evaluation"] = time.perf_counter() - t_eval
@@ -393,7 +395,7 @@ def format_summary(table: dict) -> str:
     lines = [["", *(column for column, _, _ in SUMMARY)],
              ["task", *(CELL[metrics][0] for _, _, metrics in SUMMARY)]]
     for task, values in table.items():
-        cells = [task + " (branching)" if task in data.BRANCHING_TASKS else task]
+        cells = [task + " (branching)" if task in BRANCHING_TASKS else task]
         for column, _, metrics in SUMMARY:
             if f"{column}: {metrics[0]}" in values:
                 figures = [values[f"{column}: {m}"] for m in metrics]
@@ -427,9 +429,9 @@ def plot_pareto(rows: list[dict], out: str):
     are any: on the others every curve sits at 0 or 1."""
     import matplotlib.pyplot as plt
     plt.switch_backend("Agg")                  # files only, no window
-    tasks = sorted({r["task"] for r in rows}, key=data.TOY_TASKS.index)
+    tasks = sorted({r["task"] for r in rows}, key=TOY_TASKS.index)
     title = "held-out prompts"
-    branching = [t for t in tasks if t in data.BRANCHING_TASKS]
+    branching = [t for t in tasks if t in BRANCHING_TASKS]
     if branching:
         tasks = branching
         title += " of the branching tasks"
@@ -502,9 +504,9 @@ def plot_training(done: dict, out: str):
 
 def plot_chunks(model: Transformer, tokenizer, cfg: RunConfig, out: str):
     """OUT/chunks.png: one held-out answer of the distilled student, a colour per pass."""
-    example = data.heldout_examples("count", 1)[0]
+    example = heldout_examples("count", 1)[0]
     mode = DecodeConfig("confadapt", tau=0.9, k_max=cfg.k_max)
-    prompt = data.encode_example(tokenizer, example)[0]
+    prompt = encode_example(tokenizer, example)[0]
     gens, _ = generate(model, [prompt], cfg.max_new_tokens, mode=mode,
                        stop_ids=[tokenizer.eos_id])
     g = gens[0]
@@ -571,7 +573,7 @@ def export_hf(path: str, out: str, done: dict) -> dict:
                        f"settings; run the same command without --export-hf first")
     output_folder(path, "--export-hf")
     for phase in PHASES:
-        tokenizer = data.toy_tokenizer() if phase == "teacher" else student_tokenizer()
+        tokenizer = toy_tokenizer() if phase == "teacher" else student_tokenizer()
         done[phase].model.save_pretrained(os.path.join(path, phase))
         tokenizer.save_pretrained(os.path.join(path, phase))
     print(f"exported {path}/teacher, {path}/naive and {path}/distill (Hugging Face layout)")

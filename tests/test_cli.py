@@ -20,11 +20,12 @@ import pytest
 import torch
 
 import confadapt
-import data
 import finetune_hf
 import train_toy
 from mtp.cli import parse_device, parse_dtype, provenance, run_cli
 from model import ModelConfig, Transformer
+from mtp.tokenizer import Tokenizer, prompt_tokens
+from tasks.word_problems import word_problem_tokenizer, write_word_problems
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import bench_modes  # noqa: E402  (benchmarks/bench_modes.py)
@@ -45,14 +46,14 @@ def root(tmp_path_factory):
     """A tiny model with <mask> (Hugging Face layout), word-problem data, a finished finetune_hf
     run in ft/ and a finished toy run in runs/toy-teacher2-mtp1-eval1 (its default folder)."""
     root = tmp_path_factory.mktemp("cli")
-    tok = data.word_problem_tokenizer()
+    tok = word_problem_tokenizer()
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=tok.n_vocab, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32,
                                     max_seq_len=64, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id))
     model.save_pretrained(root / "base")
     tok.save_pretrained(root / "base")
     (root / "base" / "generation_config.json").write_text(json.dumps({"eos_token_id": tok.eos_id}) + "\n")
-    data.write_word_problems(root / "wp", n_train=8, n_test=2, seed=0)
+    write_word_problems(root / "wp", n_train=8, n_test=2, seed=0)
     (root / "a_file").write_text("not a folder\n")
     cwd = os.getcwd()
     os.chdir(root)                                      # the toy's default folders are relative: runs/...
@@ -446,7 +447,7 @@ def test_eval_checks_its_decoders_first_and_keeps_finished_ones_on_ctrl_c(at_roo
 
 
 def test_eval_shows_progress_within_a_decoder(at_root, capsys, tmp_path):
-    data.write_word_problems(tmp_path / "wp", n_train=1, n_test=6, seed=3)
+    write_word_problems(tmp_path / "wp", n_train=1, n_test=6, seed=3)
     assert finetune_hf.main(["eval", "--model", "ft/final", "--data", str(tmp_path / "wp" / "test.jsonl"),
                              "--out", str(tmp_path / "ev"), "--prompt-style", "zeroshot", "--max-new-tokens", "2",
                              "--batch-size", "1", "--static-k", "1", "--taus"]) == 0
@@ -512,11 +513,11 @@ def test_resume_to_more_steps_continues_the_schedule_and_fewer_is_refused(at_roo
 # ----------------------------------------------------------------------------------------------
 
 def test_confadapt_formats_the_prompt_as_asked(at_root, capsys, tmp_path):
-    tok = data.Tokenizer.from_pretrained(at_root / "ft" / "final")
+    tok = Tokenizer.from_pretrained(at_root / "ft" / "final")
     base = ["--model", "ft/final", "--prompt", "Tom has 3 pens.", "--greedy", "--max-new-tokens", "2", "--json"]
     for fmt, want in [("auto", [tok.bos_id, *tok.encode("Tom has 3 pens.")]),        # no chat tokens: raw
                       ("raw", [tok.bos_id, *tok.encode("Tom has 3 pens.")]),
-                      ("plain", data.prompt_tokens(tok, "plain", "Tom has 3 pens."))]:
+                      ("plain", prompt_tokens(tok, "plain", "Tom has 3 pens."))]:
         assert confadapt.main([*base, "--format", fmt]) == 0
         assert json.loads(capsys.readouterr().out)["prompt_tokens"] == len(want), fmt
     png = tmp_path / "new" / "folder" / "chunks.png"                       # a folder to make, after decoding
