@@ -14,11 +14,11 @@
 
 OUT (runs/toy, runs/toy-quick, ...) is named after the settings and keeps them in
 run_config.json; each phase is saved to OUT/checkpoints/ and resumed (--restart retrains).
+mtp/toy_run.py keeps the folder and mtp/plots.py draws the figures.
 The base model of finetune_hf.py's miniature GSM8K has its own script,
 scripts/word_problem_base.py.
 """
 
-import json
 import math
 import os
 import random
@@ -26,21 +26,21 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from functools import partial
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 import data
-from mtp.cli import (CliError, Parser, Progress, count, format_seconds, output_folder,
-                 parse_device, positive_int, provenance, read_checkpoint, run_cli)
 from confadapt import DecodeConfig, chunk_texts, decode_modes, generate
 from distill import frozen_teacher, mtp_loss
-from model import (ModelConfig, Transformer, add_mask_token, atomic_save, read_json,
-                   write_json)
+from model import ModelConfig, Transformer, add_mask_token, write_json
+from mtp.cli import (Parser, Progress, count, format_seconds, output_folder, parse_device,
+                     positive_int, provenance, run_cli)
 from mtp.plots import plot_chunks, plot_pareto, plot_training
-from tasks.toy import (BRANCHING_TASKS, TOY_SEQ_LEN, TOY_TASKS, check_toy, encode_example,
-                       heldout_examples, toy_batch, toy_tokenizer)
+from mtp.toy_run import (Phase, check_run_folder, checkpoint_path, export_hf, format_summary,
+                         save_phase)
+from tasks.toy import (TOY_SEQ_LEN, TOY_TASKS, check_toy, encode_example, heldout_examples,
+                       toy_batch, toy_tokenizer)
 
 # The phases, one checkpoint each, and their models' names in results.json
 PHASES = ("teacher", "naive", "distill")
@@ -62,7 +62,7 @@ class RunConfig:
 
     # phase 1, the teacher: next-token prediction
     batch_size: int = 32
-    # near the floor: 2,000 steps failed one seed of three
+    # with 2,000 steps the teacher of some seeds still fails a task
     teacher_steps: int = 3000
     teacher_lr: float = 4e-3
 
@@ -306,23 +306,20 @@ def summary(rows: list[dict]) -> dict:
 
 # --- The run: 1. teacher, 2. students, 3. evaluation, 4. report ----------------------
 
-class Phase(NamedTuple):
-    """A finished phase, trained now or loaded from its checkpoint."""
-    model: Transformer
-    log: list
-    seconds: float
-
-
 def toy_run(args, cfg: RunConfig, out: str, device) -> dict:
     """Train (or load) the three models, evaluate them, report; return what results.json
     holds."""
     tokenizer = toy_tokenizer()
+    # the students' tokenizer (the teacher just never meets <mask>)
+    mask_tokenizer = student_tokenizer()
     batches = partial(toy_batch, tokenizer, tasks=cfg.tasks, seq_len=cfg.seq_len)
     done = {}
     if not args.restart:
-        done = check_run_folder(out, cfg)
+        done = check_run_folder(out, cfg, PHASES)
     if args.export_hf:
-        return export_hf(args.export_hf, out, done)
+        tokenizers = {"teacher": tokenizer, "naive": mask_tokenizer, "distill": mask_tokenizer}
+        export_hf(args.export_hf, out, done, tokenizers)
+        return {"export": args.export_hf, "models": list(MODELS)}
     os.makedirs(out, exist_ok=True)
     write_json(os.path.join(out, "run_config.json"), asdict(cfg))
 
@@ -331,8 +328,6 @@ def toy_run(args, cfg: RunConfig, out: str, device) -> dict:
     left = {phase: steps for phase, steps in budgets if phase not in done}
     print(f"== {out}: {', '.join(left) or 'nothing'} to train, "
           f"{', '.join(done) or 'nothing'} loaded from checkpoints/")
-    # the students' tokenizer (the teacher just never meets <mask>)
-    mask_tokenizer = student_tokenizer()
 
     # 1. the teacher, from scratch; 2. the students, from the teacher: the same batches
     # and layouts, two losses. A phase found in checkpoints/ is loaded instead.
@@ -367,7 +362,8 @@ def toy_run(args, cfg: RunConfig, out: str, device) -> dict:
 
     # 4. the report
     plot_pareto(rows, out)
-    plot_training({label: done[phase].log for label, phase in zip(MODELS, PHASES)}, out)
+    logs = {label: done[phase].log for label, phase in zip(MODELS, PHASES)}
+    plot_training(logs, out)
     plot_chunks(models["distill"], mask_tokenizer, cfg, out)
     seconds["total"] = time.perf_counter() - t_start
     teacher = done["teacher"].model
@@ -377,108 +373,13 @@ def toy_run(args, cfg: RunConfig, out: str, device) -> dict:
                    **provenance(next(teacher.parameters()).dtype),
                    n_params=teacher.num_params(), config=asdict(cfg), quick=args.quick)
     write_json(os.path.join(out, "results.json"), results)
-    print(format_summary(results["summary"]))
+    print(format_summary(results["summary"], SUMMARY))
     print(f"== done in {format_seconds(seconds['total'])}: {out}/results.json (every row, "
           f"full precision), pareto.png, training_curves.png, chunks.png")
     return results
 
 
-# --- plumbing: the table, the run folder, export, command line -----------------------
-
-# The table's cells: the header and the format of each set of metrics
-CELL = {("accuracy",): ("acc.", "{:.0%}"),
-        ("accuracy", "effective_k"): ("acc. (tok/pass)", "{:.0%} ({:.2f})"),
-        ("coherence", "degeneration"): ("coh. / degen.", "{:.0%} / {:.0%}")}
-
-
-def format_summary(table: dict) -> str:
-    """The table for people: percentages, and tokens per forward pass in brackets."""
-    lines = [["", *(column for column, _, _ in SUMMARY)],
-             ["task", *(CELL[metrics][0] for _, _, metrics in SUMMARY)]]
-    for task, values in table.items():
-        cells = [task + " (branching)" if task in BRANCHING_TASKS else task]
-        for column, _, metrics in SUMMARY:
-            if f"{column}: {metrics[0]}" in values:
-                figures = [values[f"{column}: {m}"] for m in metrics]
-                cells.append(CELL[metrics][1].format(*figures))
-            else:
-                cells.append("-")
-        lines.append(cells)
-
-    # the task names left-aligned, the figures right-aligned
-    widths = [max(map(len, column)) for column in zip(*lines)]
-    body = []
-    for cells in lines:
-        figures = [x.rjust(w) for x, w in zip(cells[1:], widths[1:])]
-        body.append("  ".join([cells[0].ljust(widths[0]), *figures]))
-    legend = ("held-out prompts; acc. = accuracy, coh. = coherent, degen. = degenerate "
-              "(one item repeated); k=4: static k, tau=0.9: ConfAdapt; "
-              "tok/pass: tokens per forward pass")
-    return "\n".join(body + [legend])
-
-
-def checkpoint_path(out: str, phase: str) -> str:
-    return os.path.join(out, "checkpoints", f"{phase}.pt")
-
-
-def check_run_folder(out: str, cfg: RunConfig) -> dict:
-    """Before any work: the phases finished in `out`, {phase: Phase}. A folder that holds
-    a run of other settings (its run_config.json) is an error, naming what differs."""
-    path = os.path.join(out, "run_config.json")
-    if os.path.exists(path):
-        saved = read_json(path, "run config")
-        # the settings as JSON keeps them: tuples as lists
-        now = json.loads(json.dumps(asdict(cfg)))
-        changes = [f"{k} {saved.get(k)} -> {now.get(k)}"
-                   for k in sorted({*saved, *now}) if saved.get(k) != now.get(k)]
-        if changes:
-            raise CliError(f"{out} holds a run with other settings ({', '.join(changes)}): "
-                           f"choose another --out, or add --restart to train again")
-    elif any(os.path.exists(checkpoint_path(out, phase)) for phase in PHASES):
-        raise CliError(f"{out} holds checkpoints but no run_config.json (an older version's "
-                       f"run): choose another --out, or add --restart to train again")
-    done = {}
-    for phase in PHASES:
-        path = checkpoint_path(out, phase)
-        if not os.path.exists(path):
-            continue
-        try:
-            ckpt = read_checkpoint(path, "toy checkpoint")
-        except ValueError as e:
-            raise CliError(f"{e}; --restart trains every phase again") from None
-        model = Transformer(ModelConfig(**ckpt["model_config"]))
-        model.load_state_dict(ckpt["state"])
-        done[phase] = Phase(model.eval(), ckpt["log"], ckpt["seconds"])
-    return done
-
-
-def save_phase(out: str, name: str, phase: Phase):
-    path = checkpoint_path(out, name)
-    model = phase.model
-    ckpt = dict(model_config=asdict(model.config), state=model.state_dict(),
-                log=phase.log, seconds=phase.seconds)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    # a crash leaves the old file or the new, never half of one
-    atomic_save(lambda tmp: torch.save(ckpt, tmp), path)
-    print(f"== {name}: trained in {format_seconds(phase.seconds)} "
-          f"(final loss {phase.log[-1]['loss']:.4f}), saved {path}")
-
-
-def export_hf(path: str, out: str, done: dict) -> dict:
-    """--export-hf: the models `done` of the run in `out` as DIR/<phase> in Hugging Face
-    layout."""
-    missing = [p for p in PHASES if p not in done]
-    if missing:
-        raise CliError(f"--export-hf: {out} has no finished {', '.join(missing)} for these "
-                       f"settings; run the same command without --export-hf first")
-    output_folder(path, "--export-hf")
-    for phase in PHASES:
-        tokenizer = toy_tokenizer() if phase == "teacher" else student_tokenizer()
-        done[phase].model.save_pretrained(os.path.join(path, phase))
-        tokenizer.save_pretrained(os.path.join(path, phase))
-    print(f"exported {path}/teacher, {path}/naive and {path}/distill (Hugging Face layout)")
-    return {"export": path, "models": list(MODELS)}
-
+# --- The command line ----------------------------------------------------------------
 
 def default_out(args, cfg: RunConfig) -> str:
     """runs/toy, plus each setting that changes results: runs/toy-quick-seed1-teacher300."""
@@ -515,7 +416,7 @@ def parse_args(argv=None):
                      help="output folder (default: runs/toy, or named after the settings "
                           "that differ from the default: runs/toy-quick)")
     run.add_argument("--quick", action="store_true",
-                     help="tiny model and few steps (for tests; about 10 seconds)")
+                     help="tiny model and few steps: a smoke test, for tests")
     run.add_argument("--seed", type=count, default=0,
                      help="seed for weights, data and layouts")
     run.add_argument("--restart", action="store_true",
