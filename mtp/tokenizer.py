@@ -84,13 +84,28 @@ class Tokenizer:
             raise KeyError(f"{text!r} is not a special token of this tokenizer")
         return self.special_tokens[text]
 
-    # max id + 1 (ids may have gaps)
-    n_vocab = property(lambda self: self._enc.n_vocab)
-    # the special tokens' ids by role; None: no such role
-    bos_id = property(lambda self: self.special_tokens.get(self.bos_token))
-    eos_id = property(lambda self: self.special_tokens.get(self.eos_token))
-    pad_id = property(lambda self: self.special_tokens.get(self.pad_token))
-    mask_id = property(lambda self: self.special_tokens.get("<mask>"))
+    @property
+    def n_vocab(self) -> int:
+        """The largest id + 1 (ids may have gaps)."""
+        return self._enc.n_vocab
+
+    # The special tokens' ids by role; None: no such role.
+
+    @property
+    def bos_id(self) -> int | None:
+        return self.special_tokens.get(self.bos_token)
+
+    @property
+    def eos_id(self) -> int | None:
+        return self.special_tokens.get(self.eos_token)
+
+    @property
+    def pad_id(self) -> int | None:
+        return self.special_tokens.get(self.pad_token)
+
+    @property
+    def mask_id(self) -> int | None:
+        return self.special_tokens.get("<mask>")
 
     def encode(self, text: str) -> list[int]:
         """Ordinary text -> ids: no BOS added, special-token text is NOT
@@ -101,7 +116,8 @@ class Tokenizer:
         if len(raw.translate(None, self.missing_bytes)) == len(raw):
             return self._enc.encode_ordinary(text)
         # rare: split, drop the bytes the vocab lacks from each piece, merge
-        # what is left
+        # what is left (tiktoken's BPE of one piece is a private method: its
+        # public encode would split the piece again)
         pieces = regex.findall(self.pattern, text)
         kept = [p.encode().translate(None, self.missing_bytes) for p in pieces]
         return [i for piece in kept if piece
@@ -239,8 +255,13 @@ def whole_token_tokenizer(pieces) -> Tokenizer:
 #                (small models with no chat tokens)
 # Prompt and response are tokenized apart, as transformers'
 # apply_chat_template does.
+# The decoding commands (mtp/cli.py) also take "raw", which is no format: the
+# text as given after the model's BOS, with no blank line for a response to
+# follow. Their "auto" picks raw for a model without chat tokens, where
+# finetune_hf.py's picks plain, the format it trains and scores such a model in.
 FORMATS = ("llama3-chat", "chatml", "qwen", "plain")
-# the system prompt when none is given
+# The system message SmolLM2-Instruct's chat template puts first when a
+# conversation has none; with it, chatml prompts equal that template's tokens.
 CHATML_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
