@@ -156,38 +156,14 @@ def mtp_layout(seqs: torch.Tensor, k: int, offset: int, n_regions: int,
     same_region = slot_region[:, None] == slot_region[None, :]
     own_block = is_slot[:, None] & same_region & causal
 
-    # 3. Targets: the tokens at target_idx. E is the first EOS, or N
-    # (index 0 is never a target).
-    if eos_id is None:
-        is_eos = torch.zeros(B, N, dtype=torch.bool, device=device)
-    else:
-        eos_ids = torch.as_tensor(eos_id, device=device).reshape(-1)
-        is_eos = (seqs[..., None] == eos_ids).any(-1)          # (B, N)
-    is_eos[:, 0] = False
-    E = torch.where(is_eos, orig, N).min(1).values             # (B,)
-    has_eos = E < N
-    # (B,) the EOS, or the last token of a row without one
-    last = E.clamp(max=N - 1)
-    targets = seqs[:, target_idx.clamp(max=N - 1)]             # (B, M, k)
-    eos_tok = seqs.gather(1, last[:, None])                    # (B, 1)
-    after_eos = (target_idx[None] > E[:, None, None]) & has_eos[:, None, None]
-    targets = torch.where(after_eos, eos_tok[:, :, None], targets)
-    supervised_region = ends[None, :] < E[:, None]             # (B, M)
-    # inside the row, or after its EOS
-    in_text = (target_idx[None] < N) | has_eos[:, None, None]  # (B, M, k)
-    valid = supervised_region[:, :, None] & in_text
-    ntp_valid = orig[None, 1:] <= E[:, None]
-    if trained is not None:
-        # a target after the EOS is the EOS: `trained` is read there
-        target_at = torch.minimum(target_idx[None], last[:, None, None])   # (B, M, k)
-        valid = valid & trained.gather(1, target_at.flatten(1)).view_as(valid)
-        ntp_valid = ntp_valid & trained[:, 1:]
+    # 3. Targets: the tokens at target_idx, up to where each row's text ends
+    targets, valid, ntp_valid, E = end_of_text(seqs, ends, target_idx, eos_id, trained)
 
     # 4. Padding: ground truth after the EOS and the blocks of unsupervised
-    # regions. Nobody sees padding; padding sees only itself.
+    # regions (e_r >= E). Nobody sees padding; padding sees only itself.
     is_pad = torch.zeros(B, L, dtype=torch.bool, device=device)
     is_pad[:, gt_index] = orig[None, :] > E[:, None]
-    is_pad[:, slot_index] = ~supervised_region[:, :, None]
+    is_pad[:, slot_index] = (ends[None, :] >= E[:, None])[:, :, None]
     seen = (sees_gt | own_block)[None]
     attn_mask = seen & ~is_pad[:, None, :] & ~is_pad[:, :, None]   # (B, L, L)
     itself = torch.eye(L, dtype=torch.bool, device=device)
@@ -211,6 +187,45 @@ def mtp_layout(seqs: torch.Tensor, k: int, offset: int, n_regions: int,
                     k=k,
                     offset=offset,
                     region_len=R)
+
+
+def end_of_text(seqs: torch.Tensor, ends: torch.Tensor, target_idx: torch.Tensor,
+                eos_id=None, trained: torch.Tensor | None = None) -> tuple:
+    """mtp_layout's end-of-text rules: (targets (B, M, k), valid (B, M, k),
+    ntp_valid (B, N-1), E (B,)) for rows `seqs` (B, N), prefix ends `ends`
+    (M,) and target indices `target_idx` (M, k).
+
+    E is the index of a row's first EOS, or N without one; index 0 never
+    counts (Qwen rows start with an EOS). Region r is supervised iff
+    e_r < E. A target after the EOS is the EOS, read from `trained` there
+    too; without an EOS a target past N - 1 is unsupervised."""
+    B, N = seqs.shape
+    orig = torch.arange(N, device=seqs.device)
+    if eos_id is None:
+        is_eos = torch.zeros(B, N, dtype=torch.bool, device=seqs.device)
+    else:
+        eos_ids = torch.as_tensor(eos_id, device=seqs.device).reshape(-1)
+        is_eos = (seqs[..., None] == eos_ids).any(-1)          # (B, N)
+    is_eos[:, 0] = False
+    E = torch.where(is_eos, orig, N).min(1).values             # (B,)
+    has_eos = E < N
+    # (B,) the EOS, or the last token of a row without one
+    last = E.clamp(max=N - 1)
+    targets = seqs[:, target_idx.clamp(max=N - 1)]             # (B, M, k)
+    eos_tok = seqs.gather(1, last[:, None])                    # (B, 1)
+    after_eos = (target_idx[None] > E[:, None, None]) & has_eos[:, None, None]
+    targets = torch.where(after_eos, eos_tok[:, :, None], targets)
+    supervised_region = ends[None, :] < E[:, None]             # (B, M)
+    # inside the row, or after its EOS
+    in_text = (target_idx[None] < N) | has_eos[:, None, None]  # (B, M, k)
+    valid = supervised_region[:, :, None] & in_text
+    ntp_valid = orig[None, 1:] <= E[:, None]
+    if trained is not None:
+        # a target after the EOS is the EOS: `trained` is read there
+        target_at = torch.minimum(target_idx[None], last[:, None, None])   # (B, M, k)
+        valid = valid & trained.gather(1, target_at.flatten(1)).view_as(valid)
+        ntp_valid = ntp_valid & trained[:, 1:]
+    return targets, valid, ntp_valid, E
 
 
 def default_n_regions(seq_len: int, k_max: int) -> int:
