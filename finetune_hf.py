@@ -36,8 +36,8 @@ from mtp.distributed import (Dist, check_same_run, latest_checkpoint, load_shard
                              setup_processes, shard_from_rank0, training_state_bytes)
 from mtp.finetune_cli import MODEL_CARD_TAGS, run_command
 from mtp.training_rows import check_targets, make_data, training_pairs
-from data import (Tokenizer, default_format, default_n_regions, mtp_layout, padding_token,
-                  sample_k_and_offset, training_sequences)
+from data import default_n_regions, mtp_layout, sample_k_and_offset
+from mtp.tokenizer import Tokenizer, default_format, padding_token, training_sequences
 from distill import frozen_teacher, gated_mtp_loss, mtp_loss
 from tasks.gsm8k import evaluate
 from model import (Transformer, add_mask_adapter, add_mask_token, atomic_save, read_json,

@@ -4,7 +4,7 @@
     python train_toy.py --quick             smoke test (about 12 seconds)
     python train_toy.py --export-hf hf_toy  a finished run's models in Hugging Face layout
 
-1. teacher: a small Llama-style transformer learns data.py's five toy tasks by
+1. teacher: a small Llama-style transformer learns the five toy tasks of tasks/toy.py by
    next-token prediction
 2. students: two copies with a `<mask>` token learn multi-token prediction on the same
    batches and layouts: "naive" against the true next k tokens, "distill" by
@@ -14,11 +14,11 @@
 
 OUT (runs/toy, runs/toy-quick, ...) is named after the settings and keeps them in
 run_config.json; each phase is saved to OUT/checkpoints/ and resumed (--restart retrains).
+mtp/toy_run.py keeps the folder and mtp/plots.py draws the figures.
 The base model of finetune_hf.py's miniature GSM8K has its own script,
 scripts/word_problem_base.py.
 """
 
-import json
 import math
 import os
 import random
@@ -26,18 +26,21 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from functools import partial
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 import data
-from mtp.cli import (CliError, Parser, Progress, count, format_seconds, output_folder,
-                 parse_device, positive_int, provenance, read_checkpoint, run_cli)
-from confadapt import DecodeConfig, chunk_texts, decode_modes, generate, save_chunks_png
+from confadapt import DecodeConfig, chunk_texts, decode_modes, generate
 from distill import frozen_teacher, mtp_loss
-from model import (ModelConfig, Transformer, add_mask_token, atomic_save, read_json,
-                   write_json)
+from model import ModelConfig, Transformer, add_mask_token, write_json
+from mtp.cli import (Parser, Progress, count, format_seconds, output_folder, parse_device,
+                     positive_int, provenance, run_cli)
+from mtp.plots import plot_chunks, plot_pareto, plot_training
+from mtp.toy_run import (Phase, check_run_folder, checkpoint_path, export_hf, format_summary,
+                         save_phase)
+from tasks.toy import (TOY_SEQ_LEN, TOY_TASKS, check_toy, encode_example, heldout_examples,
+                       toy_batch, toy_tokenizer)
 
 # The phases, one checkpoint each, and their models' names in results.json
 PHASES = ("teacher", "naive", "distill")
@@ -54,12 +57,12 @@ class RunConfig:
     ffn_dim: int = 384
 
     # the data: tasks drawn uniformly; every toy sequence fits (repeat, the longest, is 21)
-    tasks: tuple = data.TOY_TASKS
-    seq_len: int = data.TOY_SEQ_LEN
+    tasks: tuple = TOY_TASKS
+    seq_len: int = TOY_SEQ_LEN
 
     # phase 1, the teacher: next-token prediction
     batch_size: int = 32
-    # near the floor: 2,000 steps failed one seed of three
+    # with 2,000 steps the teacher of some seeds still fails a task
     teacher_steps: int = 3000
     teacher_lr: float = 4e-3
 
@@ -192,13 +195,13 @@ def student_from(teacher: Transformer, device) -> Transformer:
     """A trainable copy of the teacher with <mask> added, as `student_tokenizer` has it."""
     student = Transformer(replace(teacher.config))
     student.load_state_dict(teacher.state_dict())
-    add_mask_token(student, data.toy_tokenizer())
+    add_mask_token(student, toy_tokenizer())
     return student.to(device)
 
 
 def student_tokenizer():
     """The toy tokenizer plus <mask> as its next id, where add_mask_token puts it."""
-    tokenizer = data.toy_tokenizer()
+    tokenizer = toy_tokenizer()
     tokenizer.add_special_token("<mask>")
     return tokenizer
 
@@ -248,14 +251,14 @@ def score(model, mode: DecodeConfig, task: str, examples: list, tokenizer,
           cfg: RunConfig) -> tuple[dict, str]:
     """One model, decoding setting and task: its results row (less the model's name) and
     the first prompt's output, each forward pass's tokens after a "|"."""
-    prompts = [data.encode_example(tokenizer, ex)[0] for ex in examples]
+    prompts = [encode_example(tokenizer, ex)[0] for ex in examples]
     gens, stats = generate(model, prompts, cfg.max_new_tokens, mode=mode,
                            stop_ids=[tokenizer.eos_id])
     scores = []
     for ex, g in zip(examples, gens):
         # the answer: the tokens before <|eos|>, if it stopped
         tokens = g.tokens[:-1] if g.stopped else g.tokens
-        scores.append(data.check_toy(task, ex.key, tokenizer.decode(tokens), g.stopped))
+        scores.append(check_toy(task, ex.key, tokenizer.decode(tokens), g.stopped))
 
     n = len(scores)
     row = {"decode": mode.kind, "k": mode.block,
@@ -291,7 +294,7 @@ SUMMARY = (
 
 def summary(rows: list[dict]) -> dict:
     """{task: {"column: metric": value}} at full precision; format_summary rounds it."""
-    tasks = sorted({r["task"] for r in rows}, key=data.TOY_TASKS.index)
+    tasks = sorted({r["task"] for r in rows}, key=TOY_TASKS.index)
     out = {task: {} for task in tasks}
     for task, values in out.items():
         for column, match, metrics in SUMMARY:
@@ -303,23 +306,20 @@ def summary(rows: list[dict]) -> dict:
 
 # --- The run: 1. teacher, 2. students, 3. evaluation, 4. report ----------------------
 
-class Phase(NamedTuple):
-    """A finished phase, trained now or loaded from its checkpoint."""
-    model: Transformer
-    log: list
-    seconds: float
-
-
 def toy_run(args, cfg: RunConfig, out: str, device) -> dict:
     """Train (or load) the three models, evaluate them, report; return what results.json
     holds."""
-    tokenizer = data.toy_tokenizer()
-    batches = partial(data.toy_batch, tokenizer, tasks=cfg.tasks, seq_len=cfg.seq_len)
+    tokenizer = toy_tokenizer()
+    # the students' tokenizer (the teacher just never meets <mask>)
+    mask_tokenizer = student_tokenizer()
+    batches = partial(toy_batch, tokenizer, tasks=cfg.tasks, seq_len=cfg.seq_len)
     done = {}
     if not args.restart:
-        done = check_run_folder(out, cfg)
+        done = check_run_folder(out, cfg, PHASES)
     if args.export_hf:
-        return export_hf(args.export_hf, out, done)
+        tokenizers = {"teacher": tokenizer, "naive": mask_tokenizer, "distill": mask_tokenizer}
+        export_hf(args.export_hf, out, done, tokenizers)
+        return {"export": args.export_hf, "models": list(MODELS)}
     os.makedirs(out, exist_ok=True)
     write_json(os.path.join(out, "run_config.json"), asdict(cfg))
 
@@ -328,8 +328,6 @@ def toy_run(args, cfg: RunConfig, out: str, device) -> dict:
     left = {phase: steps for phase, steps in budgets if phase not in done}
     print(f"== {out}: {', '.join(left) or 'nothing'} to train, "
           f"{', '.join(done) or 'nothing'} loaded from checkpoints/")
-    # the students' tokenizer (the teacher just never meets <mask>)
-    mask_tokenizer = student_tokenizer()
 
     # 1. the teacher, from scratch; 2. the students, from the teacher: the same batches
     # and layouts, two losses. A phase found in checkpoints/ is loaded instead.
@@ -356,7 +354,7 @@ def toy_run(args, cfg: RunConfig, out: str, device) -> dict:
     models = {label: done[phase].model for label, phase in zip(MODELS, PHASES)}
     print(f"== evaluation on held-out prompts: {', '.join(models)}")
     t_eval = time.perf_counter()
-    eval_sets = {task: data.heldout_examples(task, cfg.n_eval) for task in cfg.tasks}
+    eval_sets = {task: heldout_examples(task, cfg.n_eval) for task in cfg.tasks}
     rows, samples = evaluate(models, mask_tokenizer, eval_sets, cfg)
     seconds = {phase: done[phase].seconds for phase in PHASES}
     seconds["evaluation"] = time.perf_counter() - t_eval
@@ -364,7 +362,8 @@ def toy_run(args, cfg: RunConfig, out: str, device) -> dict:
 
     # 4. the report
     plot_pareto(rows, out)
-    plot_training(done, out)
+    logs = {label: done[phase].log for label, phase in zip(MODELS, PHASES)}
+    plot_training(logs, out)
     plot_chunks(models["distill"], mask_tokenizer, cfg, out)
     seconds["total"] = time.perf_counter() - t_start
     teacher = done["teacher"].model
@@ -374,209 +373,13 @@ def toy_run(args, cfg: RunConfig, out: str, device) -> dict:
                    **provenance(next(teacher.parameters()).dtype),
                    n_params=teacher.num_params(), config=asdict(cfg), quick=args.quick)
     write_json(os.path.join(out, "results.json"), results)
-    print(format_summary(results["summary"]))
+    print(format_summary(results["summary"], SUMMARY))
     print(f"== done in {format_seconds(seconds['total'])}: {out}/results.json (every row, "
           f"full precision), pareto.png, training_curves.png, chunks.png")
     return results
 
 
-# --- plumbing: the table, plots, the run folder, export, command line ----------------
-
-# The table's cells: the header and the format of each set of metrics
-CELL = {("accuracy",): ("acc.", "{:.0%}"),
-        ("accuracy", "effective_k"): ("acc. (tok/pass)", "{:.0%} ({:.2f})"),
-        ("coherence", "degeneration"): ("coh. / degen.", "{:.0%} / {:.0%}")}
-
-
-def format_summary(table: dict) -> str:
-    """The table for people: percentages, and tokens per forward pass in brackets."""
-    lines = [["", *(column for column, _, _ in SUMMARY)],
-             ["task", *(CELL[metrics][0] for _, _, metrics in SUMMARY)]]
-    for task, values in table.items():
-        cells = [task + " (branching)" if task in data.BRANCHING_TASKS else task]
-        for column, _, metrics in SUMMARY:
-            if f"{column}: {metrics[0]}" in values:
-                figures = [values[f"{column}: {m}"] for m in metrics]
-                cells.append(CELL[metrics][1].format(*figures))
-            else:
-                cells.append("-")
-        lines.append(cells)
-
-    # the task names left-aligned, the figures right-aligned
-    widths = [max(map(len, column)) for column in zip(*lines)]
-    body = []
-    for cells in lines:
-        figures = [x.rjust(w) for x, w in zip(cells[1:], widths[1:])]
-        body.append("  ".join([cells[0].ljust(widths[0]), *figures]))
-    legend = ("held-out prompts; acc. = accuracy, coh. = coherent, degen. = degenerate "
-              "(one item repeated); k=4: static k, tau=0.9: ConfAdapt; "
-              "tok/pass: tokens per forward pass")
-    return "\n".join(body + [legend])
-
-
-# How the figures draw each model and decoding
-COLOUR = {"ntp": "black", "naive": "tab:red", "distill": "tab:blue"}
-MARKER = {"ntp": dict(marker="*", ms=12), "naive": dict(marker="o", ms=4),
-          "distill": dict(marker="s", ms=4)}
-LINE = {"static": "-", "confadapt": "--", "lossless": "none"}
-
-
-def plot_pareto(rows: list[dict], out: str):
-    """OUT/pareto.png: accuracy and degeneration against tokens per forward pass, a column
-    per task (no coherence: it equals accuracy here). The branching tasks alone, if there
-    are any: on the others every curve sits at 0 or 1."""
-    import matplotlib.pyplot as plt
-    plt.switch_backend("Agg")                  # files only, no window
-    tasks = sorted({r["task"] for r in rows}, key=data.TOY_TASKS.index)
-    title = "held-out prompts"
-    branching = [t for t in tasks if t in data.BRANCHING_TASKS]
-    if branching:
-        tasks = branching
-        title += " of the branching tasks"
-
-    fig, axes = plt.subplots(2, len(tasks), figsize=(4 * len(tasks), 7.5), squeeze=False)
-    for col, task in enumerate(tasks):
-        for ax, metric in zip(axes[:, col], ("accuracy", "degeneration")):
-            for name in MODELS:
-                for decode in LINE:
-                    # in sweep order: static by k, ConfAdapt by falling tau
-                    cells = sorted((r for r in rows if r["model"] == name and
-                                    r["task"] == task and r["decode"] == decode),
-                                   key=lambda r: -r["tau"] if r["tau"] else r["k"])
-                    if cells:
-                        draw_curve(ax, cells, metric, name, decode)
-            ax.set(title=task, ylim=(-0.05, 1.05),
-                   xlabel="effective k (tokens per forward pass)",
-                   ylabel=metric)
-            ax.grid(alpha=0.3)
-        axes[1, col].set_ylabel("degeneration (one item repeated)")
-
-    handles = axes[0][0].get_legend_handles_labels()
-    fig.legend(*handles, loc="lower center", ncol=4, fontsize=8)
-    fig.suptitle(title + ": quality against tokens per forward pass "
-                 "(labels: static k, ConfAdapt tau)")
-    fig.tight_layout(rect=(0, 0.08, 1, 0.96))
-    fig.savefig(os.path.join(out, "pareto.png"), dpi=110)
-    plt.close(fig)
-
-
-def draw_curve(ax, cells: list[dict], metric: str, name: str, decode: str):
-    """One model's sweep of one decoding kind; each point labelled with its k or tau."""
-    marker = MARKER[name]
-    if decode == "lossless":
-        marker = dict(marker="D", mfc="none", ms=8)
-    x = [r["effective_k"] for r in cells]
-    y = [r[metric] for r in cells]
-    ax.plot(x, y, ls=LINE[decode], color=COLOUR[name], label=f"{name} {decode}", **marker)
-    if name == "ntp" or decode == "lossless":
-        return
-    style = dict(textcoords="offset points", color=COLOUR[name], fontsize=6)
-    for r, point in zip(cells, zip(x, y)):
-        if decode == "static":
-            ax.annotate(f"k{r['k']}", point, xytext=(3, 4), **style)
-        else:
-            ax.annotate(f"τ{r['tau']:g}", point, xytext=(3, -9), **style)
-
-
-def plot_training(done: dict, out: str):
-    """OUT/training_curves.png: each phase's loss, step by step."""
-    import matplotlib.pyplot as plt
-    # the students add prefix_ntp_weight x the teacher's loss
-    titles = ("teacher: next-token cross-entropy",
-              "naive: cross-entropy to the true next k (+ NTP)",
-              "distill: cross-entropy over the teacher's (+ NTP)")
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    for ax, phase, name, title in zip(axes, PHASES, MODELS, titles):
-        log = done[phase].log
-        ax.plot([s["step"] for s in log], [s["loss"] for s in log], lw=0.8,
-                color=COLOUR[name])
-        ax.set_title(title, fontsize=10)
-        ax.set(xlabel="step", ylabel="loss", yscale="log")
-        ax.grid(alpha=0.3)
-    # relative to the teacher, the distillation loss can be < 0
-    axes[2].set_yscale("linear")
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "training_curves.png"), dpi=110)
-    plt.close(fig)
-
-
-def plot_chunks(model: Transformer, tokenizer, cfg: RunConfig, out: str):
-    """OUT/chunks.png: one held-out answer of the distilled student, a colour per pass."""
-    example = data.heldout_examples("count", 1)[0]
-    mode = DecodeConfig("confadapt", tau=0.9, k_max=cfg.k_max)
-    prompt = data.encode_example(tokenizer, example)[0]
-    gens, _ = generate(model, [prompt], cfg.max_new_tokens, mode=mode,
-                       stop_ids=[tokenizer.eos_id])
-    g = gens[0]
-    title = (f"distilled student, {mode.describe()}: {len(g.tokens)} tokens in "
-             f"{g.forward_passes} forward passes")
-    save_chunks_png(os.path.join(out, "chunks.png"), example.prompt,
-                    chunk_texts(tokenizer, g.tokens, g.chunk_sizes), g.chunk_sizes,
-                    title=title)
-
-
-def checkpoint_path(out: str, phase: str) -> str:
-    return os.path.join(out, "checkpoints", f"{phase}.pt")
-
-
-def check_run_folder(out: str, cfg: RunConfig) -> dict:
-    """Before any work: the phases finished in `out`, {phase: Phase}. A folder that holds
-    a run of other settings (its run_config.json) is an error, naming what differs."""
-    path = os.path.join(out, "run_config.json")
-    if os.path.exists(path):
-        saved = read_json(path, "run config")
-        # the settings as JSON keeps them: tuples as lists
-        now = json.loads(json.dumps(asdict(cfg)))
-        changes = [f"{k} {saved.get(k)} -> {now.get(k)}"
-                   for k in sorted({*saved, *now}) if saved.get(k) != now.get(k)]
-        if changes:
-            raise CliError(f"{out} holds a run with other settings ({', '.join(changes)}): "
-                           f"choose another --out, or add --restart to train again")
-    elif any(os.path.exists(checkpoint_path(out, phase)) for phase in PHASES):
-        raise CliError(f"{out} holds checkpoints but no run_config.json (an older version's "
-                       f"run): choose another --out, or add --restart to train again")
-    done = {}
-    for phase in PHASES:
-        path = checkpoint_path(out, phase)
-        if not os.path.exists(path):
-            continue
-        try:
-            ckpt = read_checkpoint(path, "toy checkpoint")
-        except ValueError as e:
-            raise CliError(f"{e}; --restart trains every phase again") from None
-        model = Transformer(ModelConfig(**ckpt["model_config"]))
-        model.load_state_dict(ckpt["state"])
-        done[phase] = Phase(model.eval(), ckpt["log"], ckpt["seconds"])
-    return done
-
-
-def save_phase(out: str, name: str, phase: Phase):
-    path = checkpoint_path(out, name)
-    model = phase.model
-    ckpt = dict(model_config=asdict(model.config), state=model.state_dict(),
-                log=phase.log, seconds=phase.seconds)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    # a crash leaves the old file or the new, never half of one
-    atomic_save(lambda tmp: torch.save(ckpt, tmp), path)
-    print(f"== {name}: trained in {format_seconds(phase.seconds)} "
-          f"(final loss {phase.log[-1]['loss']:.4f}), saved {path}")
-
-
-def export_hf(path: str, out: str, done: dict) -> dict:
-    """--export-hf: the models `done` of the run in `out` as DIR/<phase> in Hugging Face
-    layout."""
-    missing = [p for p in PHASES if p not in done]
-    if missing:
-        raise CliError(f"--export-hf: {out} has no finished {', '.join(missing)} for these "
-                       f"settings; run the same command without --export-hf first")
-    output_folder(path, "--export-hf")
-    for phase in PHASES:
-        tokenizer = data.toy_tokenizer() if phase == "teacher" else student_tokenizer()
-        done[phase].model.save_pretrained(os.path.join(path, phase))
-        tokenizer.save_pretrained(os.path.join(path, phase))
-    print(f"exported {path}/teacher, {path}/naive and {path}/distill (Hugging Face layout)")
-    return {"export": path, "models": list(MODELS)}
-
+# --- The command line ----------------------------------------------------------------
 
 def default_out(args, cfg: RunConfig) -> str:
     """runs/toy, plus each setting that changes results: runs/toy-quick-seed1-teacher300."""
@@ -613,7 +416,7 @@ def parse_args(argv=None):
                      help="output folder (default: runs/toy, or named after the settings "
                           "that differ from the default: runs/toy-quick)")
     run.add_argument("--quick", action="store_true",
-                     help="tiny model and few steps (for tests; about 10 seconds)")
+                     help="tiny model and few steps: a smoke test, for tests")
     run.add_argument("--seed", type=count, default=0,
                      help="seed for weights, data and layouts")
     run.add_argument("--restart", action="store_true",

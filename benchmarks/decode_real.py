@@ -40,7 +40,8 @@ from mtp.cli import (CliError, Parser, base_folder, cpu_name, load_model, parse_
                  parse_dtype, positive_int, provenance, stop_ids_of)
 from confadapt import (DecodeConfig, DecodeStats, Generation, chunk_texts,  # noqa: E402
                        decode_modes, generate, synchronize)
-from data import FORMATS, default_format, end_token, prompt_tokens, word_problem_split  # noqa: E402
+from mtp.tokenizer import FORMATS, default_format, end_token, prompt_tokens  # noqa: E402
+from tasks.word_problems import word_problem_split  # noqa: E402
 from model import add_mask_token, atomic_save  # noqa: E402
 
 HF_GREEDY, HF_LOOKUP = "transformers greedy", "transformers prompt lookup"
@@ -50,7 +51,7 @@ MODE_CHOICES = ("greedy", "hf-greedy", "hf-lookup", "static", "confadapt", "loss
 # Prompts: four domains, each asking for an answer of a few paragraphs
 # ----------------------------------------------------------------------------------------------
 # Generated here, so that no training file holds them; the word problems are the first questions
-# of data.py's test split (write_word_problems keeps them out of its training file).
+# of tasks/word_problems.py's test split (write_word_problems keeps them out of its training file).
 
 CODE_TASKS = ["reverses the words of a sentence", "checks whether a number is prime", "counts the vowels in a text",
               "merges two sorted lists", "removes duplicates from a list but keeps the order",

@@ -39,7 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import model as M  # noqa: E402
 from mtp.cli import native_bfloat16_gpu, parse_device, parse_dtype  # noqa: E402
 from confadapt import DecodeConfig, decode_pass, generate, prefill  # noqa: E402
-from data import mtp_layout, word_problem_tokenizer  # noqa: E402
+from data import mtp_layout  # noqa: E402
+from tasks.word_problems import word_problem_tokenizer  # noqa: E402
 from distill import frozen_teacher, mtp_loss  # noqa: E402
 
 aten = torch.ops.aten

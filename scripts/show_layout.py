@@ -15,9 +15,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import data  # noqa: E402
+from data import MASK, PAD, MTPBatch, mtp_layout  # noqa: E402
 from mtp.cli import Parser, count, positive_int, run_cli  # noqa: E402
-from data import MASK, PAD, MTPBatch  # noqa: E402
+from tasks.toy import TOY_SEQ_LEN, TOY_TASKS, toy_batch, toy_tokenizer  # noqa: E402
 
 
 def token_labels(batch: MTPBatch, row: int, token_str) -> list[str]:
@@ -69,19 +69,19 @@ def plot_attention_mask(batch: MTPBatch, path, row: int = 0, token_str=str):
 
 def show(argv):
     p = Parser(prog="show_layout.py", description=__doc__.split("\n")[0])
-    p.add_argument("--task", default="count", choices=data.TOY_TASKS, help="the toy task of the row")
+    p.add_argument("--task", default="count", choices=TOY_TASKS, help="the toy task of the row")
     p.add_argument("--seed", type=count, default=0, help="which row of the task")
     p.add_argument("--k", type=positive_int, default=4, help="predictions per region (k-1 mask slots)")
     p.add_argument("--offset", type=count, default=5, help="where the first region's prefix ends")
     p.add_argument("--regions", type=positive_int, default=2, help="MTP problems in the row")
     p.add_argument("--png", default="docs/figures/toy_attention_mask.png", help="the figure to write")
     args = p.parse_args(argv)
-    tokenizer = data.toy_tokenizer()
+    tokenizer = toy_tokenizer()
     tokenizer.add_special_token("<mask>")                 # the id a toy student's <mask> gets
-    seqs, _ = data.toy_batch(tokenizer, random.Random(args.seed), 1, tasks=(args.task,),
-                             seq_len=data.TOY_SEQ_LEN)
-    batch = data.mtp_layout(seqs, args.k, args.offset, args.regions, mask_id=tokenizer.mask_id,
-                            eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+    seqs, _ = toy_batch(tokenizer, random.Random(args.seed), 1, tasks=(args.task,),
+                        seq_len=TOY_SEQ_LEN)
+    batch = mtp_layout(seqs, args.k, args.offset, args.regions, mask_id=tokenizer.mask_id,
+                       eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
     token_str = lambda t: tokenizer.decode([t]).strip()   # noqa: E731
     print(layout_table(batch, token_str=token_str))
     os.makedirs(os.path.dirname(args.png) or ".", exist_ok=True)

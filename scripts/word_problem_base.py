@@ -3,8 +3,8 @@
     python scripts/word_problem_base.py --out runs/wp          as in results/wordproblems/
     python scripts/word_problem_base.py --out runs/wp --quick   smoke test (seconds)
 
-1. data: data.py's synthetic word problems, DIR/data/train.json (MetaMathQA format) and
-   DIR/data/test.jsonl (GSM8K format)
+1. data: the synthetic word problems of tasks/word_problems.py, DIR/data/train.json
+   (MetaMathQA format) and DIR/data/test.jsonl (GSM8K format)
 2. training: a small Llama-style transformer learns the "plain" rows of finetune_hf.py
    (question, blank line, solution) by next-token prediction, one loop below
 3. DIR/base: the model and its tokenizer in Hugging Face layout, ready for
@@ -23,10 +23,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import data  # noqa: E402
 from mtp.cli import (CliError, Parser, Progress, count, format_seconds,  # noqa: E402
                  output_folder, parse_device, positive_int, read_rows, run_cli)
 from model import ModelConfig, Transformer  # noqa: E402
+from tasks.word_problems import (word_problem_batch, word_problem_tokenizer,  # noqa: E402
+                                 write_word_problems)
 
 
 @dataclass
@@ -79,8 +80,8 @@ def train(model: Transformer, cfg: BaseConfig, tokenizer, pairs: list, device):
             group["lr"] = lr
 
         # 2. the batch and its loss; -100 marks what is not trained (<bos>, padding)
-        seqs, trained = data.word_problem_batch(tokenizer, pairs, rng, cfg.batch_size,
-                                                seq_len=cfg.seq_len)
+        seqs, trained = word_problem_batch(tokenizer, pairs, rng, cfg.batch_size,
+                                           seq_len=cfg.seq_len)
         seqs = seqs.to(device)                                         # (B, N)
         logits = model(seqs[:, :-1]).float()                           # (B, N-1, V)
         targets = seqs[:, 1:].masked_fill(~trained[:, 1:].to(device), -100)
@@ -113,7 +114,7 @@ def word_problem_base(args, cfg: BaseConfig, device) -> dict:
                        f"again")
 
     # 1. the data
-    train_file, test_file = data.write_word_problems(
+    train_file, test_file = write_word_problems(
         os.path.join(args.out, "data"), n_train=cfg.n_train, n_test=cfg.n_test,
         seed=cfg.seed)
     pairs = read_rows(train_file, [("query", "response")])
@@ -121,7 +122,7 @@ def word_problem_base(args, cfg: BaseConfig, device) -> dict:
           f"(GSM8K format)")
 
     # 2. the model, from scratch
-    tokenizer = data.word_problem_tokenizer()
+    tokenizer = word_problem_tokenizer()
     torch.manual_seed(cfg.seed)
     config = ModelConfig(
         vocab_size=tokenizer.n_vocab, dim=cfg.dim, n_layers=cfg.n_layers,

@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 import confadapt
 from mtp.cli import load_model
 from confadapt import DecodeConfig, generate
-from data import MASK, mtp_layout, word_problem_tokenizer
+from data import MASK, mtp_layout
+from tasks.word_problems import word_problem_tokenizer
 from distill import adapter_off_teacher, frozen_teacher, gated_mtp_loss, mtp_loss
 from model import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, KVCache, ModelConfig, Transformer,
                    adapter_state, add_mask_adapter, add_mask_token,

@@ -27,13 +27,14 @@ import torch
 from matplotlib.image import imread
 
 import confadapt
-import data
 import finetune_hf
 import train_toy
 from conftest import ONE_LAYER, tiny_model
 from mtp import cli, finetune_cli, training_rows
 from mtp.cli import parse_device, parse_dtype, provenance, run_cli
 from tasks import gsm8k
+from mtp.tokenizer import Tokenizer, prompt_tokens
+from tasks.word_problems import word_problem_tokenizer, write_word_problems
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -72,7 +73,7 @@ def write_base_model(folder, logit_scale=1.0):
     """A tiny model in Hugging Face layout, with the word problems' tokenizer and no <mask>.
 
     logit_scale multiplies the output layer: at 1000 every top-1 probability is about 1."""
-    tok = data.word_problem_tokenizer()
+    tok = word_problem_tokenizer()
     ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
     model = tiny_model(tok.n_vocab, **ONE_LAYER, **ids)
     with torch.no_grad():
@@ -174,7 +175,7 @@ def root(tmp_path_factory):
     folder); a_file: a file; and broken models, bad data and checkpoints cut short."""
     root = tmp_path_factory.mktemp("cli")
     write_base_model(root / "base")
-    data.write_word_problems(root / "wp", n_train=8, n_test=2, seed=0)
+    write_word_problems(root / "wp", n_train=8, n_test=2, seed=0)
     (root / "a_file").write_text("not a folder\n")
     train = f"train --model base --data wp/train.json --out ft --steps 2 {TRAIN}"
     with pytest.MonkeyPatch.context() as patch:
@@ -808,7 +809,7 @@ def test_eval_writes_to_runs_gsm8k_eval_by_default():
 
 
 def test_eval_shows_progress_within_a_decoder(at_root, capsys, tmp_path):
-    data.write_word_problems(tmp_path / "wp", n_train=1, n_test=6, seed=3)
+    write_word_problems(tmp_path / "wp", n_train=1, n_test=6, seed=3)
     rows = tmp_path / "wp" / "test.jsonl"
     settings = "--prompt-style zeroshot --max-new-tokens 2 --batch-size 1 --static-k 1 --taus"
     command = f"eval --model ft/final --data {rows} --out {tmp_path / 'ev'} {settings}"
@@ -932,9 +933,9 @@ GREEDY = f"--model ft/final --prompt '{PROMPT}' --greedy"
 
 def prompt_tokens_of(fmt):
     """The prompt's tokens in this format: raw (no chat tokens, auto picks it) or plain."""
-    tok = data.Tokenizer.from_pretrained(Path("ft") / "final")
+    tok = Tokenizer.from_pretrained(Path("ft") / "final")
     if fmt == "plain":
-        return data.prompt_tokens(tok, "plain", PROMPT)
+        return prompt_tokens(tok, "plain", PROMPT)
     return [tok.bos_id, *tok.encode(PROMPT)]
 
 

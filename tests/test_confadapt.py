@@ -368,7 +368,7 @@ def test_cli_missing_model(capsys):
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     """A tiny random model with the toy tokenizer, saved with and without a <mask> token."""
-    from data import toy_tokenizer
+    from tasks.toy import toy_tokenizer
     from model import add_mask_token
 
     dirs = {}
@@ -387,7 +387,7 @@ def model_dirs(tmp_path_factory):
 
 
 def test_cli_json_matches_generate(model_dirs, capsys):
-    from data import Tokenizer
+    from mtp.tokenizer import Tokenizer
 
     path = model_dirs["mtp"]
     for flags, mode in [([], DecodeConfig("confadapt", tau=0.9, k_max=16)),

@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import decode_real  # noqa: E402
 from bench_modes import bench  # noqa: E402
 from confadapt import DecodeConfig, generate  # noqa: E402
-from data import word_problem_tokenizer  # noqa: E402
+from tasks.word_problems import word_problem_tokenizer  # noqa: E402
 from model import Transformer  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")            # conftest.py

@@ -12,7 +12,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import finetune_hf  # noqa: E402
 import memory  # noqa: E402
-from data import mtp_layout, word_problem_tokenizer  # noqa: E402
+from data import mtp_layout  # noqa: E402
+from tasks.word_problems import word_problem_tokenizer  # noqa: E402
 from distill import gated_mtp_loss, mtp_loss  # noqa: E402
 from model import ADAPTER_TARGETS, ModelConfig, Transformer  # noqa: E402
 from mtp.distributed import Dist  # noqa: E402

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from confadapt import DecodeConfig, generate
-from data import CHATML_SYSTEM, Tokenizer, domain_prompts, prompt_tokens
+from mtp.tokenizer import CHATML_SYSTEM, Tokenizer, prompt_tokens
+from tasks.word_problems import domain_prompts
 from model import Transformer
 
 REPO = Path(__file__).resolve().parents[1]

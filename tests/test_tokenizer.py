@@ -1,4 +1,6 @@
-"""Our tiktoken-backed Tokenizer must encode exactly like Hugging Face's `tokenizers` library.
+"""The tokenizer and the prompt formats (mtp/tokenizer.py).
+
+Our tiktoken-backed Tokenizer must encode exactly like Hugging Face's `tokenizers` library.
 
 No downloads: the tests train tiny byte-level BPE tokenizers with the `tokenizers` library,
 set up like Llama-3 (digits in runs of up to 3, specials after the vocab) and like Qwen2/3
@@ -14,8 +16,11 @@ import pytest
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
-from data import (DIGITS_THEN_GPT2_PATTERN, GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN, TOY_PROMPT_WORDS, Tokenizer,
-                  bytes_to_piece, gpt2_byte_to_char, piece_to_bytes, toy_tokenizer, toy_whole_tokens)
+from mtp.tokenizer import (DIGITS_THEN_GPT2_PATTERN, GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN, Tokenizer,
+                           bytes_to_piece, gpt2_byte_to_char, piece_to_bytes, prompt_tokens, response_tokens,
+                           training_sequences)
+from tasks.toy import TOY_PROMPT_WORDS, toy_tokenizer, toy_whole_tokens
+from tasks.word_problems import word_problem_tokenizer
 
 TRAIN_TEXT = [
     "The quick brown fox jumps over the lazy dog. It's 2024 and we've got 12345 apples!",
@@ -228,6 +233,21 @@ def test_missing_and_unsupported_tokenizers(tmp_path):
     word_level.save(str(tmp_path / "tokenizer.json"))
     with pytest.raises(ValueError, match="unsupported"):
         Tokenizer.from_pretrained(tmp_path)
+
+
+# --- prompt formats ----------------------------------------------------------------------------
+
+def test_plain_and_qwen_formats():
+    """The plain format's tokens, and the qwen format's leading <|endoftext|>."""
+    tok = word_problem_tokenizer()
+    ids = prompt_tokens(tok, "plain", "Q?") + response_tokens(tok, "plain", "A")
+    expected = [tok.bos_id] + tok.encode("Q?\n\n") + tok.encode("A") + [tok.eos_id]
+    assert ids == expected
+    seqs, _ = training_sequences([("Q?", "A")], tok, "plain", 12)
+    assert seqs.shape == (1, 12)
+    assert seqs[0, len(ids):].eq(tok.eos_id).all()
+    tok.add_special_token("<|endoftext|>")
+    assert prompt_tokens(tok, "qwen", "Q?")[0] == tok.token_id("<|endoftext|>")
 
 
 # --- vocabularies that lack single bytes, split digits first (SmolLM2, StarCoder) ------------
