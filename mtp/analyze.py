@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from confadapt import DecodeConfig, accept_confadapt, generate
-from data import domain_prompts, prompt_tokens
+from mtp.tokenizer import prompt_tokens
+from tasks.word_problems import domain_prompts
 from model import write_json
 from mtp.cli import read_rows
 from mtp.finetune_cli import load_for_inference, model_name

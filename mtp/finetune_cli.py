@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from data import DOMAINS, FORMATS, default_format, end_token
+from mtp.tokenizer import default_format, end_token, FORMATS
+from tasks.word_problems import DOMAINS
 from distill import MODES
 from model import ADAPTER_TARGETS, read_model_config
 from mtp.cli import (CliError, Parser, base_folder, count, input_path, load_model, number,

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from confadapt import DecodeConfig, generate
-from data import domain_prompts, end_token, padding_token, prompt_tokens
+from mtp.tokenizer import end_token, padding_token, prompt_tokens
+from tasks.word_problems import domain_prompts
 from model import atomic_save
 from mtp.cli import fields_of, read_rows
 from mtp.finetune_cli import load_for_inference

@@ -27,7 +27,8 @@ import sys
 from pathlib import Path
 
 from confadapt import DecodeConfig, decode_modes, generate
-from data import PROMPTS, Tokenizer, prompt_tokens, start_tokens
+from mtp.tokenizer import prompt_tokens, start_tokens, Tokenizer
+from tasks.word_problems import PROMPTS
 from model import atomic_save, write_json
 from mtp.cli import Progress, format_seconds, provenance, read_rows
 from mtp.finetune_cli import load_for_inference, model_name

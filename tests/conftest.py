@@ -111,7 +111,7 @@ def tiny_hf(tmp_path_factory):
     finetune_hf.py's commands; tests read it and never change it."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from data import word_problem_tokenizer, write_word_problems
+    from tasks.word_problems import word_problem_tokenizer, write_word_problems
 
     root = tmp_path_factory.mktemp("tiny_hf")
     tok = word_problem_tokenizer()

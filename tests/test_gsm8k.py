@@ -8,7 +8,7 @@ import torch
 
 import finetune_hf
 from confadapt import Generation
-from data import word_problem_tokenizer
+from tasks.word_problems import word_problem_tokenizer
 from tasks import gsm8k
 
 # conftest.py

@@ -6,7 +6,7 @@ import json
 import pytest
 
 import finetune_hf
-from data import domain_prompts
+from tasks.word_problems import domain_prompts
 
 # conftest.py
 pytestmark = pytest.mark.usefixtures("one_thread")
