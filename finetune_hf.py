@@ -35,10 +35,9 @@ from data import (DOMAINS, FORMATS, PROMPTS, Tokenizer, default_format,
                   default_n_regions, domain_prompts, end_token, mtp_layout,
                   padding_token, prompt_tokens, sample_k_and_offset, start_tokens,
                   training_sequences)
-from distill import (MODES, frozen_teacher, gated_mtp_loss, mtp_loss,
-                     training_state_bytes)
-from model import (ADAPTER_TARGETS, Transformer, add_mask_adapter, add_mask_token,
-                   atomic_save, read_json, read_model_config, save_mask_adapter,
+from adapter import ADAPTER_TARGETS, add_mask_adapter, gated_mtp_loss, save_mask_adapter
+from distill import LOSSES, frozen_teacher, mtp_loss, training_state_bytes
+from model import (Transformer, add_mask_token, atomic_save, read_json, read_model_config,
                    write_json)
 
 
@@ -1174,7 +1173,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--seed", type=count, default=0,
                    help="data order and every step's k and offset")
     m = t.add_argument_group("multi-token prediction")
-    m.add_argument("--mode", default="hard", choices=MODES,
+    m.add_argument("--mode", default="hard", choices=LOSSES,
                    help="hard / soft: self-distillation; gt: naive ablation")
     m.add_argument("--k-max", type=number(int, 2), default=16,
                    help="k is drawn uniformly from [2, k_max] every step")

@@ -137,26 +137,13 @@ def attend(q, k, v, mask):
     return y.reshape(B, H, T, hd)
 
 
-class GatedLowRank(nn.Module):
-    """The gated mask adapter of one projection: scale * up(down(x)), which
-    Linear.forward adds only at the rows whose input token is <mask>. `up` starts at
-    zero, so a new adapter changes nothing. Not a LoRA to merge into the weight:
-    applied at every row it would change them all."""
-
-    def __init__(self, d_in: int, d_out: int, rank: int, alpha: float, generator=None):
-        super().__init__()
-        down = torch.randn(rank, d_in, generator=generator) / math.sqrt(d_in)
-        self.down = nn.Parameter(down)
-        self.up = nn.Parameter(torch.zeros(d_out, rank))
-        self.scale = alpha / rank
-
-
 class Linear(nn.Linear):
     """nn.Linear that may carry a gated mask adapter, applied only at mask_rows."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.adapter: GatedLowRank | None = None
+        # a GatedLowRank (adapter.py), or None
+        self.adapter = None
 
     def forward(self, x, mask_rows=None):
         """y = W x for x (..., d_in). With an adapter, its update is added in place at
@@ -253,7 +240,7 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-        # the gated mask adapter's <mask> input (add_mask_adapter)
+        # the gated mask adapter's <mask> input (adapter.add_mask_adapter)
         self.mask_embedding = None
         # GPT-2's initialisation
         for module in self.modules():
@@ -595,138 +582,19 @@ def cached_forward(model: Transformer, tokens, cache: KVCache, positions=None,
     return model.logits(x, output_index)
 
 
-# ---- the gated mask adapter ------------------------------------------------------------
-# An alternative to tuning every weight: freeze the model, and train only a low-rank
-# update to chosen projections plus a <mask> embedding of its own, both acting only at
-# the rows whose input token is <mask>. Ordinary tokens never attend to mask slots (in
-# training and in decoding), so at every ordinary position the hidden states, cache
-# entries and logits stay exactly the base model's: greedy decoding and the lossless
-# mode print the untuned model's text, and the distillation teacher is the student
-# itself with the adapter off (no second copy). Saved as a small folder beside the
-# unchanged base model; not a plain LoRA (applied everywhere, it would change every
-# position), so the files have names of their own.
-ADAPTER_CONFIG = "mask_adapter.json"
-ADAPTER_WEIGHTS = "mask_adapter.safetensors"
-ADAPTER_TYPE = "gated-mask-lora"
-ADAPTER_TARGETS = ("wq", "wk", "wv", "wo", "gate", "up", "down")
-
-
-def add_mask_adapter(model: Transformer, rank: int, alpha: float,
-                     targets=ADAPTER_TARGETS, seed: int = 0):
-    """Freeze `model` (which has <mask>) and give it a fresh gated mask adapter: a
-    GatedLowRank on each Linear named in targets (seeded), and a trainable <mask>
-    embedding starting at the current one."""
-    if model.config.mask_token_id is None:
-        raise ValueError("the gated mask adapter needs a model with a <mask> token "
-                         "(add_mask_token)")
-    unknown = sorted(set(targets) - set(ADAPTER_TARGETS))
-    if unknown:
-        choices = ", ".join(ADAPTER_TARGETS)
-        raise ValueError(f"unknown adapter targets {unknown}; choose from {choices}")
-
-    model.requires_grad_(False)
-    device = model.tok_emb.weight.device
-    generator = torch.Generator().manual_seed(seed)
-    for name, module in model.named_modules():
-        if isinstance(module, Linear) and name.rsplit(".", 1)[-1] in targets:
-            # built where the generator is
-            with torch.device("cpu"):
-                adapter = GatedLowRank(module.in_features, module.out_features,
-                                       rank, alpha, generator)
-            module.adapter = adapter.to(device)
-    row = model.tok_emb.weight[model.config.mask_token_id].detach()
-    model.mask_embedding = nn.Parameter(row.float().clone())
-    model.adapter_config = {"rank": rank, "alpha": alpha, "targets": list(targets)}
-
-
 def attend_after(context: KVCache, layer: int, mask, q, k, v):
     """Attention for tokens that come after a context already in a KV cache: q, k, v
     (B, heads, T, hd) are the tokens' own; they attend over the cache's first S slots
     of this layer, then over each other, under mask (B, 1, T, S + T). The cache is
     read, not written, so gradients reach the tokens' keys and values.
 
-    The gated adapter trains with it (distill.gated_mtp_loss): its ground-truth rows
+    The gated adapter trains with it (adapter.gated_mtp_loss): its ground-truth rows
     are the base model's, computed once without gradient into the cache, and only
     the mask slots run with gradient, over them."""
     S = mask.shape[-1] - q.shape[2]
     k = torch.cat([context.k[layer, :, :, :S].to(k.dtype), k], dim=2)    # (B, n_kv, S + T, hd)
     v = torch.cat([context.v[layer, :, :, :S].to(v.dtype), v], dim=2)
     return attend(q, k, v, mask)
-
-
-def is_adapter_tensor(name: str) -> bool:
-    return ".adapter." in name or name == "mask_embedding"
-
-
-def adapter_state(model: Transformer) -> dict:
-    """The adapter's tensors by name: what a gated mask adapter saves and trains."""
-    state = model.state_dict().items()
-    return {name: t for name, t in state if is_adapter_tensor(name)}
-
-
-def save_mask_adapter(model: Transformer, path, base_model, dtype=torch.float32):
-    """Write the adapter (in `dtype`) and its config into folder `path`, naming the
-    base folder."""
-    from safetensors.torch import save_file
-    os.makedirs(path, exist_ok=True)
-    tensors = {n: t.detach().to(dtype).contiguous().cpu()
-               for n, t in adapter_state(model).items()}
-    file = os.path.join(path, ADAPTER_WEIGHTS)
-    atomic_save(lambda p: save_file(tensors, p, metadata={"format": "pt"}), file)
-    config = {
-        "adapter_type": ADAPTER_TYPE,
-        "applies_at": "input positions holding mask_token_id only; "
-                      "every other position is the base model",
-        "base_model": os.path.relpath(base_model, path),
-        **model.adapter_config,
-        "mask_token_id": model.config.mask_token_id,
-    }
-    write_json(os.path.join(path, ADAPTER_CONFIG), config)
-
-
-def is_adapter_folder(path) -> bool:
-    return os.path.isfile(os.path.join(path, ADAPTER_CONFIG))
-
-
-def read_adapter_config(path) -> dict:
-    """The adapter's config, with base_model resolved to a path (it is stored
-    relative to `path`)."""
-    file = os.path.join(path, ADAPTER_CONFIG)
-    config = read_json(file, "mask adapter config")
-    fields = ("adapter_type", "base_model", "rank", "alpha", "targets", "mask_token_id")
-    missing = [k for k in fields if k not in config]
-    if missing:
-        raise ValueError(f"{file}: missing {', '.join(missing)}")
-    if config["adapter_type"] != ADAPTER_TYPE:
-        raise ValueError(f"{file}: adapter_type is not {ADAPTER_TYPE!r}")
-    base = os.path.join(path, config["base_model"])
-    config["base_model"] = os.path.normpath(base)
-    return config
-
-
-def load_mask_adapter(model: Transformer, path):
-    """Attach the adapter saved in folder `path` to its base model (with <mask>
-    added), frozen, for decoding. Its tensors stay float32 whatever the base's
-    dtype: they are small, and Linear.forward computes the update in float32."""
-    from safetensors.torch import load_file
-    config = read_adapter_config(path)
-    if model.config.mask_token_id != config["mask_token_id"]:
-        raise ValueError(f"{path}: the adapter's <mask> is token {config['mask_token_id']}, "
-                         f"the model's is {model.config.mask_token_id}")
-    add_mask_adapter(model, config["rank"], config["alpha"], config["targets"])
-    file = os.path.join(path, ADAPTER_WEIGHTS)
-    if not os.path.isfile(file):
-        raise FileNotFoundError(f"no {ADAPTER_WEIGHTS} in {path}")
-
-    tensors = load_file(file)
-    expected = adapter_state(model)
-    wrong = sorted(set(tensors) ^ set(expected))
-    wrong += [n for n in expected
-              if n in tensors and tensors[n].shape != expected[n].shape]
-    if wrong:
-        raise ValueError(f"{file} does not match its config: {', '.join(wrong[:3])}")
-    model.load_state_dict(tensors, strict=False)
-    return model.requires_grad_(False)
 
 
 # ---- plumbing: Hugging Face checkpoints, files ----------------------------------------
@@ -749,6 +617,9 @@ HF_NAMES = {
 def hf_names(model: Transformer) -> dict:
     """{Hugging Face name: our name} of each tensor in a checkpoint (a tied lm_head
     is not one)."""
+    # adapter.py imports this module: imported here, there is no cycle
+    from adapter import is_adapter_tensor
+
     names = {}
     for name in model.state_dict():
         # a gated mask adapter saves on its own

@@ -13,7 +13,7 @@ builds it on one process, with <mask> added as one more row of the embedding and
 
 Training state: distill.training_state_bytes of that model. Activations: one micro-batch's
 forward and loss (data.mtp_layout, then distill.mtp_loss, or for the adapter
-distill.gated_mtp_loss, whose gradient pass runs over the mask slots alone) run on the meta
+adapter.gated_mtp_loss, whose gradient pass runs over the mask slots alone) run on the meta
 device, adding up every tensor saved for backward: what the step holds when its backward
 starts. The paper's step by default (8 rows of 160 tokens, k = k_max = 16, the longest layout a
 step draws, 5 regions).
@@ -53,10 +53,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mtp.cli import CliError, Parser, number, output_folder, positive_int, run_cli  # noqa: E402
 from data import default_n_regions, mtp_layout  # noqa: E402
-from distill import (frozen_teacher, gated_mtp_loss, mtp_loss,  # noqa: E402
-                     training_state_bytes)
-from model import (ADAPTER_TARGETS, ModelConfig, Transformer,  # noqa: E402
-                   add_mask_adapter, atomic_save, write_json)
+from adapter import ADAPTER_TARGETS, add_mask_adapter, gated_mtp_loss  # noqa: E402
+from distill import frozen_teacher, mtp_loss, training_state_bytes  # noqa: E402
+from model import ModelConfig, Transformer, atomic_save, write_json  # noqa: E402
 
 aten = torch.ops.aten
 

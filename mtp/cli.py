@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from data import FORMATS, Tokenizer, default_format, end_token, prompt_tokens
-from model import (Transformer, add_mask_token, is_adapter_folder, load_mask_adapter,
-                   read_adapter_config)
+from adapter import is_adapter_folder, load_mask_adapter, read_adapter_config
+from model import Transformer, add_mask_token
 
 
 # --- one-line errors ---

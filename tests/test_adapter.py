@@ -16,10 +16,10 @@ import confadapt
 from mtp.cli import load_model
 from confadapt import DecodeConfig, generate
 from data import MASK, mtp_layout, word_problem_tokenizer
-from distill import adapter_off_teacher, frozen_teacher, gated_mtp_loss, mtp_loss
-from model import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, KVCache, ModelConfig, Transformer,
-                   adapter_state, add_mask_adapter, add_mask_token,
-                   load_mask_adapter, save_mask_adapter)
+from adapter import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_off_teacher, adapter_state,
+                     add_mask_adapter, gated_mtp_loss, load_mask_adapter, save_mask_adapter)
+from distill import frozen_teacher, mtp_loss
+from model import KVCache, ModelConfig, Transformer, add_mask_token
 
 # conftest.py
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -143,7 +143,8 @@ def test_benchmark_reads_a_gated_adapter_and_compares_with_the_untuned_base(tiny
     """On an adapter folder, transformers decodes the untuned base, and our greedy and lossless
     modes (base + adapter) print exactly its greedy text."""
     from mtp.cli import load_tokenizer
-    from model import add_mask_adapter, add_mask_token, save_mask_adapter
+    from adapter import add_mask_adapter, save_mask_adapter
+    from model import add_mask_token
 
     model = Transformer.from_pretrained(tiny_dir)
     add_mask_token(model, load_tokenizer(tiny_dir))

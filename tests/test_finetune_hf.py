@@ -502,7 +502,7 @@ def test_gated_adapter_trains_only_itself_resumes_exactly_and_exports_a_small_fo
     the base folder stays as it was, a resumed run equals an uninterrupted one, checkpoints
     hold no base weight, and final/ (and export) hold the adapter, which every loader reads
     with its base."""
-    from model import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+    from adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
     before = weights(tiny / "base")
     adapter = ["--adapter", "gated-lora", "--adapter-rank", "4", "--adapter-alpha", "8"]
     full = tmp_path / "full"
@@ -588,7 +588,7 @@ def test_gated_adapter_refuses_the_prefix_loss_and_an_adapter_as_base(tiny, tmp_
 def test_gated_adapter_under_fsdp2_on_two_cpu_processes_matches_one_process(tiny, tmp_path):
     """The adapter sharded over 2 processes x micro-batch 1 trains what 1 process x
     micro-batch 4 does."""
-    from model import ADAPTER_WEIGHTS
+    from adapter import ADAPTER_WEIGHTS
     adapter = ["--adapter", "gated-lora", "--adapter-rank", "4", "--steps", "3"]
     single = tmp_path / "single"
     sharded = tmp_path / "fsdp"

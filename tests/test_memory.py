@@ -13,8 +13,9 @@ sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import finetune_hf  # noqa: E402
 import memory  # noqa: E402
 from data import mtp_layout, word_problem_tokenizer  # noqa: E402
-from distill import gated_mtp_loss, mtp_loss  # noqa: E402
-from model import ADAPTER_TARGETS, ModelConfig, Transformer  # noqa: E402
+from adapter import ADAPTER_TARGETS, gated_mtp_loss  # noqa: E402
+from distill import mtp_loss  # noqa: E402
+from model import ModelConfig, Transformer  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")            # conftest.py
 
