@@ -28,7 +28,7 @@ import torch.nn as nn
 from data import PAD, MTPBatch
 from distill import LOSSES, cross_entropy, host_stats, masked_mean
 from model import Linear, Transformer, attend_after
-from model import atomic_save, read_json, write_json
+from mtp.hf import atomic_save, read_json, write_json
 
 ADAPTER_CONFIG = "mask_adapter.json"
 ADAPTER_WEIGHTS = "mask_adapter.safetensors"

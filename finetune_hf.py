@@ -37,8 +37,9 @@ from data import (DOMAINS, FORMATS, PROMPTS, Tokenizer, default_format,
                   training_sequences)
 from adapter import ADAPTER_TARGETS, add_mask_adapter, gated_mtp_loss, save_mask_adapter
 from distill import LOSSES, frozen_teacher, mtp_loss, training_state_bytes
-from model import (Transformer, add_mask_token, atomic_save, read_json, read_model_config,
-                   write_json)
+from model import Transformer, add_mask_token
+from mtp.hf import (atomic_save, from_pretrained, read_json, read_model_config,
+                    save_pretrained, write_json)
 
 
 # === train: student + frozen teacher -> data rows -> AdamW -> loop -> export ===
@@ -737,7 +738,7 @@ def export(student, tok: Tokenizer, path: Path, args, dist: Dist) -> Path:
         if adapter:
             save_mask_adapter(model, path, args.model, dtype=dtype)
         else:
-            model.save_pretrained(path, dtype=dtype)
+            save_pretrained(model, path, dtype=dtype)
             tok.save_pretrained(path)
             # Sampling defaults, stop ids.
             generation = Path(args.model) / "generation_config.json"
@@ -905,7 +906,7 @@ def load_student_and_teacher(args, dist: Dist, with_teacher: bool = True):
     full = None
     meta = [None]
     if dist.main:
-        full = Transformer.from_pretrained(args.model, dtype=torch.float32)
+        full = from_pretrained(args.model, dtype=torch.float32)
         meta = [(full.config, add_mask_token(full, tok))]
     # Rank 0's config and mask id on every rank (its tokenizer has <mask>).
     if dist.sharded:

@@ -36,8 +36,8 @@ from mtp.cli import (CliError, Parser, Progress, count, format_seconds, output_f
                  parse_device, positive_int, provenance, read_checkpoint, run_cli)
 from confadapt import DecodeConfig, chunk_texts, decode_modes, generate, save_chunks_png
 from distill import frozen_teacher, mtp_loss
-from model import (ModelConfig, Transformer, add_mask_token, atomic_save, read_json,
-                   write_json)
+from model import ModelConfig, Transformer, add_mask_token
+from mtp.hf import atomic_save, read_json, save_pretrained, write_json
 
 # The phases, one checkpoint each, and their models' names in results.json
 PHASES = ("teacher", "naive", "distill")
@@ -572,7 +572,7 @@ def export_hf(path: str, out: str, done: dict) -> dict:
     output_folder(path, "--export-hf")
     for phase in PHASES:
         tokenizer = data.toy_tokenizer() if phase == "teacher" else student_tokenizer()
-        done[phase].model.save_pretrained(os.path.join(path, phase))
+        save_pretrained(done[phase].model, os.path.join(path, phase))
         tokenizer.save_pretrained(os.path.join(path, phase))
     print(f"exported {path}/teacher, {path}/naive and {path}/distill (Hugging Face layout)")
     return {"export": path, "models": list(MODELS)}

@@ -41,7 +41,8 @@ from mtp.cli import (CliError, Parser, base_folder, cpu_name, load_model, parse_
 from confadapt import (DecodeConfig, DecodeStats, Generation, chunk_texts,  # noqa: E402
                        decode_modes, generate, synchronize)
 from data import FORMATS, default_format, end_token, prompt_tokens, word_problem_split  # noqa: E402
-from model import add_mask_token, atomic_save  # noqa: E402
+from model import add_mask_token  # noqa: E402
+from mtp.hf import atomic_save, save_pretrained  # noqa: E402
 
 HF_GREEDY, HF_LOOKUP = "transformers greedy", "transformers prompt lookup"
 MODE_CHOICES = ("greedy", "hf-greedy", "hf-lookup", "static", "confadapt", "lossless")
@@ -177,7 +178,7 @@ def load(args, device, dtype, need_mask: bool):
 
         with tempfile.TemporaryDirectory() as tmp:
             if grown:
-                ours.save_pretrained(tmp)
+                save_pretrained(ours, tmp)
             folder = tmp if grown else base_folder(args.model)
             hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
     return ours, tok, hf

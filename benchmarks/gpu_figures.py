@@ -38,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import model as M  # noqa: E402
 from mtp.cli import native_bfloat16_gpu, parse_device, parse_dtype  # noqa: E402
+from mtp.hf import read_safetensors, save_pretrained  # noqa: E402
 from confadapt import DecodeConfig, decode_pass, generate, prefill  # noqa: E402
 from data import mtp_layout, word_problem_tokenizer  # noqa: E402
 from distill import frozen_teacher, mtp_loss  # noqa: E402
@@ -407,14 +408,14 @@ def smoke_model(folder) -> dict:
                         ffn_dim=128, max_seq_len=512, bos_token_id=tok.bos_id,
                         eos_token_id=tok.eos_id)
     torch.manual_seed(0)
-    M.Transformer(cfg).save_pretrained(folder)
+    save_pretrained(M.Transformer(cfg), folder)
     tok.save_pretrained(folder)
     return {"folder": str(folder), "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads}
 
 
 def compare(folder_a, folder_b) -> dict:
     """Largest difference between the weights of two exported folders, and their dtypes."""
-    a, b = M.read_safetensors(folder_a), M.read_safetensors(folder_b)
+    a, b = read_safetensors(folder_a), read_safetensors(folder_b)
     if a.keys() != b.keys():
         raise ValueError(f"{folder_a} and {folder_b} hold different tensors")
     return {

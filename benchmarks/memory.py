@@ -55,7 +55,8 @@ from mtp.cli import CliError, Parser, number, output_folder, positive_int, run_c
 from data import default_n_regions, mtp_layout  # noqa: E402
 from adapter import ADAPTER_TARGETS, add_mask_adapter, gated_mtp_loss  # noqa: E402
 from distill import frozen_teacher, mtp_loss, training_state_bytes  # noqa: E402
-from model import ModelConfig, Transformer, atomic_save, write_json  # noqa: E402
+from model import ModelConfig, Transformer  # noqa: E402
+from mtp.hf import atomic_save, write_json  # noqa: E402
 
 aten = torch.ops.aten
 

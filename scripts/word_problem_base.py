@@ -27,6 +27,7 @@ import data  # noqa: E402
 from mtp.cli import (CliError, Parser, Progress, count, format_seconds,  # noqa: E402
                  output_folder, parse_device, positive_int, read_rows, run_cli)
 from model import ModelConfig, Transformer  # noqa: E402
+from mtp.hf import save_pretrained  # noqa: E402
 
 
 @dataclass
@@ -131,7 +132,7 @@ def word_problem_base(args, cfg: BaseConfig, device) -> dict:
     model = train(Transformer(config).to(device), cfg, tokenizer, pairs, device)
 
     # 3. saved in Hugging Face layout, with the tokenizer
-    model.save_pretrained(base)
+    save_pretrained(model, base)
     tokenizer.save_pretrained(base)
     seconds = time.perf_counter() - start
     print(f"== done in {format_seconds(seconds)}: {base} (Hugging Face layout); next: "

@@ -25,6 +25,7 @@ import finetune_hf
 import train_toy
 from mtp.cli import parse_device, parse_dtype, provenance, run_cli
 from model import ModelConfig, Transformer
+from mtp.hf import save_pretrained
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import bench_modes  # noqa: E402  (benchmarks/bench_modes.py)
@@ -49,7 +50,7 @@ def root(tmp_path_factory):
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=tok.n_vocab, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32,
                                     max_seq_len=64, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id))
-    model.save_pretrained(root / "base")
+    save_pretrained(model, root / "base")
     tok.save_pretrained(root / "base")
     (root / "base" / "generation_config.json").write_text(json.dumps({"eos_token_id": tok.eos_id}) + "\n")
     data.write_word_problems(root / "wp", n_train=8, n_test=2, seed=0)

@@ -18,6 +18,7 @@ import confadapt
 from confadapt import (DecodeConfig, accept_confadapt, decode_pass, generate, generate_uncached, prefill,
                        verify_drafts)
 from model import ModelConfig, Transformer
+from mtp.hf import from_pretrained, save_pretrained
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import bench_modes  # noqa: E402
@@ -380,7 +381,7 @@ def model_dirs(tmp_path_factory):
         if name == "mtp":
             add_mask_token(model, tok)
         path = tmp_path_factory.mktemp(name)
-        model.save_pretrained(path)
+        save_pretrained(model, path)
         tok.save_pretrained(path)
         dirs[name] = str(path)
     return dirs
@@ -397,7 +398,7 @@ def test_cli_json_matches_generate(model_dirs, capsys):
         assert confadapt.main(["--model", path, "--prompt", "1 2 3", "--max-new-tokens", "9", "--json"] + flags) == 0
         out = json.loads(capsys.readouterr().out)
         assert {"text", "tokens", "forward_passes", "effective_k", "seconds"} <= set(out)
-        model, tok = Transformer.from_pretrained(path), Tokenizer.from_pretrained(path)
+        model, tok = from_pretrained(path), Tokenizer.from_pretrained(path)
         prompt = [tok.bos_id] + tok.encode("1 2 3")
         [gen], _ = generate(model, [prompt], 9, mode, stop_ids=tok.stop_ids)
         assert out["tokens"] == gen.tokens and out["text"] == tok.decode(gen.tokens)

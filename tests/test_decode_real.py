@@ -12,7 +12,7 @@ import decode_real  # noqa: E402
 from bench_modes import bench  # noqa: E402
 from confadapt import DecodeConfig, generate  # noqa: E402
 from data import word_problem_tokenizer  # noqa: E402
-from model import Transformer  # noqa: E402
+from mtp.hf import from_pretrained  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")            # conftest.py
 
@@ -75,7 +75,7 @@ def test_benchmark_runs_end_to_end(tiny_dir, tmp_path, capsys):
 
 def test_equals_greedy_catches_a_wrong_token(tiny_dir, tmp_path, monkeypatch):
     """Output that differs from greedy's in one token is reported as such, in bench and in the table."""
-    model = Transformer.from_pretrained(tiny_dir)
+    model = from_pretrained(tiny_dir)
 
     def corrupted(rows, n, bs):
         gens, stats = generate(model, rows, n, DecodeConfig("greedy"), batch_size=bs)
@@ -146,7 +146,7 @@ def test_benchmark_reads_a_gated_adapter_and_compares_with_the_untuned_base(tiny
     from adapter import add_mask_adapter, save_mask_adapter
     from model import add_mask_token
 
-    model = Transformer.from_pretrained(tiny_dir)
+    model = from_pretrained(tiny_dir)
     add_mask_token(model, load_tokenizer(tiny_dir))
     add_mask_adapter(model, rank=2, alpha=4.0)
     with torch.no_grad():

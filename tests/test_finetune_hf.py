@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 
 import finetune_hf as F
 from mtp.cli import read_rows
+from mtp.hf import from_pretrained
 from confadapt import Generation
 from data import (DOMAIN_TEMPLATES, QWEN2_PATTERN, Tokenizer, domain_prompts, gsm8k_row,
                   metamath_row, prompt_tokens, response_tokens, training_sequences,
@@ -319,7 +320,7 @@ def test_train_resume_is_exact_and_export_loads_in_transformers(tiny, tmp_path, 
     assert hf_tok.convert_tokens_to_ids("<mask>") == mask_id == word_problem_tokenizer().n_vocab
     assert hf_tok("3 apples <mask>")["input_ids"][-1] == mask_id
     hf = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
-    ours = F.Transformer.from_pretrained(final)
+    ours = from_pretrained(final)
     x = torch.tensor([hf_tok("Tom has 3 apples.<mask><mask>")["input_ids"]])
     torch.testing.assert_close(hf(x).logits, ours(x),
                                atol=1e-5, rtol=1e-4)
@@ -461,7 +462,7 @@ def test_qwen3_tied_checkpoint_reuses_a_spare_row_and_uses_the_qwen_recipe(tmp_p
     assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
     ids = [n] + tok.encode("Tom has 3 apples.\n\n") + [n + 3, n + 3]
     x = torch.tensor([ids])
-    ours = F.Transformer.from_pretrained(out / "final")
+    ours = from_pretrained(out / "final")
     torch.testing.assert_close(hf(x).logits, ours(x),
                                atol=1e-5, rtol=1e-4)
 

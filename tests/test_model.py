@@ -1,21 +1,20 @@
-"""model.py against the transformers reference, on tiny random
-checkpoints the tests write.
+"""model.py: attention against its definition, the KV cache against a full
+recompute, and the whole model against the transformers reference.
 
-Nothing is downloaded: each test builds a random Llama-3-style or
-Qwen3-style model with transformers, saves it in the Hugging Face layout
-(single file or sharded), loads it with `Transformer.from_pretrained`
-and compares logits and greedy continuations.
+The reference tests need transformers (they are skipped without it) and
+download nothing: each builds a random Llama-3-style, Qwen3-style or
+Qwen2-style model with transformers, saves it in the Hugging Face layout
+(single file or sharded), loads it with mtp.hf.from_pretrained and compares
+logits and greedy continuations.
 """
-import json
 import os
 
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-
-from model import (KVCache, ModelConfig, Transformer, add_mask_token, attend,  # noqa: E402
-                   config_from_hf, CachedPass, ragged_cells, rope_inv_freq)
+from model import (KVCache, ModelConfig, Transformer, attend, CachedPass,
+                   ragged_cells, rope_inv_freq)
+from mtp.hf import from_pretrained
 
 # The shape every tiny checkpoint shares; each architecture adds its own fields.
 TINY = dict(
@@ -59,6 +58,9 @@ QWEN2 = dict(
 
 
 def hf_model(fields: dict, seed=0):
+    """A random transformers model of this config (the test is skipped without
+    transformers)."""
+    transformers = pytest.importorskip("transformers")
     fields = dict(fields)
     config = transformers.AutoConfig.for_model(fields.pop("model_type"),
                                                **fields)
@@ -96,7 +98,7 @@ def test_logits_and_greedy_match_transformers(tmp_path, fields, shard, device):
                         max_shard_size="40KB" if shard else "5GB")
     files = os.listdir(tmp_path)
     assert ("model.safetensors.index.json" in files) == shard
-    ours = Transformer.from_pretrained(tmp_path, device=device)
+    ours = from_pretrained(tmp_path, device=device)
     ref.to(device)
 
     # 200 positions: well past original_max_position_embeddings (64), where
@@ -130,8 +132,8 @@ def test_bfloat16_is_as_close_to_float32_as_transformers(tmp_path, fields, devic
     with torch.no_grad():
         exact = ref.to(device)(tokens).logits
         theirs = ref.to(torch.bfloat16)(tokens).logits.float()
-        ours = Transformer.from_pretrained(tmp_path, device=device,
-                                           dtype=torch.bfloat16)(tokens).float()
+        ours = from_pretrained(tmp_path, device=device,
+                               dtype=torch.bfloat16)(tokens).float()
     their_err = (theirs - exact).abs().mean()
     our_err = (ours - exact).abs().mean()
     assert 0 < our_err <= 1.5 * their_err, (our_err, their_err)
@@ -245,16 +247,6 @@ def test_casting_the_model_keeps_rope_frequencies_in_float32():
     assert model.tok_emb.weight.dtype == torch.bfloat16
     assert model.inv_freq.dtype == torch.float32
     assert torch.equal(model.inv_freq, rope_inv_freq(cfg))
-
-
-def test_older_and_newer_config_styles_agree():
-    old = dict(LLAMA3, torch_dtype="bfloat16")
-    new = {k: v for k, v in LLAMA3.items()
-           if k not in ("rope_theta", "rope_scaling")}
-    new.update(dtype="bfloat16",
-               rope_parameters={**LLAMA3["rope_scaling"], "rope_theta": 500000.0})
-    assert config_from_hf(old) == config_from_hf(new)
-    assert config_from_hf(old).rope_scaling["factor"] == 8.0
 
 
 def small_random_model() -> Transformer:
@@ -423,136 +415,6 @@ def test_positions_and_mask_arguments():
         assert torch.allclose(model(seq, output_index=idx),
                               full[:, [3, 7]],
                               atol=1e-6)
-
-
-class _Vocab:
-    """The bit of the tokenizer interface add_mask_token uses."""
-
-    def __init__(self, n):
-        self.n_vocab = n
-        self.special_tokens = {}
-
-    def add_special_token(self, text, token_id=None):
-        token_id = self.n_vocab if token_id is None else token_id
-        self.special_tokens[text] = token_id
-        self.n_vocab = max(self.n_vocab, token_id + 1)
-        return token_id
-
-
-@pytest.mark.parametrize("fields", [LLAMA3, QWEN3],
-                         ids=["llama3-grow", "qwen3-spare-row"])
-def test_export_with_mask_token_loads_in_transformers(tmp_path, fields):
-    ref = hf_model(fields)
-    ref.save_pretrained(tmp_path / "base")
-    ours = Transformer.from_pretrained(tmp_path / "base")
-    # Llama: the tokenizer fills the matrix, so the matrix grows. Qwen: spare
-    # rows beyond the tokenizer (like Qwen3-4B's 151669..151935) are reused.
-    llama = fields is LLAMA3
-    n_vocab = 320 if llama else 300
-    vocab = _Vocab(n_vocab)
-    mask_id = add_mask_token(ours, vocab)
-    assert mask_id == n_vocab
-    assert ours.config.vocab_size == (321 if llama else 320)
-    row = ours.tok_emb.weight[mask_id]
-    emb = ours.tok_emb.weight[:mask_id]
-    assert torch.isfinite(row).all()
-    assert 0.3 < row.std() / emb.std() < 3
-    # idempotent
-    assert add_mask_token(ours, vocab) == mask_id
-
-    # Llama: sharded, Qwen: one file, over an earlier save's shards
-    mtp = tmp_path / "mtp"
-    mtp.mkdir()
-    stale = "model-00001-of-00009.safetensors"
-    (mtp / stale).write_text("an earlier save's shard")
-    shard = {"max_shard_bytes": 40_000} if llama else {}
-    ours.save_pretrained(mtp, **shard)
-    files = sorted(f for f in os.listdir(mtp)
-                   if f.startswith("model"))
-    assert ("model.safetensors.index.json" in files) == llama
-    assert stale not in files
-    assert len(files) > 5 if llama else files == ["model.safetensors"]
-    config = json.load(open(mtp / "config.json"))
-    assert config["mask_token_id"] == mask_id
-
-    back = transformers.AutoModelForCausalLM.from_pretrained(mtp).eval()
-    tokens = torch.tensor([[1, 2, 3, mask_id, mask_id, 7, 8, mask_id]])
-    with torch.no_grad():
-        diff = back(tokens).logits - ours(tokens)
-        assert diff.abs().max() <= 1e-4
-    again = Transformer.from_pretrained(mtp)
-    assert again.config.mask_token_id == mask_id
-
-
-# ---- bad input: one clear error, never a wrong model ------------------------------
-
-@pytest.fixture
-def llama_dir(tmp_path):
-    hf_model(LLAMA3).save_pretrained(tmp_path)
-    return tmp_path
-
-
-def _edit_config(edit):
-    def apply(path):
-        cfg = json.load(open(path / "config.json"))
-        edit(cfg)
-        json.dump(cfg, open(path / "config.json", "w"))
-    return apply
-
-
-def _edit_tensors(edit):
-    def apply(path):
-        from safetensors.torch import load_file, save_file
-        tensors = load_file(path / "model.safetensors")
-        edit(tensors)
-        save_file(tensors, path / "model.safetensors")
-    return apply
-
-
-def _truncate(path):
-    data = (path / "model.safetensors").read_bytes()
-    (path / "model.safetensors").write_bytes(data[: len(data) // 2])
-
-
-# what is wrong -> (how to break a good folder, error, message)
-BAD_FOLDERS = {
-    "no config": (
-        lambda path: (path / "config.json").unlink(),
-        FileNotFoundError,
-        "no model config at"),
-    "unknown model type": (
-        _edit_config(lambda c: c.update(model_type="gpt2")),
-        ValueError,
-        "unsupported model_type 'gpt2'"),
-    "malformed config": (
-        lambda path: (path / "config.json").write_text("{not json"),
-        ValueError,
-        "malformed JSON"),
-    "missing tensor": (
-        _edit_tensors(lambda t: t.pop("model.layers.1.mlp.up_proj.weight")),
-        ValueError,
-        r"missing model\.layers\.1\.mlp\.up_proj\.weight$"),
-    "unexpected tensors": (
-        _edit_tensors(lambda t: t.update({n: torch.ones(1) for n in "dcba"})),
-        ValueError,
-        r"unexpected a, b, c and 1 more$"),
-    "misshaped tensor": (
-        _edit_tensors(lambda t: t.update({"model.norm.weight": torch.ones(63)})),
-        ValueError,
-        r"wrong shape model\.norm\.weight \[63\] \(expected \[64\]\)$"),
-    "truncated weights": (_truncate, ValueError, "truncated or corrupt"),
-}
-
-
-@pytest.mark.parametrize("case", BAD_FOLDERS)
-def test_a_bad_checkpoint_is_one_clear_error(llama_dir, case):
-    """Never a wrong model and never a traceback: one line that names
-    the problem."""
-    breaks, error, message = BAD_FOLDERS[case]
-    breaks(llama_dir)
-    with pytest.raises(error, match=message) as err:
-        Transformer.from_pretrained(llama_dir)
-    assert "\n" not in str(err.value)
 
 
 def test_cache_overflow_is_an_error():

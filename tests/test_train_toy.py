@@ -18,7 +18,7 @@ import torch
 
 import data
 import train_toy
-from model import Transformer, write_json
+from mtp.hf import from_pretrained, write_json
 
 ROW_KEYS = {"model", "decode", "k", "tau", "task", "accuracy", "coherence", "degeneration",
             "effective_k", "tokens_per_s", "forward_passes"}
@@ -391,11 +391,11 @@ def test_quick_run_end_to_end(tmp_path):
     exported = train_toy.main(argv)
     assert exported["models"] == ["ntp", "naive", "distill"]
     assert mtimes() == before
-    teacher = Transformer.from_pretrained(hf / "teacher")
+    teacher = from_pretrained(hf / "teacher")
     assert teacher.config.mask_token_id is None
     assert (hf / "teacher" / "tokenizer.json").exists()
     for name in ("naive", "distill"):
-        student = Transformer.from_pretrained(hf / name)
+        student = from_pretrained(hf / name)
         assert student.config.mask_token_id == teacher.config.vocab_size
         assert (hf / name / "tokenizer.json").exists()
     tokens = torch.tensor([[1, 2, 3]])
