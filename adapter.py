@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from data import PAD, MTPBatch
 from distill import LOSSES, cross_entropy, host_stats, masked_mean
-from model import Linear, Transformer, attend_after
+from model import KVCache, Linear, Transformer, attend
 from mtp.hf import atomic_save, read_json, write_json
 
 ADAPTER_CONFIG = "mask_adapter.json"
@@ -75,6 +75,30 @@ def add_mask_adapter(model: Transformer, rank: int, alpha: float,
     row = model.tok_emb.weight[model.config.mask_token_id].detach()
     model.mask_embedding = nn.Parameter(row.float().clone())
     model.adapter_config = {"rank": rank, "alpha": alpha, "targets": list(targets)}
+
+
+class ContextCache:
+    """A read-only KV cache for the adapter's training pass (gated_mtp_loss): the
+    tokens attend over the first S slots of `context`, then over each other, under
+    mask (B, T, S + T). Nothing is written, so gradients reach the tokens' own keys
+    and values."""
+
+    def __init__(self, context: KVCache, mask):
+        self.context = context
+        # the same for every head
+        self.mask = mask[:, None]                                # (B, 1, T, S + T)
+        self.S = mask.shape[-1] - mask.shape[-2]
+
+    def attend(self, layer: int, q, k, v):
+        """q, k, v (B, heads, T, hd) are the tokens' own -> (B, n_heads, T, hd)."""
+        context_k = self.context.k[layer, :, :, : self.S].to(k.dtype)
+        context_v = self.context.v[layer, :, :, : self.S].to(v.dtype)
+        k = torch.cat([context_k, k], dim=2)                     # (B, n_kv, S + T, hd)
+        v = torch.cat([context_v, v], dim=2)
+        return attend(q, k, v, self.mask)
+
+    def advance(self, T: int):
+        """Nothing to store: the context is only read."""
 
 
 # ---- saving and loading: a small folder that names its base model ---------------------
@@ -201,12 +225,12 @@ def gated_mtp_loss(student, batch: MTPBatch, mode: str = "hard") -> tuple[torch.
     seen = torch.cat([batch.gt_index, slots], dim=1)         # (B, N + n)
     slot_mask = batch.attn_mask[rows, slots[:, :, None], seen[:, None, :]]  # (B, n, N + n)
     slot_positions = batch.positions.gather(1, slots)        # (B, n)
+    after_ground_truth = ContextCache(cache, slot_mask)
 
     def slot_logits(tokens, use_adapter):
         logits = student(tokens,
                          positions=slot_positions,
-                         attn_mask=slot_mask,
-                         context=cache,
+                         cache=after_ground_truth,
                          use_adapter=use_adapter)
         return logits.float().view(B, M, k - 1, logits.shape[-1])   # (B, M, k-1, V)
 

@@ -31,9 +31,7 @@ import itertools
 import json
 import os
 import sys
-import time
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -191,245 +189,6 @@ def generate_uncached(model, prompt: list[int], max_new_tokens: int, mode: Decod
     return out, chunks
 
 
-# --- The same with a KV cache, ragged passes and continuous batching ---
-# The cache (model.KVCache) holds the K/V of every accepted token except the
-# `pending` ones, which the next pass feeds: input = pending + (lossless: drafts)
-# + masks, predictions from the last pending token on, then a rollback drops masks
-# and rejected drafts. Each row has its own cache length and input length (a
-# ragged pass); a finished row's place goes to the next waiting prompt (continuous
-# batching). A row's output is the one it gets alone, up to float rounding.
-
-@dataclass
-class Generation:
-    """One prompt's continuation, and the tokens each forward pass emitted."""
-
-    # the new tokens (prompt excluded), cut after the first stop token
-    tokens: list[int]
-    # tokens emitted by each forward pass of this row; sum == len(tokens)
-    chunk_sizes: list[int]
-    # True: ended on a stop token; False: max_new_tokens or context end
-    stopped: bool
-
-    @property
-    def forward_passes(self) -> int:
-        return len(self.chunk_sizes)
-
-    @property
-    def effective_k(self) -> float:
-        return len(self.tokens) / max(1, self.forward_passes)
-
-    @property
-    def boundaries(self) -> list[int]:
-        """End index (into `tokens`) of each chunk: [3, 4, 9] means tokens[0:3],
-        [3:4], [4:9]."""
-        return list(itertools.accumulate(self.chunk_sizes))
-
-
-@dataclass
-class DecodeStats:
-    """What one `generate` call did, over all its rows."""
-
-    mode: str
-    # most rows decoded at once
-    batch_size: int
-    # model calls in the decoding loop (one batched call = one pass)
-    forward_passes: int
-    # passes summed over rows (== forward_passes at batch size 1)
-    row_passes: int
-    # new tokens over all rows
-    tokens: int
-    # tokens / row_passes: tokens one row gains per pass
-    effective_k: float
-    # positions the decoding passes computed (all rows; padding not computed)
-    fed_tokens: int
-    # chunk size -> how many passes emitted that many tokens (all rows)
-    accept_hist: dict
-    # wall time of the whole call, prefill included
-    seconds: float
-    prefill_seconds: float
-    # tokens / decoding seconds (prefill excluded, like effective_k)
-    tokens_per_second: float
-
-
-@dataclass
-class Row:
-    """One prompt being decoded in a cache row."""
-
-    prompt: list[int]
-    # most new tokens (max_new_tokens, capped by the context)
-    budget: int
-    # accepted, K/V not in the cache yet: fed in the next pass
-    pending: list[int]
-    # accepted so far
-    tokens: list[int] = field(default_factory=list)
-    chunk_sizes: list[int] = field(default_factory=list)
-    # lossless: guesses for the tokens after `pending`
-    drafts: list[int] = field(default_factory=list)
-    done: bool = False
-
-
-def synchronize(device):
-    """A timer must read finished GPU work (a no-op on the CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def prefill(model, cache, prompts, pad_id) -> float:
-    """Cache row b starts afresh with prompts[b] (a dict: cache row -> prompt) but
-    its last token, its first pending one -> seconds."""
-    start = time.perf_counter()
-    lengths = cache.lengths.clone()
-    heads = [[] for _ in range(len(cache.lengths))]
-    for b, prompt in prompts.items():
-        lengths[b] = 0
-        heads[b] = prompt[:-1]
-    # a row's previous sequence is forgotten
-    cache.rollback(lengths)
-    # only the cache is wanted: no logits
-    if any(heads):
-        zeros = [0] * len(heads)
-        decode_pass(model, cache, heads, firsts=zeros, n_preds=zeros, pad_id=pad_id)
-    synchronize(cache.lengths.device)
-    return time.perf_counter() - start
-
-
-def decode_pass(model, cache, inputs, firsts, n_preds, pad_id):
-    """One pass of every row -> logits (B, N, V) at input index firsts[b] ..
-    firsts[b] + n_preds[b] - 1 of row b (fewer repeat the last, up to
-    N = max(n_preds)). Row b feeds inputs[b] at its own cache slots, right-padded;
-    model.forward skips the padding given the lengths (kept on the host)."""
-    device = cache.lengths.device
-    T = max(len(x) for x in inputs)
-    N = max(n_preds)
-    # (B, T): every row right-padded to the longest
-    tokens = torch.tensor([x + [pad_id] * (T - len(x)) for x in inputs], device=device)
-    n_tokens = None
-    if any(len(x) != T for x in inputs):
-        n_tokens = [len(x) for x in inputs]
-    places = [[f + min(j, n - 1) for j in range(N)] for f, n in zip(firsts, n_preds)]
-    index = torch.tensor(places, dtype=torch.long, device=device)   # (B, N)
-    return model(tokens, cache=cache, output_index=index, n_tokens=n_tokens)   # (B, N, V)
-
-
-def decode_step(model, cache, batch, mode, mask_id, pad_id, stop_ids):
-    """One ragged pass of every Row in `batch`, and what each keeps -> how many
-    positions the pass fed."""
-    # 1) every row feeds its pending tokens, then drafts and masks, and wants
-    # predictions from its last pending token on
-    inputs = []
-    n_preds = []
-    for r in batch:
-        wanted = r.budget - len(r.tokens)
-        r.drafts, tail = pass_tail(mode, r.drafts, wanted=wanted, mask_id=mask_id)
-        inputs.append(r.pending + tail)
-        n_preds.append(len(tail) + 1)
-    firsts = [len(r.pending) - 1 for r in batch]
-    logits = decode_pass(model, cache, inputs, firsts=firsts, n_preds=n_preds, pad_id=pad_id)
-    preds, confs = top1(mode, logits.float(), mask_id)   # (B, N, V) -> (B, N) each
-
-    # 2) each row keeps what the accept rule allows. Verified drafts were fed as
-    # themselves, so their K/V stays; the other kept tokens become pending.
-    for b, (r, n) in enumerate(zip(batch, n_preds)):
-        row_confs = confs and confs[b][:n]
-        tokens, in_cache, r.drafts = accept(mode, preds[b][:n], row_confs,
-                                            drafts=r.drafts, stop_ids=stop_ids)
-        r.tokens += tokens
-        r.chunk_sizes.append(len(tokens))
-        r.pending = tokens[in_cache:]
-        r.done = tokens[-1] in stop_ids or len(r.tokens) >= r.budget
-
-    # 3) the cache forgets the masks and the rejected drafts
-    cached = [len(r.prompt) + len(r.tokens) - len(r.pending) for r in batch]
-    cache.rollback(torch.tensor(cached, device=cache.lengths.device))
-    return sum(len(x) for x in inputs)
-
-
-@torch.inference_mode()
-def generate(model, prompts: list[list[int]], max_new_tokens: int,
-             mode: DecodeConfig | None = None, mask_id=None, stop_ids=(),
-             batch_size: int | None = None) -> tuple[list[Generation], DecodeStats]:
-    """Continue every prompt (token ids) by up to max_new_tokens tokens -> a
-    Generation per prompt, ended by its first stop token (kept). At most
-    batch_size rows decode at once (default: all)."""
-    # 0) refuse what cannot be decoded, before any work
-    mode = mode or DecodeConfig()
-    mode.validate()
-    if mask_id is None:
-        mask_id = model.config.mask_token_id
-    if mode.block > 1 and mask_id is None:
-        raise ValueError(f"{mode.describe()} needs a <mask> token, and the model has "
-                         "none (only greedy works)")
-    context = model.config.max_seq_len
-    for p in prompts:
-        if not p:
-            raise ValueError("empty prompt: give at least one token (e.g. BOS)")
-        if len(p) >= context:
-            raise ValueError(f"prompt of {len(p)} tokens does not fit the context "
-                             f"of {context} tokens")
-    if max_new_tokens < 1 or (batch_size is not None and batch_size < 1):
-        raise ValueError("max_new_tokens and batch_size must be at least 1, "
-                         f"got {max_new_tokens}, {batch_size}")
-    stop_ids = set(stop_ids)
-    # padding is never computed: any id does
-    pad_id = mask_id or 0
-
-    # 1) prefill the first batch_size prompts; the others wait for a free cache row
-    start = time.perf_counter()
-    rows = [Row(list(p), budget=min(max_new_tokens, context - len(p)), pending=[p[-1]])
-            for p in prompts]
-    width = min(batch_size or len(rows), len(rows))
-    # room for the longest row, and one pass beyond it
-    length = max(len(r.prompt) + r.budget for r in rows) + 2 * mode.block
-    cache = model.new_cache(width, length)
-    # cache row b decodes rows[active[b]]
-    active = list(range(width))
-    waiting = list(range(width, len(rows)))
-    prefill(model, cache, {b: rows[i].prompt for b, i in enumerate(active)}, pad_id)
-    # setting up counts as prefill
-    prefill_s = time.perf_counter() - start
-
-    passes = 0
-    fed = 0
-    while active:
-        # 2) one ragged pass of every active row; each keeps what the accept rule allows
-        batch = [rows[i] for i in active]
-        fed += decode_step(model, cache, batch, mode, mask_id=mask_id, pad_id=pad_id,
-                           stop_ids=stop_ids)
-        passes += 1
-
-        # 3) continuous batching: a finished row hands its cache row to the next
-        # waiting prompt, or with none left leaves the batch
-        joining = {b: waiting.pop(0) for b, i in enumerate(active) if rows[i].done and waiting}
-        active = [joining.get(b, i) for b, i in enumerate(active)]
-        if joining:
-            starting = {b: rows[active[b]].prompt for b in joining}
-            prefill_s += prefill(model, cache, starting, pad_id)
-        still = [b for b, i in enumerate(active) if not rows[i].done]
-        if len(still) < len(active) and still:
-            cache.keep_rows(still)
-        active = [active[b] for b in still]
-    seconds = time.perf_counter() - start
-
-    # 4) each prompt's tokens, and what the whole call did
-    gens = [Generation(r.tokens, r.chunk_sizes, stopped=r.tokens[-1] in stop_ids)
-            for r in rows]
-    n_tokens = sum(len(g.tokens) for g in gens)
-    row_passes = sum(g.forward_passes for g in gens)
-    hist = Counter(n for g in gens for n in g.chunk_sizes)
-    stats = DecodeStats(mode.describe(),
-                        batch_size=width,
-                        forward_passes=passes,
-                        row_passes=row_passes,
-                        tokens=n_tokens,
-                        effective_k=n_tokens / max(1, row_passes),
-                        fed_tokens=fed,
-                        accept_hist=dict(sorted(hist.items())),
-                        seconds=seconds,
-                        prefill_seconds=prefill_s,
-                        tokens_per_second=n_tokens / max(seconds - prefill_s, 1e-9))
-    return gens, stats
-
-
 # --- Showing the chunks (the paper's Figure 1): one colour run per forward pass ---
 
 def chunk_texts(tokenizer, tokens, chunk_sizes) -> list[str]:
@@ -577,8 +336,9 @@ def decode_config(args) -> DecodeConfig:
     return DecodeConfig(kind, k=args.static_k or k_max, tau=args.tau or 0.9, k_max=k_max)
 
 
-def summary(s: DecodeStats, gen: Generation) -> str:
-    """The figures printed under the text."""
+def summary(s, gen) -> str:
+    """The figures printed under the text: s, the engine's DecodeStats, and gen, its
+    Generation of the prompt."""
     return (f"mode            {s.mode}\n"
             f"tokens          {s.tokens}\n"
             f"forward passes  {s.forward_passes} (the prefill not counted)\n"
@@ -591,6 +351,9 @@ def summary(s: DecodeStats, gen: Generation) -> str:
 
 
 def generate_main(argv):
+    # the engine builds on this file's rules: imported here, there is no cycle
+    from mtp.engine import generate
+
     args = parser().parse_args(argv)
     if args.png:
         png_folder = os.path.dirname(args.png) or "."

@@ -30,7 +30,7 @@ from mtp.cli import (CliError, Parser, Progress, base_folder, count, fields_of,
                  native_bfloat16_gpu, number, output_folder, parse_device,
                  positive_float, positive_int, probability, provenance,
                  read_checkpoint, read_rows, run_cli, stop_ids_of)
-from confadapt import DecodeConfig, accept_confadapt, decode_modes, generate
+from confadapt import DecodeConfig, accept_confadapt, decode_modes
 from data import (DOMAINS, FORMATS, PROMPTS, Tokenizer, default_format,
                   default_n_regions, domain_prompts, end_token, mtp_layout,
                   padding_token, prompt_tokens, sample_k_and_offset, start_tokens,
@@ -38,6 +38,7 @@ from data import (DOMAINS, FORMATS, PROMPTS, Tokenizer, default_format,
 from adapter import ADAPTER_TARGETS, add_mask_adapter, gated_mtp_loss, save_mask_adapter
 from distill import LOSSES, frozen_teacher, mtp_loss, training_state_bytes
 from model import Transformer, add_mask_token
+from mtp.engine import generate
 from mtp.hf import (atomic_save, from_pretrained, read_json, read_model_config,
                     save_pretrained, write_json)
 

@@ -6,18 +6,21 @@ next few tokens at once. The block is Llama's, x += Attention(RMSNorm(x)) and
 x += SwiGLU(RMSNorm(x)), with RoPE, grouped-query attention (GQA), optional q/k
 norms (Qwen3) and tied embeddings.
 
-`Transformer.forward` is the training forward: explicit positions and any boolean
-mask (the packed training layout). Decoding has a section of its own: the KV cache
-is written at explicit slots, so decoding rolls mask slots back and overwrites
-them, each row feeding its own number of tokens (`n_tokens`). mtp/hf.py reads and
-writes Llama-3.x, Qwen3 and Qwen2 checkpoints in Hugging Face layout.
+`Transformer.forward` serves training and decoding alike. Training gives explicit
+positions and any boolean mask (data.py's packed layout). Decoding gives a `cache`:
+each layer hands its keys and values to `cache.attend`, which stores them and
+attends over all it holds. The `KVCache` at the end of this file writes each token
+at an explicit slot and attends causally by slot, so a decoder rolls mask slots
+back and the next pass overwrites them. The engine's ragged passes (mtp/engine.py)
+and the gated adapter's training pass (adapter.py) are caches of their own with the
+same `attend`. mtp/hf.py reads and writes Llama-3.x, Qwen3 and Qwen2 checkpoints in
+Hugging Face layout.
 
 References: Llama 3 (arXiv 2407.21783), Qwen3 (2505.09388), RoFormer (2104.09864),
 GQA (2305.13245), GLU variants (2002.05202), Multi-Token Prediction via
 Self-Distillation (2602.06019).
 """
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -163,8 +166,10 @@ class Linear(nn.Linear):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
+        # where a KV cache keeps this layer's keys and values
+        self.layer = layer
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.n_kv_heads
         self.head_dim = cfg.head_dim
@@ -180,10 +185,9 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
 
-    def forward(self, x, cos, sin, mask=None, mask_rows=None, cached=None):
-        """mask: None (causal) or bool, (T, T) or (B, 1, T, T). cached: an attention
-        that also reads a KV cache and replaces `attend`: decoding's
-        (CachedPass.attend) or the gated adapter's training pass (attend_after)."""
+    def forward(self, x, cos, sin, mask=None, mask_rows=None, cache=None):
+        """mask: None (causal) or bool, (T, T) or (B, 1, T, T). cache: a KV cache,
+        which stores this layer's keys and values and attends over all it holds."""
         B, T, _ = x.shape
         q = self.wq(x, mask_rows).view(B, T, self.n_heads, self.head_dim)
         k = self.wk(x, mask_rows).view(B, T, self.n_kv_heads, self.head_dim)
@@ -196,10 +200,10 @@ class Attention(nn.Module):
         k = apply_rope(k.transpose(1, 2), cos, sin)      # (B, n_kv_heads, T, hd)
         v = v.transpose(1, 2)
 
-        if cached is None:
+        if cache is None:
             y = attend(q, k, v, mask)
         else:
-            y = cached(q, k, v)
+            y = cache.attend(self.layer, q, k, v)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         return self.wo(y, mask_rows)
 
@@ -217,15 +221,15 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, layer)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x, cos, sin, mask=None, mask_rows=None, cached=None):
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask, mask_rows, cached)
+    def forward(self, x, cos, sin, mask=None, mask_rows=None, cache=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, mask_rows, cache)
         return x + self.mlp(self.mlp_norm(x), mask_rows)
 
 
@@ -234,7 +238,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -258,43 +262,44 @@ class Transformer(nn.Module):
         return self
 
     def new_cache(self, batch_size: int, max_len: int | None = None) -> "KVCache":
+        """An empty KV cache on the model's device, in its dtype."""
         p = self.tok_emb.weight
         max_len = max_len or self.config.max_seq_len
         return KVCache(self.config, batch_size, max_len, p.device, p.dtype)
 
     def forward(self, tokens, positions=None, attn_mask=None, cache=None,
-                output_index=None, n_tokens=None, use_adapter=True, context=None):
+                output_index=None, use_adapter=True):
         """Logits (B, T, V) for `tokens` (B, T); (B, N, V) at output_index (B, N).
-        positions (B, T): RoPE positions, default 0..T-1. attn_mask: bool (T, T) or
-        (B, T, T), True = may attend, default causal. With a KV `cache` (and
-        n_tokens), decoding: see cached_forward. use_adapter=False: the base model,
-        whatever gated mask adapter it carries. `context`: a KV cache whose first S
-        slots the tokens read, but never write, before their own keys: attn_mask is
-        then (B, T, S + T) (the gated adapter's training pass, attend_after)."""
-        if cache is not None:
-            # decoding takes its own path (the section below)
-            return cached_forward(self, tokens, cache, positions=positions, attn_mask=attn_mask,
-                                  output_index=output_index, n_tokens=n_tokens,
-                                  use_adapter=use_adapter)
-        if n_tokens is not None:
-            raise ValueError("n_tokens needs a KV cache")
-        if context is not None and attn_mask is None:
-            raise ValueError("a pass after a context needs its attn_mask (B, T, S + T)")
 
+        positions (B, T): RoPE positions, default 0..T-1.
+        attn_mask: bool (T, T) or (B, T, T), True = may attend; default causal.
+        cache: a KV cache (a KVCache, or anything with its attend and advance).
+        Every layer attends through it, positions default to its next slots, and
+        after the last layer it advances by T.
+        use_adapter=False: the base model, whatever gated mask adapter it carries.
+        """
+        T = tokens.shape[1]
+        if cache is not None and attn_mask is not None:
+            raise ValueError("attn_mask cannot be combined with a KV cache "
+                             "(attention is causal by slot)")
+        if positions is None and cache is not None:
+            # row b's tokens go to slots lengths[b], lengths[b] + 1, ...
+            positions = cache.lengths[:, None] + torch.arange(T, device=tokens.device)
         if positions is None:
             # (1, T): the same in every row
-            positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
+            positions = torch.arange(T, device=tokens.device)[None]
         mask = attn_mask
         if mask is not None and mask.dim() == 3:
             # the same for every head
             mask = mask[:, None]                                 # (B, 1, T, T)
+
         x, mask_rows = self.embed(tokens, use_adapter)           # (B, T, dim)
         cos, sin = self.rope(positions, x.dtype)
-        for i, layer in enumerate(self.layers):
-            attend_context = None
-            if context is not None:
-                attend_context = functools.partial(attend_after, context, i, mask)
-            x = layer(x, cos, sin, mask, mask_rows, attend_context)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask, mask_rows, cache)
+        if cache is not None:
+            # the T tokens are stored: the next pass writes after them
+            cache.advance(T)
         return self.logits(x, output_index)
 
     def embed(self, tokens, use_adapter=True):
@@ -385,17 +390,16 @@ def add_mask_token(model: Transformer, tokenizer, text: str = "<mask>", seed: in
     return mask_id
 
 
-# ---- decoding: the KV cache and the cached, ragged pass ------------------------------
-# A decoding pass feeds each row a few tokens (accepted ones, then <mask>s), each
-# row its own number, and attends over the keys and values of every earlier pass,
-# kept in the cache. Only attention mixes rows, so a ragged pass packs the real
-# tokens of all rows into one row and computes nothing for the right-padding.
-
+# ---- decoding: the KV cache ----------------------------------------------------------
 
 class KVCache(nn.Module):
-    """Keys and values (n_layers, B, n_kv_heads, max_len, head_dim); a pass writes
-    row b at slots lengths[b], ...; `rollback` erases nothing: attention is causal
-    by slot, and later passes overwrite."""
+    """The keys and values of every token so far, (n_layers, B, n_kv_heads, max_len,
+    head_dim), and how many slots each row holds, lengths (B,).
+
+    A pass writes row b's T tokens at slots lengths[b] .. lengths[b] + T - 1 (also
+    their positions), and each query attends to the slots up to its own: causal by
+    slot. So a rollback erases nothing: the slots it frees are hidden from every
+    query before them, and the next pass overwrites them."""
 
     def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int,
                  device=None, dtype=None):
@@ -407,184 +411,35 @@ class KVCache(nn.Module):
         lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.register_buffer("lengths", lengths, persistent=False)
         self.max_len = max_len
-        # a pass reads a multiple of this many slots (CachedPass)
-        self.key_block = 64 if self.k.is_cuda else 1
+
+    def attend(self, layer: int, q, k, v):
+        """Store k, v (B, n_kv, T, hd) at each row's next T slots, then attend with
+        q (B, n_heads, T, hd) over the slots up to each query's own."""
+        T = q.shape[2]
+        slots = self.lengths[:, None] + torch.arange(T, device=q.device)   # (B, T)
+        # checked at the first layer: one read of the device a pass
+        if layer == 0 and slots.max() >= self.max_len:
+            raise ValueError(f"KV cache overflow: {int(slots.max()) + 1} slots needed, "
+                             f"cache holds {self.max_len}")
+        rows = torch.arange(len(slots), device=q.device)[:, None]          # (B, 1)
+        # [rows, :, slots] is (B, T, n_kv, hd)
+        self.k[layer][rows, :, slots] = k.transpose(1, 2).to(self.k.dtype)
+        self.v[layer][rows, :, slots] = v.transpose(1, 2).to(self.v.dtype)
+        seen = torch.arange(self.max_len, device=q.device) <= slots[..., None]  # (B, T, max_len)
+        # in the pass's dtype: under FSDP2's mixed precision the cache is float32
+        k = self.k[layer].to(q.dtype)
+        v = self.v[layer].to(q.dtype)
+        return attend(q, k, v, seen[:, None])
+
+    def advance(self, T: int):
+        """Transformer.forward's call after its layers: the pass's T tokens are stored."""
+        self.lengths += T
 
     def rollback(self, lengths):
-        """Forget everything at or after `lengths` (an int, or one length per row)."""
+        """Forget every slot at or after `lengths` (an int, or one length per row)."""
         lengths = torch.as_tensor(lengths, dtype=torch.long, device=self.lengths.device)
         lengths = lengths.expand_as(self.lengths)
         # one read of the device
         if ((lengths > self.lengths) | (lengths < 0)).any():
             raise ValueError("rollback can only shorten the cache")
         self.lengths.copy_(lengths)
-
-    def keep_rows(self, rows):
-        """Keep only these batch rows, in this order (finished sequences leave)."""
-        idx = torch.as_tensor(rows, dtype=torch.long, device=self.lengths.device)
-        self.k = self.k.index_select(1, idx)
-        self.v = self.v.index_select(1, idx)
-        self.lengths = self.lengths.index_select(0, idx)
-
-    def write(self, layer: int, rows, slots, k, v):
-        """Store k, v (N, n_kv_heads, head_dim) at (rows[i], slots[i]); return the
-        layer's k, v (B, n_kv_heads, max_len, head_dim)."""
-        self.k[layer][rows, :, slots] = k.to(self.k.dtype)
-        self.v[layer][rows, :, slots] = v.to(self.v.dtype)
-        return self.k[layer], self.v[layer]
-
-
-def ragged_cells(lengths: list[int], fed: list[int], T: int):
-    """Where each token of a cached pass goes. Row b of the (B, T) input feeds its
-    first fed[b] tokens (the rest is right-padding); those N tokens are packed row
-    after row. Attention spreads them over a (B', T) grid of the live rows (those
-    that feed any). Returns the live rows and, for each packed token, its cache
-    row, its cache slot (lengths[row] + t, also its RoPE position), its cell of
-    the (B', T) grid and its cell of the (B, T) input, both flattened.
-
-    Example: lengths [3, 5, 4], fed [2, 0, 1], T = 2. Row 1 feeds nothing, so the
-    live rows are [0, 2] and N = 3:
-
-        packed token       0  1  2
-        cache row          0  0  2
-        cache slot         3  4  4
-        cell of (B', T)    0  1  2    (live row 1, row 2, starts at cell 2)
-        cell of (B, T)     0  1  4    (row 2 starts at cell 4)
-
-    ragged_cells([3, 5, 4], [2, 0, 1], 2)
-        == ([0, 2], [0, 0, 2], [3, 4, 4], [0, 1, 2], [0, 1, 4])
-    """
-    live = [b for b, n in enumerate(fed) if n]
-    # (live row, cache row, step) of each packed token
-    cells = [(i, b, t) for i, b in enumerate(live) for t in range(fed[b])]
-    rows = [b for _, b, _ in cells]
-    slots = [lengths[b] + t for _, b, t in cells]
-    grid = [i * T + t for i, _, t in cells]
-    index = [b * T + t for _, b, t in cells]
-    return live, rows, slots, grid, index
-
-
-class CachedPass:
-    """One cached pass of T tokens a row (ragged: n_tokens[b] of them). Its index
-    tensors are built once, from the lengths read once from the device, so no
-    layer waits for the device."""
-
-    def __init__(self, cache: KVCache, T: int, n_tokens=None):
-        self.cache = cache
-        self.T = T
-        self.ragged = n_tokens is not None
-        device = cache.lengths.device
-        # the pass's one read of the device
-        lengths = cache.lengths.tolist()
-        fed = [T] * len(lengths)
-        if self.ragged:
-            fed = n_tokens.tolist() if torch.is_tensor(n_tokens) else n_tokens
-        new_lengths = [n + f for n, f in zip(lengths, fed)]
-        S = max(new_lengths)
-        if S > cache.max_len:
-            raise ValueError(f"KV cache overflow: {S} slots needed, "
-                             f"cache holds {cache.max_len}")
-        # Read whole blocks of key slots (the mask hides the extra ones): a GPU
-        # attention library that plans per shape (cuDNN) then plans once per block,
-        # not once per pass as the keys grow.
-        block = cache.key_block
-        self.S = min(cache.max_len, -(-S // block) * block)
-
-        tensor = functools.partial(torch.tensor, dtype=torch.long, device=device)
-        live, rows, slots, grid, index = ragged_cells(lengths, fed, T)
-        self.rows = tensor(rows)
-        self.slots = tensor(slots)
-        self.grid = tensor(grid)
-        self.index = tensor(index)
-        # only the rows that feed tokens attend (all: a view, not a copy)
-        self.live = slice(None)
-        if len(live) < len(lengths):
-            self.live = tensor(live)
-        self.new_lengths = tensor(new_lengths)
-        # causal by slot: grid cell (i, t) sees the slots up to its own position
-        start = tensor([lengths[b] for b in live])
-        positions = start[:, None] + torch.arange(T, device=device)       # (B', T)
-        mask = torch.arange(self.S, device=device) <= positions[:, :, None]
-        self.mask = mask[:, None]                                    # (B', 1, T, S)
-
-    def pack(self, x):
-        """(B, T) -> (1, N): a ragged pass's real tokens in one row."""
-        if not self.ragged:
-            return x
-        return x.reshape(-1)[self.index][None]
-
-    def spread(self, x, cells, n_rows: int):
-        """Packed (N, ...) -> (n_rows, T, ...): x[i] at flat cell cells[i], zeros
-        elsewhere."""
-        shape = x.shape[1:]
-        out = x.new_zeros(n_rows * self.T, *shape).index_copy_(0, cells, x)
-        return out.view(n_rows, self.T, *shape)
-
-    def attend(self, layer: int, q, k, v):
-        """Write k, v (B, n_kv, T, hd) into the cache, then attend with q
-        (B, n_heads, T, hd) over the cached slots -> (B, n_heads, T, hd). In a
-        ragged pass B = 1 and T = N: the packed tokens."""
-        k_new = k.transpose(1, 2).flatten(0, 1)                   # (N, n_kv, hd)
-        v_new = v.transpose(1, 2).flatten(0, 1)
-        k, v = self.cache.write(layer, self.rows, self.slots, k_new, v_new)
-        # the first S slots of the live rows, in the pass's dtype (a cache built
-        # from FSDP2's float32 shards holds float32; the pass computes in bfloat16)
-        k = k[self.live, :, : self.S].to(q.dtype)                # (B', n_kv, S, hd)
-        v = v[self.live, :, : self.S].to(q.dtype)
-        if not self.ragged:
-            return attend(q, k, v, self.mask)
-
-        # spread the packed queries out to the (B', T) grid of their rows, and back
-        q = self.spread(q[0].transpose(0, 1), self.grid, len(self.mask))
-        y = attend(q.transpose(1, 2), k, v, self.mask)           # (B', n_heads, T, hd)
-        y = y.transpose(1, 2).flatten(0, 1).index_select(0, self.grid)
-        return y[None].transpose(1, 2)                            # (1, n_heads, N, hd)
-
-
-def cached_forward(model: Transformer, tokens, cache: KVCache, positions=None,
-                   attn_mask=None, output_index=None, n_tokens=None, use_adapter=True):
-    """Transformer.forward with a KV cache: token t of row b goes to slot
-    lengths[b] + t (its default position), and the lengths advance by T, or by
-    n_tokens (B,), best a list: row b's real tokens (the right-padding is never
-    computed, and its logits are meaningless)."""
-    if attn_mask is not None:
-        raise ValueError("attn_mask cannot be combined with a KV cache "
-                         "(attention is causal by slot)")
-    B, T = tokens.shape
-    # 1) every index the pass needs
-    p = CachedPass(cache, T, n_tokens)
-    # 2) a ragged pass packs its real tokens into one row
-    tokens = p.pack(tokens)                                  # (B, T) or (1, N)
-    if positions is None:
-        positions = p.slots.view(tokens.shape)
-    else:
-        positions = p.pack(positions)
-
-    # 3) the layers, each writing its keys and values and attending over the cache
-    x, mask_rows = model.embed(tokens, use_adapter)
-    cos, sin = model.rope(positions, x.dtype)
-    for i, layer in enumerate(model.layers):
-        attend_cached = functools.partial(p.attend, i)
-        x = layer(x, cos, sin, mask_rows=mask_rows, cached=attend_cached)
-    # built with the plan: the host need not wait for the layers
-    cache.lengths.copy_(p.new_lengths)
-
-    # 4) a ragged pass unpacks: (B, T, dim), zeros at the padding
-    if p.ragged:
-        x = p.spread(x[0], p.index, B)
-    return model.logits(x, output_index)
-
-
-def attend_after(context: KVCache, layer: int, mask, q, k, v):
-    """Attention for tokens that come after a context already in a KV cache: q, k, v
-    (B, heads, T, hd) are the tokens' own; they attend over the cache's first S slots
-    of this layer, then over each other, under mask (B, 1, T, S + T). The cache is
-    read, not written, so gradients reach the tokens' keys and values.
-
-    The gated adapter trains with it (adapter.gated_mtp_loss): its ground-truth rows
-    are the base model's, computed once without gradient into the cache, and only
-    the mask slots run with gradient, over them."""
-    S = mask.shape[-1] - q.shape[2]
-    k = torch.cat([context.k[layer, :, :, :S].to(k.dtype), k], dim=2)    # (B, n_kv, S + T, hd)
-    v = torch.cat([context.v[layer, :, :, :S].to(v.dtype), v], dim=2)
-    return attend(q, k, v, mask)

@@ -34,9 +34,10 @@ import torch.nn.functional as F
 import data
 from mtp.cli import (CliError, Parser, Progress, count, format_seconds, output_folder,
                  parse_device, positive_int, provenance, read_checkpoint, run_cli)
-from confadapt import DecodeConfig, chunk_texts, decode_modes, generate, save_chunks_png
+from confadapt import DecodeConfig, chunk_texts, decode_modes, save_chunks_png
 from distill import frozen_teacher, mtp_loss
 from model import ModelConfig, Transformer, add_mask_token
+from mtp.engine import generate
 from mtp.hf import atomic_save, read_json, save_pretrained, write_json
 
 # The phases, one checkpoint each, and their models' names in results.json

@@ -110,7 +110,7 @@ def student_and_teacher(cfg: ModelConfig, mode: str, rank: int, device="meta"):
 class Answers(TorchDispatchMode):
     """What the losses ask of tensor values, answered for meta tensors (which have none): the rows
     that hold <mask> (the adapter's gate: n_mask of them), and what they read on the host: the
-    statistics and a fresh KV cache's lengths (zeros)."""
+    statistics and a fresh KV cache's lengths (zeros), and whether the cache overflows (no)."""
 
     def __init__(self, n_mask: int):
         super().__init__()
@@ -120,6 +120,8 @@ class Answers(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is aten.nonzero.default and args[0].is_meta:
             return torch.empty(self.n_mask, 1, dtype=torch.long, device="meta")
+        if func is aten._local_scalar_dense.default and args[0].is_meta:
+            return False
         to_host = kwargs.get("device") == torch.device("cpu")
         if func is aten._to_copy.default and args[0].is_meta and to_host:
             return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)

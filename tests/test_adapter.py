@@ -13,13 +13,14 @@ import torch
 from safetensors.torch import load_file
 
 import confadapt
-from mtp.cli import load_model
-from confadapt import DecodeConfig, generate
+from confadapt import DecodeConfig
 from data import MASK, mtp_layout, word_problem_tokenizer
 from adapter import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_off_teacher, adapter_state,
                      add_mask_adapter, gated_mtp_loss, load_mask_adapter, save_mask_adapter)
 from distill import frozen_teacher, mtp_loss
 from model import KVCache, ModelConfig, Transformer, add_mask_token
+from mtp.cli import load_model
+from mtp.engine import cached_forward, generate, new_cache
 from mtp.hf import from_pretrained, save_pretrained
 
 # conftest.py
@@ -109,11 +110,11 @@ def test_ordinary_positions_of_cached_ragged_passes_are_the_untuned_models():
     feeding different numbers: the cache entries and logits of the accepted
     tokens are the untuned model's."""
     untuned, adapted = untuned_and_adapted()
-    caches = [m.new_cache(3, 64) for m in (untuned, adapted)]
+    caches = [new_cache(m, 3, 64) for m in (untuned, adapted)]
     prompts = torch.randint(1, MASK_ID, (3, 7),
                             generator=torch.Generator().manual_seed(2))
     for model, cache in zip((untuned, adapted), caches):
-        model(prompts, cache=cache)
+        cached_forward(model, prompts, cache)
 
     # (accepted per row, masks)
     passes = [([2, 3, 1], 4), ([1, 2, 2], 3)]
@@ -123,7 +124,7 @@ def test_ordinary_positions_of_cached_ragged_passes_are_the_untuned_models():
         for row, n in enumerate(accepted):
             fed[row, n:n + n_mask] = MASK_ID
             n_tokens.append(n + n_mask)
-        outs = [m(fed, cache=c, n_tokens=n_tokens)
+        outs = [cached_forward(m, fed, c, n_tokens=n_tokens)
                 for m, c in zip((untuned, adapted), caches)]
         for row, n in enumerate(accepted):
             assert torch.equal(outs[0][row, :n], outs[1][row, :n])

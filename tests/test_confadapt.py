@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 import confadapt
-from confadapt import (DecodeConfig, accept_confadapt, decode_pass, generate, generate_uncached, prefill,
-                       verify_drafts)
+from confadapt import DecodeConfig, accept_confadapt, generate_uncached, verify_drafts
 from model import ModelConfig, Transformer
+from mtp.engine import decode_pass, generate, new_cache, prefill
 from mtp.hf import from_pretrained, save_pretrained
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
@@ -225,7 +225,7 @@ def test_cache_after_rollbacks_matches_full_recompute(random_model):
     """Two rows of different lengths: passes with masks, rolled back to different lengths per row,
     then the cached logits of the real continuation equal a full recompute."""
     seqs = [torch.randint(0, 30, (40,), generator=torch.Generator().manual_seed(s)).tolist() for s in (1, 2)]
-    cache = random_model.new_cache(2, 96)
+    cache = new_cache(random_model, 2, 96)
     prefill(random_model, cache, {0: seqs[1][:30], 1: seqs[1][:3]}, MASK)
     prefill(random_model, cache, {0: seqs[0][:8]}, MASK)         # row 0 starts afresh (a prompt joins)
     assert cache.lengths.tolist() == [7, 2]                      # caches 7 and 2 tokens

@@ -10,8 +10,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import decode_real  # noqa: E402
 from bench_modes import bench  # noqa: E402
-from confadapt import DecodeConfig, generate  # noqa: E402
+from confadapt import DecodeConfig  # noqa: E402
 from data import word_problem_tokenizer  # noqa: E402
+from mtp.engine import generate  # noqa: E402
 from mtp.hf import from_pretrained  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")            # conftest.py

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 import finetune_hf as F
 from mtp.cli import read_rows
 from mtp.hf import from_pretrained
-from confadapt import Generation
+from mtp.engine import Generation
 from data import (DOMAIN_TEMPLATES, QWEN2_PATTERN, Tokenizer, domain_prompts, gsm8k_row,
                   metamath_row, prompt_tokens, response_tokens, training_sequences,
                   word_problem, word_problem_batch, word_problem_split,

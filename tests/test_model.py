@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
-from model import (KVCache, ModelConfig, Transformer, attend, CachedPass,
-                   ragged_cells, rope_inv_freq)
+from model import ModelConfig, Transformer, attend, rope_inv_freq
+from mtp.engine import cached_forward, new_cache
 from mtp.hf import from_pretrained
 
 # The shape every tiny checkpoint shares; each architecture adds its own fields.
@@ -194,7 +194,8 @@ def every_attention_path(model: Transformer) -> list[torch.Tensor]:
     """Logits and gradients of each way the model calls attention: the
     packed training layout (a boolean mask, forward and backward),
     causal training, a cached prefill, a cached pass of several tokens,
-    a ragged pass and a one-token prompt (a key length of 1)."""
+    a one-token prompt (a key length of 1), and the engine's passes
+    (mtp/engine.py), plain and ragged."""
     from data import mtp_layout
 
     model.zero_grad()
@@ -209,13 +210,16 @@ def every_attention_path(model: Transformer) -> list[torch.Tensor]:
            model.tok_emb.weight.grad]
     with torch.no_grad():
         cache = model.new_cache(2, 64)
-        # a prefill, 4 cached tokens, a ragged pass
+        # a prefill, 4 cached tokens
         out.append(model(seqs[:, :10], cache=cache))
         out.append(model(seqs[:, 10:14], cache=cache))
-        out.append(model(seqs[:, 14:20], cache=cache,
-                         n_tokens=[6, 2]))
         # a one-token prompt
         out.append(model(seqs[:1, :1], cache=model.new_cache(1, 8)))
+        # the engine: a prefill, a ragged pass
+        cache = new_cache(model, 2, 64)
+        out.append(cached_forward(model, seqs[:, :10], cache))
+        out.append(cached_forward(model, seqs[:, 10:16], cache,
+                                  n_tokens=[6, 2]))
     return out
 
 
@@ -292,103 +296,6 @@ def test_kv_cache_matches_full_recompute(device):
         assert cache.lengths.tolist() == [13, 9]
 
 
-@pytest.mark.gpu
-def test_ragged_pass_matches_full_recompute_and_caches_only_real_tokens(device):
-    """n_tokens: each row feeds its own number of tokens; the padding is
-    neither computed nor cached."""
-    model = small_random_model().to(device)
-    seq = torch.randint(0, 97, (3, 40)).to(device)
-    with torch.no_grad():
-        full = model(seq)
-        cache = model.new_cache(3, 64)
-        done = [0, 0, 0]
-        for feed in ([5, 1, 9], [3, 7, 0], [1, 12, 4], [9, 2, 2]):
-            T = max(feed)
-            # 96: padding
-            tokens = torch.full((3, T), 96, device=device)
-            for b, n in enumerate(feed):
-                tokens[b, :n] = seq[b, done[b]:done[b] + n]
-            # the padding's outputs repeat the last real one
-            want = [list(range(n)) + [max(n - 1, 0)] * (T - n)
-                    for n in feed]
-            got = model(tokens, cache=cache, n_tokens=feed,
-                        output_index=torch.tensor(want, device=device))
-            for b, n in enumerate(feed):
-                assert torch.allclose(got[b, :n], full[b, done[b]:done[b] + n],
-                                      atol=1e-5)
-                done[b] += n
-            # advanced by the real tokens only
-            assert cache.lengths.tolist() == done
-
-        # Without output_index: (B, T, V), real positions right (the padding's
-        # logits are meaningless). A tensor n_tokens works too.
-        tokens = torch.stack([seq[b, n:n + 2]
-                              for b, n in enumerate(done)])
-        got = model(tokens, cache=cache,
-                    n_tokens=torch.tensor([2, 1, 2], device=device))
-        for b, n in enumerate([2, 1, 2]):
-            assert torch.allclose(got[b, :n], full[b, done[b]:done[b] + n],
-                                  atol=1e-5)
-    with pytest.raises(ValueError, match="needs a KV cache"):
-        model(seq, n_tokens=torch.tensor([1, 2, 3]))
-
-
-def test_cached_passes_reading_whole_key_blocks_match_full_recompute():
-    """On a GPU a cached pass reads the key slots in blocks of 64
-    (KVCache.key_block), so the attention shapes change once per block:
-    the unwritten slots it reads must change nothing."""
-    model = small_random_model()
-    seq = torch.randint(0, 97, (3, 40))
-    with torch.no_grad():
-        full = model(seq)
-        cache = model.new_cache(3, 100)
-        cache.key_block = 64
-        assert CachedPass(cache, 5).S == 64
-        assert CachedPass(cache, 99).S == 100
-        done = [0, 0, 0]
-        for feed in ([5, 1, 9], [3, 7, 0], [1, 12, 4], [9, 2, 2]):
-            T = max(feed)
-            tokens = torch.zeros(3, T, dtype=torch.long)
-            for b, n in enumerate(feed):
-                tokens[b, :n] = seq[b, done[b]:done[b] + n]
-            got = model(tokens, cache=cache, n_tokens=feed)
-            for b, n in enumerate(feed):
-                want = full[b, done[b]:done[b] + n]
-                torch.testing.assert_close(got[b, :n], want,
-                                           atol=1e-5, rtol=1e-5)
-                done[b] += n
-        assert cache.lengths.tolist() == done
-
-
-def test_a_ragged_pass_reads_the_device_once_whatever_the_depth():
-    """Ragged decoding builds its index tensors once per pass from
-    host-side lengths: the host waits for the device a fixed number of
-    times per pass, not several times per layer."""
-    from benchmarks.gpu_figures import HostSyncs
-
-    counts = []
-    for n_layers in (1, 6):
-        torch.manual_seed(0)
-        model = Transformer(ModelConfig(vocab_size=50, dim=32,
-                                        n_layers=n_layers, n_heads=4,
-                                        n_kv_heads=2, ffn_dim=64)).eval()
-        cache = model.new_cache(3, 64)
-        with torch.no_grad():
-            model(torch.randint(0, 50, (3, 10)), cache=cache,
-                  n_tokens=[10, 4, 7])
-            with HostSyncs() as syncs:
-                model(torch.randint(0, 50, (3, 6)), cache=cache,
-                      n_tokens=[6, 0, 2])
-        counts.append(syncs.total)
-    # cache.lengths, read once
-    assert counts[0] == counts[1] == 1, counts
-
-
-def test_ragged_cells_is_its_worked_example():
-    cells = ragged_cells([3, 5, 4], fed=[2, 0, 1], T=2)
-    assert cells == ([0, 2], [0, 0, 2], [3, 4, 4], [0, 1, 2], [0, 1, 4])
-
-
 def test_positions_and_mask_arguments():
     """Explicit positions and masks: a shifted sequence with shifted
     positions gives the same logits as the original, and a block mask
@@ -418,9 +325,22 @@ def test_positions_and_mask_arguments():
 
 
 def test_cache_overflow_is_an_error():
+    """A pass that does not fit is refused before anything is stored; one
+    that fills the cache exactly fits."""
     model = Transformer(ModelConfig(vocab_size=20, dim=16, n_layers=1, n_heads=2,
                                     n_kv_heads=2, ffn_dim=32))
     cache = model.new_cache(1, 8)
-    with pytest.raises(ValueError, match="KV cache overflow"):
+    with pytest.raises(ValueError, match="KV cache overflow: 9 slots needed"):
         model(torch.zeros(1, 9, dtype=torch.long), cache=cache)
-    assert isinstance(cache, KVCache)
+    assert cache.lengths.tolist() == [0]
+    model(torch.zeros(1, 8, dtype=torch.long), cache=cache)
+    assert cache.lengths.tolist() == [8]
+
+
+def test_a_cache_and_a_mask_are_one_too_many():
+    """With a cache, attention is causal by slot: an attn_mask is refused."""
+    model = small_random_model()
+    mask = torch.ones(3, 3, dtype=torch.bool).tril()
+    with pytest.raises(ValueError, match="cannot be combined with a KV cache"):
+        model(torch.zeros(1, 3, dtype=torch.long), attn_mask=mask,
+              cache=model.new_cache(1, 8))

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from confadapt import DecodeConfig, generate
+from confadapt import DecodeConfig
 from data import CHATML_SYSTEM, Tokenizer, domain_prompts, prompt_tokens
+from mtp.engine import generate
 from mtp.hf import from_pretrained, save_pretrained
 
 REPO = Path(__file__).resolve().parents[1]
