@@ -441,10 +441,11 @@ def result_row(mode: DecodeConfig, samples, seconds, batch_size) -> dict:
     tokens = sum(s["tokens"] for s in samples)
     passes = sum(s["passes"] for s in samples)
 
-    decoding = "k=1 (greedy)" if mode.kind == "greedy" else mode.describe()
+    greedy = mode.describe() == "greedy"
+    decoding = "k=1 (greedy)" if greedy else mode.describe()
     # ConfAdapt has a threshold and a k_max instead of one k.
-    row = {"decoding": decoding, "kind": mode.kind, "k": mode.block, "tau": None,
-           "k_max": None}
+    row = {"decoding": decoding, "kind": "greedy" if greedy else mode.kind, "k": mode.block,
+           "tau": None, "k_max": None}
     if mode.kind == "confadapt":
         row.update(k=None, tau=mode.tau, k_max=mode.k_max)
 

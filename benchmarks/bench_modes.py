@@ -76,7 +76,9 @@ def bench(model, prompts: list[list[int]], max_new_tokens: int, modes: list[Deco
     """
     n_rows = n_rows or max(len(prompts), max(batch_sizes))
     rows = [prompts[i % len(prompts)] for i in range(n_rows)]
-    decoders = [(m.describe(), m.kind, lambda r, n, bs, m=m: generate(model, r, n, m, mask_id, stop_ids, batch_size=bs))
+    # each decoder: (its name, its kind (greedy is static k=1), decode)
+    decoders = [(m.describe(), "greedy" if m.describe() == "greedy" else m.kind,
+                 lambda r, n, bs, m=m: generate(model, r, n, m, mask_id, stop_ids, batch_size=bs))
                 for m in modes] + [(name, name, fn) for name, fn in (others or {}).items()]
     results, latency = [], {}
     outputs = {} if outputs is None else outputs

@@ -38,7 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_modes import bench, forward_latency  # noqa: E402
 from mtp.cli import (CliError, Parser, base_folder, cpu_name, load_model, parse_device,  # noqa: E402
                  parse_dtype, positive_int, provenance, stop_ids_of)
-from confadapt import DecodeConfig, chunk_texts, decode_modes  # noqa: E402
+from confadapt import DecodeConfig, decode_modes  # noqa: E402
+from mtp.chunks import chunk_texts  # noqa: E402
 from mtp.engine import DecodeStats, Generation, generate, synchronize  # noqa: E402
 from data import FORMATS, default_format, end_token, prompt_tokens, word_problem_split  # noqa: E402
 from model import add_mask_token  # noqa: E402

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from confadapt import DecodeConfig, accept, pass_tail, top1
+from confadapt import DecodeConfig, accept, drafts_and_masks, top1
 from model import KVCache, Transformer, attend
 
 aten = torch.ops.aten
@@ -306,16 +306,17 @@ def prefill(model, cache, prompts, pad_id) -> float:
     its last token, its first pending one -> seconds."""
     start = time.perf_counter()
     lengths = cache.lengths.clone()
-    heads = [[] for _ in range(len(cache.lengths))]
+    # what each cache row feeds: all of its prompt but the last token (the others: nothing)
+    all_but_last = [[] for _ in range(len(cache.lengths))]
     for b, prompt in prompts.items():
         lengths[b] = 0
-        heads[b] = prompt[:-1]
+        all_but_last[b] = prompt[:-1]
     # a row's previous sequence is forgotten
     cache.rollback(lengths)
     # only the cache is wanted: no logits
-    if any(heads):
-        zeros = [0] * len(heads)
-        decode_pass(model, cache, heads, firsts=zeros, n_preds=zeros, pad_id=pad_id)
+    if any(all_but_last):
+        zeros = [0] * len(all_but_last)
+        decode_pass(model, cache, all_but_last, firsts=zeros, n_preds=zeros, pad_id=pad_id)
     synchronize(cache.lengths.device)
     return time.perf_counter() - start
 
@@ -344,22 +345,22 @@ def decode_step(model, cache, batch, mode, mask_id, pad_id, stop_ids):
     n_preds = []
     for r in batch:
         wanted = r.budget - len(r.tokens)
-        r.drafts, tail = pass_tail(mode, r.drafts, wanted=wanted, mask_id=mask_id)
+        r.drafts, tail = drafts_and_masks(mode, r.drafts, wanted, mask_id)
         inputs.append(r.pending + tail)
         n_preds.append(len(tail) + 1)
+    # each row's first prediction is at its last pending token
     firsts = [len(r.pending) - 1 for r in batch]
     logits = decode_pass(model, cache, inputs, firsts=firsts, n_preds=n_preds, pad_id=pad_id)
-    preds, confs = top1(mode, logits.float(), mask_id)   # (B, N, V) -> (B, N) each
+    preds, confs = top1(logits.float(), mask_id)   # (B, N, V) -> (B, N) each
 
     # 2) each row keeps what the accept rule allows. Verified drafts were fed as
     # themselves, so their K/V stays; the other kept tokens become pending.
     for b, (r, n) in enumerate(zip(batch, n_preds)):
-        row_confs = confs and confs[b][:n]
-        tokens, in_cache, r.drafts = accept(mode, preds[b][:n], row_confs,
-                                            drafts=r.drafts, stop_ids=stop_ids)
+        tokens, n_verified, r.drafts = accept(mode, preds[b][:n], confs[b][:n],
+                                              r.drafts, stop_ids)
         r.tokens += tokens
         r.chunk_sizes.append(len(tokens))
-        r.pending = tokens[in_cache:]
+        r.pending = tokens[n_verified:]
         r.done = tokens[-1] in stop_ids or len(r.tokens) >= r.budget
 
     # 3) the cache forgets the masks and the rejected drafts
