@@ -4,7 +4,7 @@ On a real model (SmolLM2-135M-Instruct: about 0.5 GB of float32 weights read per
 pass costs real work, so its speed-ups say what a user gains. In one run, on the same weights
 and the same chat-formatted prompts, these decoders take turns (bench_modes.bench):
 
-    greedy                      ours: confadapt.generate, one token per pass
+    greedy                      ours: mtp.engine.generate, one token per pass
     transformers greedy         AutoModelForCausalLM.generate(do_sample=False) on the same folder
     transformers prompt lookup  generate(prompt_lookup_num_tokens=N): drafts copied from earlier
                                 text and verified in one pass; lossless and training-free, what a
@@ -100,7 +100,7 @@ class PassLog:
 @torch.inference_mode()
 def hf_decode(hf, rows: list[list[int]], max_new_tokens: int, batch_size: int, stop_ids: set, lookup: int | None):
     """Decode `rows` batch_size at a time with transformers' generate; (Generations, DecodeStats)
-    measured as confadapt.generate measures itself, or None where generate cannot (lookup, batch > 1).
+    measured as mtp.engine.generate measures itself, or None where generate cannot (lookup, batch > 1).
 
     A static batch is left-padded (with an attention mask) and decoded until its longest row ends;
     finished rows keep being computed, which the positions fed show. The prefill pass computes the
