@@ -13,11 +13,12 @@ of them to keep is the decoding rule:
                       greedy output, in fewer passes.
 
 The file reads in order: the rules and `generate_uncached`, their definition for
-one prompt without a cache; then `generate`, the same output with a KV cache and
-batching (tests/test_confadapt.py checks they agree); then showing the chunks,
-and the command line. Effective k = tokens / passes is not a speed-up: a pass
-reading 2k-1 tokens costs more than one reading 1 (benchmarks/bench_modes.py
-measures both).
+one prompt without a cache; then `generate`, the same output for a batch of
+prompts with a KV cache; then the command line. The command decodes with
+mtp/engine.py, which adds ragged passes and continuous batching for speed
+(tests/test_confadapt.py holds both cached decoders to the definition).
+Effective k = tokens / passes is not a speed-up: a pass reading 2k-1 tokens
+costs more than one reading 1 (benchmarks/bench_modes.py measures both).
 
 Run:
     python confadapt.py --model DIR --prompt "1 2 3" \\
@@ -27,27 +28,26 @@ References: MTP via Self-Distillation (arXiv 2602.06019);
 lossless: blockwise parallel decoding (arXiv 1811.03115).
 """
 
-import itertools
 import json
 import os
 import sys
-import time
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from mtp.chunks import chunk_texts, render_chunks, save_chunks_png
 from mtp.cli import (CliError, Parser, add_model_args, chat_stop_ids, encode_prompt, load,
-                 output_folder, positive_int, probability, prompt_format, run_cli)
+                     output_folder, positive_int, probability, prompt_format, run_cli)
 
-MODES = ("greedy", "static", "confadapt", "lossless")
+RULES = ("static", "confadapt", "lossless")
 
 
 @dataclass
 class DecodeConfig:
-    """Which decoding rule to use and how many predictions one pass may make."""
+    """Which decoding rule to use (`kind`, one of RULES) and how many predictions
+    one pass may make. Greedy is static k = 1: DecodeConfig("greedy") is that."""
 
-    kind: str = "confadapt"   # one of MODES
+    kind: str = "confadapt"
     # static: tokens per pass; lossless: most per pass (1 + k-1 drafts)
     k: int = 4
     # confadapt: the confidence threshold, in (0, 1]
@@ -55,28 +55,31 @@ class DecodeConfig:
     # confadapt: most tokens per pass
     k_max: int = 16
 
+    def __post_init__(self):
+        if self.kind == "greedy":
+            self.kind = "static"
+            self.k = 1
+
     @property
     def block(self) -> int:
         """Predictions per pass: at the last real token, then at the masks."""
-        return {
-            "greedy": 1,
-            "static": self.k,
-            "confadapt": self.k_max,
-            "lossless": self.k
-        }[self.kind]
+        if self.kind == "confadapt":
+            return self.k_max
+        return self.k
 
     def validate(self):
-        if self.kind not in MODES:
-            raise ValueError(f"unknown decoding mode {self.kind!r}; "
-                             f"choose one of {', '.join(MODES)}")
+        if self.kind not in RULES:
+            raise ValueError(f"unknown decoding rule {self.kind!r}; "
+                             f"choose one of {', '.join(RULES)}")
         if not 0.0 < self.tau <= 1.0:
             raise ValueError(f"threshold tau must be in (0, 1], got {self.tau}")
         if self.k < 1 or self.k_max < 1:
             raise ValueError(f"k must be at least 1, got k={self.k}, k_max={self.k_max}")
 
     def describe(self) -> str:
+        if self.kind == "static" and self.k == 1:
+            return "greedy"
         return {
-            "greedy": "greedy",
             "static": f"static k={self.k}",
             "lossless": f"lossless k={self.k}",
             "confadapt": f"confadapt tau={self.tau:g} k_max={self.k_max}"
@@ -86,8 +89,7 @@ class DecodeConfig:
 def decode_modes(static_ks=(), taus=(), k_max=16, lossless_k=None):
     """A decoding sweep -> DecodeConfigs: static k per k (k=1 is greedy), ConfAdapt
     per tau, lossless."""
-    modes = [DecodeConfig("greedy") if k == 1 else DecodeConfig("static", k=k)
-             for k in static_ks]
+    modes = [DecodeConfig("static", k=k) for k in static_ks]
     modes += [DecodeConfig("confadapt", tau=t, k_max=k_max) for t in taus]
     if lossless_k:
         modes.append(DecodeConfig("lossless", k=lossless_k))
@@ -117,49 +119,48 @@ def verify_drafts(drafts: list[int], predictions: list[int]) -> int:
     return next(misses, len(drafts))
 
 
-def accept(mode: DecodeConfig, preds: list[int], confs: list[float] | None,
+def accept(mode: DecodeConfig, preds: list[int], confs: list[float],
            drafts: list[int], stop_ids):
-    """One pass's accept rule -> (accepted tokens, how many of them were fed as
-    drafts, next drafts). preds/confs: the argmax and its probability at the last
-    real token, then at each draft and mask."""
+    """One pass's accept rule -> (accepted tokens, n_verified, next drafts).
+    preds/confs: the argmax and its probability at the last real token, then at
+    each draft and mask. n_verified: how many accepted tokens are drafts the pass
+    fed (so their keys and values are already right)."""
     # The accept rules:
-    #   greedy, static k: keep every prediction.
+    #   static k (greedy: k = 1): keep every prediction.
     #   ConfAdapt: keep the leading run with confidence >= tau, at least one.
-    #   lossless: keep the `verified` drafts plus preds[verified], the model's own
-    #   token after them: each is the argmax given greedy's text, so greedy's token.
-    #   The mask predictions become the next drafts only if every draft held.
+    #   lossless: keep the n_verified drafts plus preds[n_verified], the model's
+    #   own token after them: each is the argmax given greedy's text, so greedy's
+    #   token. The mask predictions become the next drafts only if every draft held.
     # In every mode a stop token ends the chunk, and is kept.
     tokens = preds
-    verified = 0
+    n_verified = 0
     next_drafts = []
     if mode.kind == "confadapt":
         tokens = preds[: accept_confadapt(confs, mode.tau)]
     elif mode.kind == "lossless":
-        verified = verify_drafts(drafts, preds[: len(drafts)])
-        tokens = preds[: verified + 1]
-        if verified == len(drafts):
+        n_verified = verify_drafts(drafts, preds[: len(drafts)])
+        tokens = preds[: n_verified + 1]
+        if n_verified == len(drafts):
             next_drafts = preds[len(drafts) + 1:]
     for i, t in enumerate(tokens):
         if t in stop_ids:
             tokens = tokens[: i + 1]
             break
-    return tokens, verified, next_drafts
+    return tokens, n_verified, next_drafts
 
 
-def top1(mode, logits, mask_id=None):
-    """The top prediction at each place (and its probability, for ConfAdapt).
-    <mask> is an input, never an output: fed back, it would read as a mask slot."""
+def top1(logits, mask_id=None) -> tuple[list, list]:
+    """The top prediction at each place, and its probability. <mask> is an input,
+    never an output: fed back, it would read as a mask slot."""
     if mask_id is not None:
         logits[..., mask_id] = float("-inf")
-    if mode.kind != "confadapt":
-        return logits.argmax(-1).tolist(), None
     confs, preds = logits.softmax(-1).max(-1)
     return preds.tolist(), confs.tolist()
 
 
-def pass_tail(mode, drafts, wanted, mask_id):
-    """(drafts, drafts + masks) to feed after the last real token: at most
-    `wanted` predictions."""
+def drafts_and_masks(mode, drafts, wanted, mask_id):
+    """What a pass feeds after the last real token, for at most `wanted`
+    predictions -> (the drafts it keeps, those drafts followed by masks)."""
     drafts = drafts[: wanted - 1]
     n_masks = min(mode.block - 1, wanted - 1 - len(drafts))
     return drafts, drafts + [mask_id] * n_masks
@@ -169,8 +170,7 @@ def pass_tail(mode, drafts, wanted, mask_id):
 def generate_uncached(model, prompt: list[int], max_new_tokens: int, mode: DecodeConfig,
                       mask_id=None, stop_ids=()) -> tuple[list[int], list[int]]:
     """Every mode by definition, batch size 1, no cache: each pass runs the whole
-    text + drafts + masks. Returns (new tokens, tokens kept per pass), as
-    `generate` does."""
+    text + drafts + masks. Returns (new tokens, tokens kept per pass)."""
     if mask_id is None:
         mask_id = model.config.mask_token_id
     budget = min(max_new_tokens, model.config.max_seq_len - len(prompt))
@@ -178,353 +178,92 @@ def generate_uncached(model, prompt: list[int], max_new_tokens: int, mode: Decod
     chunks = []
     drafts = []
     while len(out) < budget and not (out and out[-1] in stop_ids):
-        drafts, tail = pass_tail(mode, drafts, wanted=budget - len(out), mask_id=mask_id)
+        drafts, tail = drafts_and_masks(mode, drafts, budget - len(out), mask_id)
         x = torch.tensor([prompt + out + tail], device=next(model.parameters()).device)
 
         # the predictions: at the last real token, then at each draft and mask
         logits = model(x)[0, len(prompt) + len(out) - 1:].float()   # (1 + len(tail), V)
-        preds, confs = top1(mode, logits, mask_id)
-        new, _, drafts = accept(mode, preds, confs, drafts=drafts, stop_ids=stop_ids)
+        preds, confs = top1(logits, mask_id)
+        new, _, drafts = accept(mode, preds, confs, drafts, stop_ids)
 
         out += new
         chunks.append(len(new))
     return out, chunks
 
 
-# --- The same with a KV cache, ragged passes and continuous batching ---
-# The cache (model.KVCache) holds the K/V of every accepted token except the
-# `pending` ones, which the next pass feeds: input = pending + (lossless: drafts)
-# + masks, predictions from the last pending token on, then a rollback drops masks
-# and rejected drafts. Each row has its own cache length and input length (a
-# ragged pass); a finished row's place goes to the next waiting prompt (continuous
-# batching). A row's output is the one it gets alone, up to float rounding.
+# --- The same with a KV cache, for a batch of prompts ---
+# The cache (model.KVCache) holds every token of a row but its `pending` ones:
+# those the last pass accepted (at first, the prompt's last token), which the
+# next pass feeds before its drafts and masks. A row's predictions start at its
+# last pending token. After each pass the cache forgets the masks, the rejected
+# drafts and the padding.
 
-@dataclass
-class Generation:
-    """One prompt's continuation, and the tokens each forward pass emitted."""
-
-    # the new tokens (prompt excluded), cut after the first stop token
-    tokens: list[int]
-    # tokens emitted by each forward pass of this row; sum == len(tokens)
-    chunk_sizes: list[int]
-    # True: ended on a stop token; False: max_new_tokens or context end
-    stopped: bool
-
-    @property
-    def forward_passes(self) -> int:
-        return len(self.chunk_sizes)
-
-    @property
-    def effective_k(self) -> float:
-        return len(self.tokens) / max(1, self.forward_passes)
-
-    @property
-    def boundaries(self) -> list[int]:
-        """End index (into `tokens`) of each chunk: [3, 4, 9] means tokens[0:3],
-        [3:4], [4:9]."""
-        return list(itertools.accumulate(self.chunk_sizes))
-
-
-@dataclass
-class DecodeStats:
-    """What one `generate` call did, over all its rows."""
-
-    mode: str
-    # most rows decoded at once
-    batch_size: int
-    # model calls in the decoding loop (one batched call = one pass)
-    forward_passes: int
-    # passes summed over rows (== forward_passes at batch size 1)
-    row_passes: int
-    # new tokens over all rows
-    tokens: int
-    # tokens / row_passes: tokens one row gains per pass
-    effective_k: float
-    # positions the decoding passes computed (all rows; padding not computed)
-    fed_tokens: int
-    # chunk size -> how many passes emitted that many tokens (all rows)
-    accept_hist: dict
-    # wall time of the whole call, prefill included
-    seconds: float
-    prefill_seconds: float
-    # tokens / decoding seconds (prefill excluded, like effective_k)
-    tokens_per_second: float
-
-
-@dataclass
-class Row:
-    """One prompt being decoded in a cache row."""
-
-    prompt: list[int]
-    # most new tokens (max_new_tokens, capped by the context)
-    budget: int
-    # accepted, K/V not in the cache yet: fed in the next pass
-    pending: list[int]
-    # accepted so far
-    tokens: list[int] = field(default_factory=list)
-    chunk_sizes: list[int] = field(default_factory=list)
-    # lossless: guesses for the tokens after `pending`
-    drafts: list[int] = field(default_factory=list)
-    done: bool = False
-
-
-def synchronize(device):
-    """A timer must read finished GPU work (a no-op on the CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def prefill(model, cache, prompts, pad_id) -> float:
-    """Cache row b starts afresh with prompts[b] (a dict: cache row -> prompt) but
-    its last token, its first pending one -> seconds."""
-    start = time.perf_counter()
-    lengths = cache.lengths.clone()
-    heads = [[] for _ in range(len(cache.lengths))]
-    for b, prompt in prompts.items():
-        lengths[b] = 0
-        heads[b] = prompt[:-1]
-    # a row's previous sequence is forgotten
-    cache.rollback(lengths)
-    # only the cache is wanted: no logits
-    if any(heads):
-        zeros = [0] * len(heads)
-        decode_pass(model, cache, heads, firsts=zeros, n_preds=zeros, pad_id=pad_id)
-    synchronize(cache.lengths.device)
-    return time.perf_counter() - start
-
-
-def decode_pass(model, cache, inputs, firsts, n_preds, pad_id):
-    """One pass of every row -> logits (B, N, V) at input index firsts[b] ..
-    firsts[b] + n_preds[b] - 1 of row b (fewer repeat the last, up to
-    N = max(n_preds)). Row b feeds inputs[b] at its own cache slots, right-padded;
-    model.forward skips the padding given the lengths (kept on the host)."""
-    device = cache.lengths.device
+def feed(model, cache, inputs: list[list[int]]):
+    """One cached pass: row b feeds inputs[b], right-padded -> logits (B, T, V).
+    The padding is computed, but its slots come after the row's real tokens, so
+    no real token attends to them, and the rollback after the pass frees them."""
     T = max(len(x) for x in inputs)
-    N = max(n_preds)
-    # (B, T): every row right-padded to the longest
-    tokens = torch.tensor([x + [pad_id] * (T - len(x)) for x in inputs], device=device)
-    n_tokens = None
-    if any(len(x) != T for x in inputs):
-        n_tokens = [len(x) for x in inputs]
-    places = [[f + min(j, n - 1) for j in range(N)] for f, n in zip(firsts, n_preds)]
-    index = torch.tensor(places, dtype=torch.long, device=device)   # (B, N)
-    return model(tokens, cache=cache, output_index=index, n_tokens=n_tokens)   # (B, N, V)
+    # 0: any token does, no one reads its logits
+    rows = [x + [0] * (T - len(x)) for x in inputs]
+    tokens = torch.tensor(rows, device=cache.lengths.device)     # (B, T)
+    return model(tokens, cache=cache).float()
 
 
-def decode_step(model, cache, batch, mode, mask_id, pad_id, stop_ids):
-    """One ragged pass of every Row in `batch`, and what each keeps -> how many
-    positions the pass fed."""
-    # 1) every row feeds its pending tokens, then drafts and masks, and wants
-    # predictions from its last pending token on
-    inputs = []
-    n_preds = []
-    for r in batch:
-        wanted = r.budget - len(r.tokens)
-        r.drafts, tail = pass_tail(mode, r.drafts, wanted=wanted, mask_id=mask_id)
-        inputs.append(r.pending + tail)
-        n_preds.append(len(tail) + 1)
-    firsts = [len(r.pending) - 1 for r in batch]
-    logits = decode_pass(model, cache, inputs, firsts=firsts, n_preds=n_preds, pad_id=pad_id)
-    preds, confs = top1(mode, logits.float(), mask_id)   # (B, N, V) -> (B, N) each
-
-    # 2) each row keeps what the accept rule allows. Verified drafts were fed as
-    # themselves, so their K/V stays; the other kept tokens become pending.
-    for b, (r, n) in enumerate(zip(batch, n_preds)):
-        row_confs = confs and confs[b][:n]
-        tokens, in_cache, r.drafts = accept(mode, preds[b][:n], row_confs,
-                                            drafts=r.drafts, stop_ids=stop_ids)
-        r.tokens += tokens
-        r.chunk_sizes.append(len(tokens))
-        r.pending = tokens[in_cache:]
-        r.done = tokens[-1] in stop_ids or len(r.tokens) >= r.budget
-
-    # 3) the cache forgets the masks and the rejected drafts
-    cached = [len(r.prompt) + len(r.tokens) - len(r.pending) for r in batch]
-    cache.rollback(torch.tensor(cached, device=cache.lengths.device))
-    return sum(len(x) for x in inputs)
-
-
-@torch.inference_mode()
-def generate(model, prompts: list[list[int]], max_new_tokens: int,
-             mode: DecodeConfig | None = None, mask_id=None, stop_ids=(),
-             batch_size: int | None = None) -> tuple[list[Generation], DecodeStats]:
-    """Continue every prompt (token ids) by up to max_new_tokens tokens -> a
-    Generation per prompt, ended by its first stop token (kept). At most
-    batch_size rows decode at once (default: all)."""
-    # 0) refuse what cannot be decoded, before any work
-    mode = mode or DecodeConfig()
-    mode.validate()
+@torch.no_grad()
+def generate(model, prompts: list[list[int]], max_new_tokens: int, mode: DecodeConfig,
+             mask_id=None, stop_ids=()) -> list[tuple[list[int], list[int]]]:
+    """generate_uncached for a batch of prompts with a KV cache: the same (new
+    tokens, tokens kept per pass) for each prompt."""
     if mask_id is None:
         mask_id = model.config.mask_token_id
-    if mode.block > 1 and mask_id is None:
-        raise ValueError(f"{mode.describe()} needs a <mask> token, and the model has "
-                         "none (only greedy works)")
+    B = len(prompts)
     context = model.config.max_seq_len
-    for p in prompts:
-        if not p:
-            raise ValueError("empty prompt: give at least one token (e.g. BOS)")
-        if len(p) >= context:
-            raise ValueError(f"prompt of {len(p)} tokens does not fit the context "
-                             f"of {context} tokens")
-    if max_new_tokens < 1 or (batch_size is not None and batch_size < 1):
-        raise ValueError("max_new_tokens and batch_size must be at least 1, "
-                         f"got {max_new_tokens}, {batch_size}")
-    stop_ids = set(stop_ids)
-    # padding is never computed: any id does
-    pad_id = mask_id or 0
+    budgets = [min(max_new_tokens, context - len(p)) for p in prompts]
+    # room for the longest row, and one pass of padding beyond it
+    length = max(len(p) + n for p, n in zip(prompts, budgets)) + 2 * mode.block
+    cache = model.new_cache(B, length)
 
-    # 1) prefill the first batch_size prompts; the others wait for a free cache row
-    start = time.perf_counter()
-    rows = [Row(list(p), budget=min(max_new_tokens, context - len(p)), pending=[p[-1]])
-            for p in prompts]
-    width = min(batch_size or len(rows), len(rows))
-    # room for the longest row, and one pass beyond it
-    length = max(len(r.prompt) + r.budget for r in rows) + 2 * mode.block
-    cache = model.new_cache(width, length)
-    # cache row b decodes rows[active[b]]
-    active = list(range(width))
-    waiting = list(range(width, len(rows)))
-    prefill(model, cache, {b: rows[i].prompt for b, i in enumerate(active)}, pad_id)
-    # setting up counts as prefill
-    prefill_s = time.perf_counter() - start
+    # 1) prefill: the cache takes every prompt but its last token
+    all_but_last = [p[:-1] for p in prompts]
+    if any(all_but_last):
+        feed(model, cache, all_but_last)
+        cache.rollback([len(x) for x in all_but_last])
+    pending = [p[-1:] for p in prompts]
+    drafts = [[] for _ in prompts]
+    outs = [[] for _ in prompts]
+    chunks = [[] for _ in prompts]
+    done = [False] * B
 
-    passes = 0
-    fed = 0
-    while active:
-        # 2) one ragged pass of every active row; each keeps what the accept rule allows
-        batch = [rows[i] for i in active]
-        fed += decode_step(model, cache, batch, mode, mask_id=mask_id, pad_id=pad_id,
-                           stop_ids=stop_ids)
-        passes += 1
+    while not all(done):
+        # 2) each row feeds its pending tokens, then drafts and masks
+        inputs = []
+        for b in range(B):
+            if done[b]:
+                # a finished row feeds only padding
+                inputs.append([])
+                continue
+            wanted = budgets[b] - len(outs[b])
+            drafts[b], tail = drafts_and_masks(mode, drafts[b], wanted, mask_id)
+            inputs.append(pending[b] + tail)
+        logits = feed(model, cache, inputs)                       # (B, T, V)
 
-        # 3) continuous batching: a finished row hands its cache row to the next
-        # waiting prompt, or with none left leaves the batch
-        joining = {b: waiting.pop(0) for b, i in enumerate(active) if rows[i].done and waiting}
-        active = [joining.get(b, i) for b, i in enumerate(active)]
-        if joining:
-            starting = {b: rows[active[b]].prompt for b in joining}
-            prefill_s += prefill(model, cache, starting, pad_id)
-        still = [b for b, i in enumerate(active) if not rows[i].done]
-        if len(still) < len(active) and still:
-            cache.keep_rows(still)
-        active = [active[b] for b in still]
-    seconds = time.perf_counter() - start
+        # 3) each row's predictions, from its last pending token on, and its rule
+        for b in range(B):
+            if done[b]:
+                continue
+            first = len(pending[b]) - 1
+            preds, confs = top1(logits[b, first:len(inputs[b])], mask_id)
+            new, n_verified, drafts[b] = accept(mode, preds, confs, drafts[b], stop_ids)
+            outs[b] += new
+            chunks[b].append(len(new))
+            # verified drafts were fed as themselves: their keys and values stay
+            pending[b] = new[n_verified:]
+            done[b] = new[-1] in stop_ids or len(outs[b]) >= budgets[b]
 
-    # 4) each prompt's tokens, and what the whole call did
-    gens = [Generation(r.tokens, r.chunk_sizes, stopped=r.tokens[-1] in stop_ids)
-            for r in rows]
-    n_tokens = sum(len(g.tokens) for g in gens)
-    row_passes = sum(g.forward_passes for g in gens)
-    hist = Counter(n for g in gens for n in g.chunk_sizes)
-    stats = DecodeStats(mode.describe(),
-                        batch_size=width,
-                        forward_passes=passes,
-                        row_passes=row_passes,
-                        tokens=n_tokens,
-                        effective_k=n_tokens / max(1, row_passes),
-                        fed_tokens=fed,
-                        accept_hist=dict(sorted(hist.items())),
-                        seconds=seconds,
-                        prefill_seconds=prefill_s,
-                        tokens_per_second=n_tokens / max(seconds - prefill_s, 1e-9))
-    return gens, stats
-
-
-# --- Showing the chunks (the paper's Figure 1): one colour run per forward pass ---
-
-def chunk_texts(tokenizer, tokens, chunk_sizes) -> list[str]:
-    """The text of each chunk, decoded as prefixes: a character split across
-    chunks lands whole in the chunk that completes it."""
-    texts = []
-    done = ""
-    for n, end in zip(chunk_sizes, itertools.accumulate(chunk_sizes)):
-        full = tokenizer.decode(tokens[:end])
-        if full.startswith(done):
-            texts.append(full[len(done):])
-        else:
-            # the longer prefix decodes differently: the chunk's tokens alone
-            texts.append(tokenizer.decode(tokens[end - n:end]))
-        done = full
-    return texts
-
-
-# blue, orange
-BACKGROUNDS = ("\x1b[30;48;5;153m", "\x1b[30;48;5;223m")
-PNG_COLOURS = ("#b9d9f5", "#fbd8a8")
-
-
-def render_chunks(prompt_text, texts, sizes, colour=True) -> str:
-    """Prompt, then each chunk on an alternating background followed by its size
-    as a dim subscript (the number of tokens that pass emitted). Without colour,
-    chunks are bracketed."""
-    out = [prompt_text]
-    for i, (text, n) in enumerate(zip(texts, sizes)):
-        sub = str(n).translate(str.maketrans("0123456789", "₀₁₂₃₄₅₆₇₈₉"))
-        if not colour:
-            out.append(f"[{text}]{sub}")
-            continue
-        # each line coloured on its own, so the background stops at line ends
-        lines = [f"{BACKGROUNDS[i % 2]}{line}\x1b[0m" if line else ""
-                 for line in text.split("\n")]
-        body = "\n".join(lines)
-        out.append(f"{body}\x1b[2m{sub}\x1b[0m")
-    return "".join(out)
-
-
-def wrap_cells(chars, width):
-    """(char, chunk) pairs placed on a monospace grid `width` wide, wrapped at
-    spaces -> cells (row, col, char, chunk), and the index of the last row."""
-    cells = []
-    row = 0
-    col = 0
-    wrapped = False
-    for i, (ch, chunk) in enumerate(chars):
-        # a word starting here: wrap before it unless it fits
-        word = 0
-        if ch not in " \n" and col > 0 and chars[i - 1][0] == " ":
-            ends = (j for j in range(i, len(chars)) if chars[j][0] in " \n")
-            word = next(ends, len(chars)) - i
-        # a longer word than a line is cut
-        if ch == "\n" or col >= width or col + word > width:
-            row += 1
-            col = 0
-            wrapped = ch != "\n"
-        # a wrapped line skips its leading spaces
-        if ch != "\n" and not (ch == " " and col == 0 and wrapped):
-            cells.append((row, col, ch, chunk))
-            col += 1
-    return cells, row
-
-
-def save_chunks_png(path, prompt_text, texts, sizes, title="", width=80):
-    """The same as a PNG: a monospace grid wrapped at spaces, each chunk's size
-    above its start."""
-    from matplotlib import figure, patches
-
-    # chunk -1 is the prompt
-    chars = [(ch, chunk) for chunk, text in [(-1, prompt_text)] + list(enumerate(texts))
-             for ch in text.replace("\t", "    ")]
-    cells, last_row = wrap_cells(chars, width)
-
-    n_cols = max((c for _, c, _, _ in cells), default=0) + 1
-    line_h = 1.6
-    size = (n_cols * 0.11 + 0.4, (last_row + 1) * 0.26 + 0.6)
-    ax = figure.Figure(figsize=size).subplots()
-    for i, (r, c, ch, chunk) in enumerate(cells):
-        y = -r * line_h
-        if chunk >= 0:
-            ax.add_patch(patches.Rectangle((c, y - 0.55), 1, 1.3,
-                                           color=PNG_COLOURS[chunk % 2], lw=0))
-        ax.text(c + 0.5, y, ch, ha="center", va="center", family="monospace", fontsize=9,
-                parse_math=False, color="#666666" if chunk < 0 else "black")
-        # a chunk's first character carries its size
-        if chunk >= 0 and (i == 0 or cells[i - 1][3] != chunk):
-            ax.text(c + 0.1, y + 0.75, str(sizes[chunk]), fontsize=4.5, color="#444444",
-                    va="bottom")
-    ax.set(xlim=(-0.5, n_cols + 0.5), ylim=(-last_row * line_h - 1.2, 1.4))
-    ax.axis("off")
-    ax.set_title(title, fontsize=9, loc="left")
-    ax.figure.savefig(path, dpi=150, bbox_inches="tight")
+        # 4) the cache forgets the masks, the rejected drafts and the padding
+        cached = [len(p) + len(o) - len(q) for p, o, q in zip(prompts, outs, pending)]
+        cache.rollback(cached)
+    return list(zip(outs, chunks))
 
 
 # --- The command line: one prompt, decoded and shown ---
@@ -561,24 +300,24 @@ def parser() -> Parser:
 def decode_config(args) -> DecodeConfig:
     """The decoding rule the flags ask for; a flag of another rule is an error."""
     kind = "confadapt"
-    if args.greedy:
-        kind = "greedy"
-    elif args.static_k is not None:
+    if args.greedy or args.static_k is not None:
         kind = "static"
     elif args.lossless:
         kind = "lossless"
     if kind != "confadapt" and args.tau is not None:
         raise CliError("--tau applies to ConfAdapt only "
                        "(not with --static-k, --lossless or --greedy)")
-    if kind in ("greedy", "static") and args.k_max is not None:
+    if kind == "static" and args.k_max is not None:
         raise CliError("--k-max applies to ConfAdapt and --lossless only")
     # both are positive when given: `or` only fills in the defaults
     k_max = args.k_max or 16
-    return DecodeConfig(kind, k=args.static_k or k_max, tau=args.tau or 0.9, k_max=k_max)
+    k = 1 if args.greedy else args.static_k or k_max
+    return DecodeConfig(kind, k=k, tau=args.tau or 0.9, k_max=k_max)
 
 
-def summary(s: DecodeStats, gen: Generation) -> str:
-    """The figures printed under the text."""
+def summary(s, gen) -> str:
+    """The figures printed under the text: s, the engine's DecodeStats, and gen, its
+    Generation of the prompt."""
     return (f"mode            {s.mode}\n"
             f"tokens          {s.tokens}\n"
             f"forward passes  {s.forward_passes} (the prefill not counted)\n"
@@ -591,6 +330,9 @@ def summary(s: DecodeStats, gen: Generation) -> str:
 
 
 def generate_main(argv):
+    # the engine builds on this file's rules: imported here, there is no cycle
+    from mtp import engine
+
     args = parser().parse_args(argv)
     if args.png:
         png_folder = os.path.dirname(args.png) or "."
@@ -602,9 +344,9 @@ def generate_main(argv):
     prompt = encode_prompt(tokenizer, model, args.prompt, fmt, no_bos=args.no_bos)
 
     # an untimed warm-up: first calls are slow
-    generate(model, [prompt[-8:]], 2, mode=mode, mask_id=mask_id)
-    [gen], s = generate(model, [prompt], args.max_new_tokens, mode=mode, mask_id=mask_id,
-                        stop_ids=stop_ids)
+    engine.generate(model, [prompt[-8:]], 2, mode=mode, mask_id=mask_id)
+    [gen], s = engine.generate(model, [prompt], args.max_new_tokens, mode=mode,
+                               mask_id=mask_id, stop_ids=stop_ids)
     texts = chunk_texts(tokenizer, gen.tokens, gen.chunk_sizes)
 
     if args.json:

@@ -7,9 +7,11 @@ Self-Distillation" (arXiv 2602.06019). The packed batch comes from
 slots. Indices follow data.py's convention: a region's predictions are
 j = 0 .. k-1, prediction j guesses the token j + 1 places after the
 prefix, prediction 0 is read at the last prefix token and prediction
-j >= 1 at mask slot j. `mtp_loss` is one training step, in five numbered
-comments; `gated_mtp_loss` is the same step for a model with a gated mask
-adapter, which need not run its ground-truth rows with gradient.
+j >= 1 at mask slot j. `mtp_loss` is the loss of one training step, in
+five numbered comments (backward and the optimizer step belong to the
+caller); adapter.py's `gated_mtp_loss` is the same loss for a model with
+a gated mask adapter, which need not run its ground-truth rows with
+gradient.
 
 Why one packed teacher pass is enough: in the teacher's input, slot j
 holds the student's guess of prediction j-1 at the position of the token
@@ -30,14 +32,13 @@ student == teacher it is 0 at step 0 (in "hard" mode the gradient is not
 zero there: cross-entropy against the argmax sharpens).
 """
 import copy
-import functools
 
 import torch
 import torch.nn.functional as F
 
 from data import PAD, MTPBatch
 
-MODES = ("hard", "soft", "gt")
+LOSSES = ("hard", "soft", "gt")
 
 
 def frozen_teacher(model: torch.nn.Module) -> torch.nn.Module:
@@ -45,11 +46,6 @@ def frozen_teacher(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model).eval().requires_grad_(False)
 
 
-def adapter_off_teacher(student: torch.nn.Module):
-    """The gated mask adapter's teacher: the student itself called with its
-    adapter off, which is the frozen base model exactly, with no second copy
-    in memory (model.add_mask_adapter)."""
-    return functools.partial(student, use_adapter=False)
 
 
 def teacher_input(batch: MTPBatch, proposals: torch.Tensor) -> torch.Tensor:
@@ -91,8 +87,8 @@ def mtp_loss(student, teacher, batch: MTPBatch, mode: str = "hard",
     mtp_loss, k, n_pred, acc (per prediction j: how often the student's
     argmax equals the target; NaN where j has no valid prediction) and,
     with the prefix loss, ntp_loss."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode not in LOSSES:
+        raise ValueError(f"mode must be one of {LOSSES}, got {mode!r}")
     B, M, k = batch.pred_index.shape
     valid = batch.valid                                      # (B, M, k)
     pred_index = batch.pred_index.flatten(1)                 # (B, M*k)
@@ -141,81 +137,6 @@ def mtp_loss(student, teacher, batch: MTPBatch, mode: str = "hard",
         loss = loss + prefix_ntp_weight * ntp
         stats["ntp_loss"] = ntp
     stats["loss"] = loss
-    return loss, host_stats(stats, proposals == targets, valid)
-
-
-def gated_mtp_loss(student, batch: MTPBatch, mode: str = "hard") -> tuple[torch.Tensor, dict]:
-    """mtp_loss(student, adapter_off_teacher(student), batch, mode) for a student
-    with a gated mask adapter, in less work.
-
-    The adapter acts only at <mask> rows, and ground-truth rows never see a
-    slot, so every ground-truth row of the packed input is the base model's,
-    for student and teacher alike, and nothing trained reaches it. So the
-    ground truth runs once, without gradient, as a plain causal pass that fills
-    a KV cache; then only the mask slots run, reading that cache: with gradient
-    for the student, and again holding the student's guesses for the teacher.
-    Prediction 0, read at a ground-truth row, is the base model's next token
-    for both (its distillation loss is 0). At N = 160, 80 regions and k = 4,
-    240 of the packed row's 400 rows run with gradient, and the 160 others run
-    once instead of twice."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    B, M, k = batch.pred_index.shape
-    N = batch.gt_index.shape[1]
-    valid = batch.valid                                      # (B, M, k)
-
-    # 1. the ground truth once, no gradient: the base model's keys and values
-    # into a cache (slot i holds original index i), and prediction 0 at each
-    # region's last prefix token
-    cache = student.new_cache(B, N)
-    with torch.no_grad():
-        first = student(batch.input_ids.gather(1, batch.gt_index),
-                        cache=cache,
-                        output_index=batch.prefix_end.expand(B, M),
-                        use_adapter=False)
-    first = first.float()[:, :, None]                        # (B, M, 1, V)
-
-    # 2. the student's mask slots, with gradient: predictions 1 .. k-1. A slot
-    # sees the cache up to its prefix end and its own region's slots up to
-    # itself (the packed mask's rows and columns for them); its argmax are
-    # its guesses (no gradient)
-    slots = batch.pred_index[:, :, 1:].flatten(1)            # (B, n) n = M*(k-1)
-    rows = torch.arange(B, device=slots.device)[:, None, None]
-    seen = torch.cat([batch.gt_index, slots], dim=1)         # (B, N + n)
-    slot_mask = batch.attn_mask[rows, slots[:, :, None], seen[:, None, :]]  # (B, n, N + n)
-    slot_positions = batch.positions.gather(1, slots)        # (B, n)
-
-    def slot_logits(tokens, use_adapter):
-        logits = student(tokens,
-                         positions=slot_positions,
-                         attn_mask=slot_mask,
-                         context=cache,
-                         use_adapter=use_adapter)
-        return logits.float().view(B, M, k - 1, logits.shape[-1])   # (B, M, k-1, V)
-
-    s_logits = torch.cat([first, slot_logits(batch.input_ids.gather(1, slots), True)], dim=2)
-    proposals = s_logits.detach().argmax(-1)                 # (B, M, k)
-
-    if mode == "gt":
-        targets = batch.targets
-        per_pred = cross_entropy(targets, s_logits)          # (B, M, k)
-    else:
-        # 3. the teacher (adapter off) over the slots again, slot j holding
-        # the guess of prediction j-1; padding stays padding
-        guesses = proposals[:, :, :-1].flatten(1)            # (B, n)
-        is_pad = batch.kind.gather(1, slots) == PAD
-        teacher_slots = torch.where(is_pad, batch.input_ids.gather(1, slots), guesses)
-        with torch.no_grad():
-            t_logits = torch.cat([first, slot_logits(teacher_slots, False)], dim=2)
-        targets = t_logits.argmax(-1)                        # (B, M, k)
-
-        # 4. as in mtp_loss
-        q = targets if mode == "hard" else t_logits.softmax(-1)
-        per_pred = cross_entropy(q, s_logits) - cross_entropy(q, t_logits)
-
-    # 5. the mean over valid predictions
-    loss = masked_mean(per_pred, valid)
-    stats = {"mtp_loss": loss, "n_pred": valid.sum(), "k": k, "loss": loss}
     return loss, host_stats(stats, proposals == targets, valid)
 
 

@@ -29,19 +29,20 @@ from pathlib import Path
 
 import torch
 
+from adapter import add_mask_adapter, gated_mtp_loss, save_mask_adapter
+from data import default_n_regions, mtp_layout, sample_k_and_offset
+from distill import frozen_teacher, mtp_loss
+from model import Transformer, add_mask_token
+from mtp.analyze import analyze
 from mtp.cli import (Progress, format_seconds, input_path, load_tokenizer, read_checkpoint,
                      run_cli)
-from mtp.analyze import analyze
 from mtp.distributed import (Dist, check_same_run, latest_checkpoint, load_shards,
                              setup_processes, shard_from_rank0, training_state_bytes)
 from mtp.finetune_cli import MODEL_CARD_TAGS, run_command
-from mtp.training_rows import check_targets, make_data, training_pairs
-from data import default_n_regions, mtp_layout, sample_k_and_offset
+from mtp.hf import atomic_save, from_pretrained, read_json, save_pretrained, write_json
 from mtp.tokenizer import Tokenizer, default_format, padding_token, training_sequences
-from distill import frozen_teacher, gated_mtp_loss, mtp_loss
+from mtp.training_rows import check_targets, make_data, training_pairs
 from tasks.gsm8k import evaluate
-from model import (Transformer, add_mask_adapter, add_mask_token, atomic_save, read_json,
-                   save_mask_adapter, write_json)
 
 
 # === train: student + frozen teacher -> data rows -> AdamW -> loop -> export ===
@@ -185,7 +186,7 @@ def load_student_and_teacher(args, dist: Dist, with_teacher: bool = True):
     # of the embedding (and output) matrix, or a new one, drawn like a typical
     # token (model.add_mask_token).
     if dist.main:
-        full = Transformer.from_pretrained(args.model, dtype=torch.float32)
+        full = from_pretrained(args.model, dtype=torch.float32)
         meta = [(full.config, add_mask_token(full, tok))]
     # Rank 0's config and mask id on every rank (its tokenizer has <mask>).
     if dist.sharded:
@@ -414,7 +415,7 @@ def export(student, tok: Tokenizer, path: Path, args, dist: Dist) -> Path:
         if adapter:
             save_mask_adapter(model, path, args.model, dtype=dtype)
         else:
-            model.save_pretrained(path, dtype=dtype)
+            save_pretrained(model, path, dtype=dtype)
             tok.save_pretrained(path)
             # Sampling defaults, stop ids.
             generation = Path(args.model) / "generation_config.json"

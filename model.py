@@ -6,27 +6,30 @@ next few tokens at once. The block is Llama's, x += Attention(RMSNorm(x)) and
 x += SwiGLU(RMSNorm(x)), with RoPE, grouped-query attention (GQA), optional q/k
 norms (Qwen3) and tied embeddings.
 
-`Transformer.forward` is the training forward: explicit positions and any boolean
-mask (the packed training layout). Decoding has a section of its own: the KV cache
-is written at explicit slots, so decoding rolls mask slots back and overwrites
-them, each row feeding its own number of tokens (`n_tokens`). Below the plumbing
-line: Llama-3.x, Qwen3 and Qwen2 checkpoints in Hugging Face layout, in and out.
+`Transformer.forward` serves training and decoding alike. Training gives explicit
+positions and any boolean mask (data.py's packed layout). Decoding gives a `cache`:
+each layer hands its keys and values to `cache.attend`, which stores them and
+attends over all it holds. The `KVCache` at the end of this file writes each token
+at an explicit slot and attends causally by slot, so a decoder rolls mask slots
+back and the next pass overwrites them. The engine's ragged passes (mtp/engine.py)
+and the gated adapter's training pass (adapter.py) are caches of their own with the
+same `attend`. mtp/hf.py reads and writes Llama-3.x, Qwen3 and Qwen2 checkpoints in
+Hugging Face layout.
 
 References: Llama 3 (arXiv 2407.21783), Qwen3 (2505.09388), RoFormer (2104.09864),
 GQA (2305.13245), GLU variants (2002.05202), Multi-Token Prediction via
 Self-Distillation (2602.06019).
 """
 
-import functools
-import json
 import math
-import os
-import re
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+# Llama-3.x, Qwen3, Qwen2 (mtp/hf.py reads and writes their checkpoints)
+MODEL_TYPES = ("llama", "qwen3", "qwen2")
 
 
 @dataclass
@@ -50,7 +53,7 @@ class ModelConfig:
     # the output matrix is the embedding matrix
     tie_embeddings: bool = False
     max_seq_len: int = 2048
-    # "llama" | "qwen3" | "qwen2" (names the HF architecture)
+    # one of MODEL_TYPES (names the HF architecture)
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -63,9 +66,9 @@ class ModelConfig:
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of "
                              f"n_kv_heads={self.n_kv_heads}")
-        if self.model_type not in HF_ARCHITECTURES:
+        if self.model_type not in MODEL_TYPES:
             raise ValueError(f"unsupported model type {self.model_type!r}; "
-                             f"supported: {', '.join(HF_ARCHITECTURES)}")
+                             f"supported: {', '.join(MODEL_TYPES)}")
 
 
 class RMSNorm(nn.Module):
@@ -137,26 +140,13 @@ def attend(q, k, v, mask):
     return y.reshape(B, H, T, hd)
 
 
-class GatedLowRank(nn.Module):
-    """The gated mask adapter of one projection: scale * up(down(x)), which
-    Linear.forward adds only at the rows whose input token is <mask>. `up` starts at
-    zero, so a new adapter changes nothing. Not a LoRA to merge into the weight:
-    applied at every row it would change them all."""
-
-    def __init__(self, d_in: int, d_out: int, rank: int, alpha: float, generator=None):
-        super().__init__()
-        down = torch.randn(rank, d_in, generator=generator) / math.sqrt(d_in)
-        self.down = nn.Parameter(down)
-        self.up = nn.Parameter(torch.zeros(d_out, rank))
-        self.scale = alpha / rank
-
-
 class Linear(nn.Linear):
     """nn.Linear that may carry a gated mask adapter, applied only at mask_rows."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.adapter: GatedLowRank | None = None
+        # a GatedLowRank (adapter.py), or None
+        self.adapter = None
 
     def forward(self, x, mask_rows=None):
         """y = W x for x (..., d_in). With an adapter, its update is added in place at
@@ -176,8 +166,10 @@ class Linear(nn.Linear):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
+        # where a KV cache keeps this layer's keys and values
+        self.layer = layer
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.n_kv_heads
         self.head_dim = cfg.head_dim
@@ -193,10 +185,9 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
 
-    def forward(self, x, cos, sin, mask=None, mask_rows=None, cached=None):
-        """mask: None (causal) or bool, (T, T) or (B, 1, T, T). cached: an attention
-        that also reads a KV cache and replaces `attend`: decoding's
-        (CachedPass.attend) or the gated adapter's training pass (attend_after)."""
+    def forward(self, x, cos, sin, mask=None, mask_rows=None, cache=None):
+        """mask: None (causal) or bool, (T, T) or (B, 1, T, T). cache: a KV cache,
+        which stores this layer's keys and values and attends over all it holds."""
         B, T, _ = x.shape
         q = self.wq(x, mask_rows).view(B, T, self.n_heads, self.head_dim)
         k = self.wk(x, mask_rows).view(B, T, self.n_kv_heads, self.head_dim)
@@ -209,10 +200,10 @@ class Attention(nn.Module):
         k = apply_rope(k.transpose(1, 2), cos, sin)      # (B, n_kv_heads, T, hd)
         v = v.transpose(1, 2)
 
-        if cached is None:
+        if cache is None:
             y = attend(q, k, v, mask)
         else:
-            y = cached(q, k, v)
+            y = cache.attend(self.layer, q, k, v)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         return self.wo(y, mask_rows)
 
@@ -230,15 +221,15 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, layer)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x, cos, sin, mask=None, mask_rows=None, cached=None):
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask, mask_rows, cached)
+    def forward(self, x, cos, sin, mask=None, mask_rows=None, cache=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, mask_rows, cache)
         return x + self.mlp(self.mlp_norm(x), mask_rows)
 
 
@@ -247,13 +238,13 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-        # the gated mask adapter's <mask> input (add_mask_adapter)
+        # the gated mask adapter's <mask> input (adapter.add_mask_adapter)
         self.mask_embedding = None
         # GPT-2's initialisation
         for module in self.modules():
@@ -271,43 +262,44 @@ class Transformer(nn.Module):
         return self
 
     def new_cache(self, batch_size: int, max_len: int | None = None) -> "KVCache":
+        """An empty KV cache on the model's device, in its dtype."""
         p = self.tok_emb.weight
         max_len = max_len or self.config.max_seq_len
         return KVCache(self.config, batch_size, max_len, p.device, p.dtype)
 
     def forward(self, tokens, positions=None, attn_mask=None, cache=None,
-                output_index=None, n_tokens=None, use_adapter=True, context=None):
+                output_index=None, use_adapter=True):
         """Logits (B, T, V) for `tokens` (B, T); (B, N, V) at output_index (B, N).
-        positions (B, T): RoPE positions, default 0..T-1. attn_mask: bool (T, T) or
-        (B, T, T), True = may attend, default causal. With a KV `cache` (and
-        n_tokens), decoding: see cached_forward. use_adapter=False: the base model,
-        whatever gated mask adapter it carries. `context`: a KV cache whose first S
-        slots the tokens read, but never write, before their own keys: attn_mask is
-        then (B, T, S + T) (the gated adapter's training pass, attend_after)."""
-        if cache is not None:
-            # decoding takes its own path (the section below)
-            return cached_forward(self, tokens, cache, positions=positions, attn_mask=attn_mask,
-                                  output_index=output_index, n_tokens=n_tokens,
-                                  use_adapter=use_adapter)
-        if n_tokens is not None:
-            raise ValueError("n_tokens needs a KV cache")
-        if context is not None and attn_mask is None:
-            raise ValueError("a pass after a context needs its attn_mask (B, T, S + T)")
 
+        positions (B, T): RoPE positions, default 0..T-1.
+        attn_mask: bool (T, T) or (B, T, T), True = may attend; default causal.
+        cache: a KV cache (a KVCache, or anything with its attend and advance).
+        Every layer attends through it, positions default to its next slots, and
+        after the last layer it advances by T.
+        use_adapter=False: the base model, whatever gated mask adapter it carries.
+        """
+        T = tokens.shape[1]
+        if cache is not None and attn_mask is not None:
+            raise ValueError("attn_mask cannot be combined with a KV cache "
+                             "(attention is causal by slot)")
+        if positions is None and cache is not None:
+            # row b's tokens go to slots lengths[b], lengths[b] + 1, ...
+            positions = cache.lengths[:, None] + torch.arange(T, device=tokens.device)
         if positions is None:
             # (1, T): the same in every row
-            positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
+            positions = torch.arange(T, device=tokens.device)[None]
         mask = attn_mask
         if mask is not None and mask.dim() == 3:
             # the same for every head
             mask = mask[:, None]                                 # (B, 1, T, T)
+
         x, mask_rows = self.embed(tokens, use_adapter)           # (B, T, dim)
         cos, sin = self.rope(positions, x.dtype)
-        for i, layer in enumerate(self.layers):
-            attend_context = None
-            if context is not None:
-                attend_context = functools.partial(attend_after, context, i, mask)
-            x = layer(x, cos, sin, mask, mask_rows, attend_context)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask, mask_rows, cache)
+        if cache is not None:
+            # the T tokens are stored: the next pass writes after them
+            cache.advance(T)
         return self.logits(x, output_index)
 
     def embed(self, tokens, use_adapter=True):
@@ -354,13 +346,6 @@ class Transformer(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    @classmethod
-    def from_pretrained(cls, path, device="cpu", dtype=torch.float32) -> "Transformer":
-        return load_hf(cls, path, device, dtype)
-
-    def save_pretrained(self, path, max_shard_bytes: int = 5 * 2**30, dtype=None):
-        save_hf(self, path, max_shard_bytes, dtype)
-
 
 @torch.no_grad()
 def add_mask_token(model: Transformer, tokenizer, text: str = "<mask>", seed: int = 0) -> int:
@@ -405,17 +390,16 @@ def add_mask_token(model: Transformer, tokenizer, text: str = "<mask>", seed: in
     return mask_id
 
 
-# ---- decoding: the KV cache and the cached, ragged pass ------------------------------
-# A decoding pass feeds each row a few tokens (accepted ones, then <mask>s), each
-# row its own number, and attends over the keys and values of every earlier pass,
-# kept in the cache. Only attention mixes rows, so a ragged pass packs the real
-# tokens of all rows into one row and computes nothing for the right-padding.
-
+# ---- decoding: the KV cache ----------------------------------------------------------
 
 class KVCache(nn.Module):
-    """Keys and values (n_layers, B, n_kv_heads, max_len, head_dim); a pass writes
-    row b at slots lengths[b], ...; `rollback` erases nothing: attention is causal
-    by slot, and later passes overwrite."""
+    """The keys and values of every token so far, (n_layers, B, n_kv_heads, max_len,
+    head_dim), and how many slots each row holds, lengths (B,).
+
+    A pass writes row b's T tokens at slots lengths[b] .. lengths[b] + T - 1 (also
+    their positions), and each query attends to the slots up to its own: causal by
+    slot. So a rollback erases nothing: the slots it frees are hidden from every
+    query before them, and the next pass overwrites them."""
 
     def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int,
                  device=None, dtype=None):
@@ -427,563 +411,35 @@ class KVCache(nn.Module):
         lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.register_buffer("lengths", lengths, persistent=False)
         self.max_len = max_len
-        # a pass reads a multiple of this many slots (CachedPass)
-        self.key_block = 64 if self.k.is_cuda else 1
+
+    def attend(self, layer: int, q, k, v):
+        """Store k, v (B, n_kv, T, hd) at each row's next T slots, then attend with
+        q (B, n_heads, T, hd) over the slots up to each query's own."""
+        T = q.shape[2]
+        slots = self.lengths[:, None] + torch.arange(T, device=q.device)   # (B, T)
+        # checked at the first layer: one read of the device a pass
+        if layer == 0 and slots.max() >= self.max_len:
+            raise ValueError(f"KV cache overflow: {int(slots.max()) + 1} slots needed, "
+                             f"cache holds {self.max_len}")
+        rows = torch.arange(len(slots), device=q.device)[:, None]          # (B, 1)
+        # [rows, :, slots] is (B, T, n_kv, hd)
+        self.k[layer][rows, :, slots] = k.transpose(1, 2).to(self.k.dtype)
+        self.v[layer][rows, :, slots] = v.transpose(1, 2).to(self.v.dtype)
+        seen = torch.arange(self.max_len, device=q.device) <= slots[..., None]  # (B, T, max_len)
+        # in the pass's dtype: under FSDP2's mixed precision the cache is float32
+        k = self.k[layer].to(q.dtype)
+        v = self.v[layer].to(q.dtype)
+        return attend(q, k, v, seen[:, None])
+
+    def advance(self, T: int):
+        """Transformer.forward's call after its layers: the pass's T tokens are stored."""
+        self.lengths += T
 
     def rollback(self, lengths):
-        """Forget everything at or after `lengths` (an int, or one length per row)."""
+        """Forget every slot at or after `lengths` (an int, or one length per row)."""
         lengths = torch.as_tensor(lengths, dtype=torch.long, device=self.lengths.device)
         lengths = lengths.expand_as(self.lengths)
         # one read of the device
         if ((lengths > self.lengths) | (lengths < 0)).any():
             raise ValueError("rollback can only shorten the cache")
         self.lengths.copy_(lengths)
-
-    def keep_rows(self, rows):
-        """Keep only these batch rows, in this order (finished sequences leave)."""
-        idx = torch.as_tensor(rows, dtype=torch.long, device=self.lengths.device)
-        self.k = self.k.index_select(1, idx)
-        self.v = self.v.index_select(1, idx)
-        self.lengths = self.lengths.index_select(0, idx)
-
-    def write(self, layer: int, rows, slots, k, v):
-        """Store k, v (N, n_kv_heads, head_dim) at (rows[i], slots[i]); return the
-        layer's k, v (B, n_kv_heads, max_len, head_dim)."""
-        self.k[layer][rows, :, slots] = k.to(self.k.dtype)
-        self.v[layer][rows, :, slots] = v.to(self.v.dtype)
-        return self.k[layer], self.v[layer]
-
-
-def ragged_cells(lengths: list[int], fed: list[int], T: int):
-    """Where each token of a cached pass goes. Row b of the (B, T) input feeds its
-    first fed[b] tokens (the rest is right-padding); those N tokens are packed row
-    after row. Attention spreads them over a (B', T) grid of the live rows (those
-    that feed any). Returns the live rows and, for each packed token, its cache
-    row, its cache slot (lengths[row] + t, also its RoPE position), its cell of
-    the (B', T) grid and its cell of the (B, T) input, both flattened.
-
-    Example: lengths [3, 5, 4], fed [2, 0, 1], T = 2. Row 1 feeds nothing, so the
-    live rows are [0, 2] and N = 3:
-
-        packed token       0  1  2
-        cache row          0  0  2
-        cache slot         3  4  4
-        cell of (B', T)    0  1  2    (live row 1, row 2, starts at cell 2)
-        cell of (B, T)     0  1  4    (row 2 starts at cell 4)
-
-    ragged_cells([3, 5, 4], [2, 0, 1], 2)
-        == ([0, 2], [0, 0, 2], [3, 4, 4], [0, 1, 2], [0, 1, 4])
-    """
-    live = [b for b, n in enumerate(fed) if n]
-    # (live row, cache row, step) of each packed token
-    cells = [(i, b, t) for i, b in enumerate(live) for t in range(fed[b])]
-    rows = [b for _, b, _ in cells]
-    slots = [lengths[b] + t for _, b, t in cells]
-    grid = [i * T + t for i, _, t in cells]
-    index = [b * T + t for _, b, t in cells]
-    return live, rows, slots, grid, index
-
-
-class CachedPass:
-    """One cached pass of T tokens a row (ragged: n_tokens[b] of them). Its index
-    tensors are built once, from the lengths read once from the device, so no
-    layer waits for the device."""
-
-    def __init__(self, cache: KVCache, T: int, n_tokens=None):
-        self.cache = cache
-        self.T = T
-        self.ragged = n_tokens is not None
-        device = cache.lengths.device
-        # the pass's one read of the device
-        lengths = cache.lengths.tolist()
-        fed = [T] * len(lengths)
-        if self.ragged:
-            fed = n_tokens.tolist() if torch.is_tensor(n_tokens) else n_tokens
-        new_lengths = [n + f for n, f in zip(lengths, fed)]
-        S = max(new_lengths)
-        if S > cache.max_len:
-            raise ValueError(f"KV cache overflow: {S} slots needed, "
-                             f"cache holds {cache.max_len}")
-        # Read whole blocks of key slots (the mask hides the extra ones): a GPU
-        # attention library that plans per shape (cuDNN) then plans once per block,
-        # not once per pass as the keys grow.
-        block = cache.key_block
-        self.S = min(cache.max_len, -(-S // block) * block)
-
-        tensor = functools.partial(torch.tensor, dtype=torch.long, device=device)
-        live, rows, slots, grid, index = ragged_cells(lengths, fed, T)
-        self.rows = tensor(rows)
-        self.slots = tensor(slots)
-        self.grid = tensor(grid)
-        self.index = tensor(index)
-        # only the rows that feed tokens attend (all: a view, not a copy)
-        self.live = slice(None)
-        if len(live) < len(lengths):
-            self.live = tensor(live)
-        self.new_lengths = tensor(new_lengths)
-        # causal by slot: grid cell (i, t) sees the slots up to its own position
-        start = tensor([lengths[b] for b in live])
-        positions = start[:, None] + torch.arange(T, device=device)       # (B', T)
-        mask = torch.arange(self.S, device=device) <= positions[:, :, None]
-        self.mask = mask[:, None]                                    # (B', 1, T, S)
-
-    def pack(self, x):
-        """(B, T) -> (1, N): a ragged pass's real tokens in one row."""
-        if not self.ragged:
-            return x
-        return x.reshape(-1)[self.index][None]
-
-    def spread(self, x, cells, n_rows: int):
-        """Packed (N, ...) -> (n_rows, T, ...): x[i] at flat cell cells[i], zeros
-        elsewhere."""
-        shape = x.shape[1:]
-        out = x.new_zeros(n_rows * self.T, *shape).index_copy_(0, cells, x)
-        return out.view(n_rows, self.T, *shape)
-
-    def attend(self, layer: int, q, k, v):
-        """Write k, v (B, n_kv, T, hd) into the cache, then attend with q
-        (B, n_heads, T, hd) over the cached slots -> (B, n_heads, T, hd). In a
-        ragged pass B = 1 and T = N: the packed tokens."""
-        k_new = k.transpose(1, 2).flatten(0, 1)                   # (N, n_kv, hd)
-        v_new = v.transpose(1, 2).flatten(0, 1)
-        k, v = self.cache.write(layer, self.rows, self.slots, k_new, v_new)
-        # the first S slots of the live rows, in the pass's dtype (a cache built
-        # from FSDP2's float32 shards holds float32; the pass computes in bfloat16)
-        k = k[self.live, :, : self.S].to(q.dtype)                # (B', n_kv, S, hd)
-        v = v[self.live, :, : self.S].to(q.dtype)
-        if not self.ragged:
-            return attend(q, k, v, self.mask)
-
-        # spread the packed queries out to the (B', T) grid of their rows, and back
-        q = self.spread(q[0].transpose(0, 1), self.grid, len(self.mask))
-        y = attend(q.transpose(1, 2), k, v, self.mask)           # (B', n_heads, T, hd)
-        y = y.transpose(1, 2).flatten(0, 1).index_select(0, self.grid)
-        return y[None].transpose(1, 2)                            # (1, n_heads, N, hd)
-
-
-def cached_forward(model: Transformer, tokens, cache: KVCache, positions=None,
-                   attn_mask=None, output_index=None, n_tokens=None, use_adapter=True):
-    """Transformer.forward with a KV cache: token t of row b goes to slot
-    lengths[b] + t (its default position), and the lengths advance by T, or by
-    n_tokens (B,), best a list: row b's real tokens (the right-padding is never
-    computed, and its logits are meaningless)."""
-    if attn_mask is not None:
-        raise ValueError("attn_mask cannot be combined with a KV cache "
-                         "(attention is causal by slot)")
-    B, T = tokens.shape
-    # 1) every index the pass needs
-    p = CachedPass(cache, T, n_tokens)
-    # 2) a ragged pass packs its real tokens into one row
-    tokens = p.pack(tokens)                                  # (B, T) or (1, N)
-    if positions is None:
-        positions = p.slots.view(tokens.shape)
-    else:
-        positions = p.pack(positions)
-
-    # 3) the layers, each writing its keys and values and attending over the cache
-    x, mask_rows = model.embed(tokens, use_adapter)
-    cos, sin = model.rope(positions, x.dtype)
-    for i, layer in enumerate(model.layers):
-        attend_cached = functools.partial(p.attend, i)
-        x = layer(x, cos, sin, mask_rows=mask_rows, cached=attend_cached)
-    # built with the plan: the host need not wait for the layers
-    cache.lengths.copy_(p.new_lengths)
-
-    # 4) a ragged pass unpacks: (B, T, dim), zeros at the padding
-    if p.ragged:
-        x = p.spread(x[0], p.index, B)
-    return model.logits(x, output_index)
-
-
-# ---- the gated mask adapter ------------------------------------------------------------
-# An alternative to tuning every weight: freeze the model, and train only a low-rank
-# update to chosen projections plus a <mask> embedding of its own, both acting only at
-# the rows whose input token is <mask>. Ordinary tokens never attend to mask slots (in
-# training and in decoding), so at every ordinary position the hidden states, cache
-# entries and logits stay exactly the base model's: greedy decoding and the lossless
-# mode print the untuned model's text, and the distillation teacher is the student
-# itself with the adapter off (no second copy). Saved as a small folder beside the
-# unchanged base model; not a plain LoRA (applied everywhere, it would change every
-# position), so the files have names of their own.
-ADAPTER_CONFIG = "mask_adapter.json"
-ADAPTER_WEIGHTS = "mask_adapter.safetensors"
-ADAPTER_TYPE = "gated-mask-lora"
-ADAPTER_TARGETS = ("wq", "wk", "wv", "wo", "gate", "up", "down")
-
-
-def add_mask_adapter(model: Transformer, rank: int, alpha: float,
-                     targets=ADAPTER_TARGETS, seed: int = 0):
-    """Freeze `model` (which has <mask>) and give it a fresh gated mask adapter: a
-    GatedLowRank on each Linear named in targets (seeded), and a trainable <mask>
-    embedding starting at the current one."""
-    if model.config.mask_token_id is None:
-        raise ValueError("the gated mask adapter needs a model with a <mask> token "
-                         "(add_mask_token)")
-    unknown = sorted(set(targets) - set(ADAPTER_TARGETS))
-    if unknown:
-        choices = ", ".join(ADAPTER_TARGETS)
-        raise ValueError(f"unknown adapter targets {unknown}; choose from {choices}")
-
-    model.requires_grad_(False)
-    device = model.tok_emb.weight.device
-    generator = torch.Generator().manual_seed(seed)
-    for name, module in model.named_modules():
-        if isinstance(module, Linear) and name.rsplit(".", 1)[-1] in targets:
-            # built where the generator is
-            with torch.device("cpu"):
-                adapter = GatedLowRank(module.in_features, module.out_features,
-                                       rank, alpha, generator)
-            module.adapter = adapter.to(device)
-    row = model.tok_emb.weight[model.config.mask_token_id].detach()
-    model.mask_embedding = nn.Parameter(row.float().clone())
-    model.adapter_config = {"rank": rank, "alpha": alpha, "targets": list(targets)}
-
-
-def attend_after(context: KVCache, layer: int, mask, q, k, v):
-    """Attention for tokens that come after a context already in a KV cache: q, k, v
-    (B, heads, T, hd) are the tokens' own; they attend over the cache's first S slots
-    of this layer, then over each other, under mask (B, 1, T, S + T). The cache is
-    read, not written, so gradients reach the tokens' keys and values.
-
-    The gated adapter trains with it (distill.gated_mtp_loss): its ground-truth rows
-    are the base model's, computed once without gradient into the cache, and only
-    the mask slots run with gradient, over them."""
-    S = mask.shape[-1] - q.shape[2]
-    k = torch.cat([context.k[layer, :, :, :S].to(k.dtype), k], dim=2)    # (B, n_kv, S + T, hd)
-    v = torch.cat([context.v[layer, :, :, :S].to(v.dtype), v], dim=2)
-    return attend(q, k, v, mask)
-
-
-def is_adapter_tensor(name: str) -> bool:
-    return ".adapter." in name or name == "mask_embedding"
-
-
-def adapter_state(model: Transformer) -> dict:
-    """The adapter's tensors by name: what a gated mask adapter saves and trains."""
-    state = model.state_dict().items()
-    return {name: t for name, t in state if is_adapter_tensor(name)}
-
-
-def save_mask_adapter(model: Transformer, path, base_model, dtype=torch.float32):
-    """Write the adapter (in `dtype`) and its config into folder `path`, naming the
-    base folder."""
-    from safetensors.torch import save_file
-    os.makedirs(path, exist_ok=True)
-    tensors = {n: t.detach().to(dtype).contiguous().cpu()
-               for n, t in adapter_state(model).items()}
-    file = os.path.join(path, ADAPTER_WEIGHTS)
-    atomic_save(lambda p: save_file(tensors, p, metadata={"format": "pt"}), file)
-    config = {
-        "adapter_type": ADAPTER_TYPE,
-        "applies_at": "input positions holding mask_token_id only; "
-                      "every other position is the base model",
-        "base_model": os.path.relpath(base_model, path),
-        **model.adapter_config,
-        "mask_token_id": model.config.mask_token_id,
-    }
-    write_json(os.path.join(path, ADAPTER_CONFIG), config)
-
-
-def is_adapter_folder(path) -> bool:
-    return os.path.isfile(os.path.join(path, ADAPTER_CONFIG))
-
-
-def read_adapter_config(path) -> dict:
-    """The adapter's config, with base_model resolved to a path (it is stored
-    relative to `path`)."""
-    file = os.path.join(path, ADAPTER_CONFIG)
-    config = read_json(file, "mask adapter config")
-    fields = ("adapter_type", "base_model", "rank", "alpha", "targets", "mask_token_id")
-    missing = [k for k in fields if k not in config]
-    if missing:
-        raise ValueError(f"{file}: missing {', '.join(missing)}")
-    if config["adapter_type"] != ADAPTER_TYPE:
-        raise ValueError(f"{file}: adapter_type is not {ADAPTER_TYPE!r}")
-    base = os.path.join(path, config["base_model"])
-    config["base_model"] = os.path.normpath(base)
-    return config
-
-
-def load_mask_adapter(model: Transformer, path):
-    """Attach the adapter saved in folder `path` to its base model (with <mask>
-    added), frozen, for decoding. Its tensors stay float32 whatever the base's
-    dtype: they are small, and Linear.forward computes the update in float32."""
-    from safetensors.torch import load_file
-    config = read_adapter_config(path)
-    if model.config.mask_token_id != config["mask_token_id"]:
-        raise ValueError(f"{path}: the adapter's <mask> is token {config['mask_token_id']}, "
-                         f"the model's is {model.config.mask_token_id}")
-    add_mask_adapter(model, config["rank"], config["alpha"], config["targets"])
-    file = os.path.join(path, ADAPTER_WEIGHTS)
-    if not os.path.isfile(file):
-        raise FileNotFoundError(f"no {ADAPTER_WEIGHTS} in {path}")
-
-    tensors = load_file(file)
-    expected = adapter_state(model)
-    wrong = sorted(set(tensors) ^ set(expected))
-    wrong += [n for n in expected
-              if n in tensors and tensors[n].shape != expected[n].shape]
-    if wrong:
-        raise ValueError(f"{file} does not match its config: {', '.join(wrong[:3])}")
-    model.load_state_dict(tensors, strict=False)
-    return model.requires_grad_(False)
-
-
-# ---- plumbing: Hugging Face checkpoints, files ----------------------------------------
-HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                    "qwen2": "Qwen2ForCausalLM"}
-HF_NAMES = {
-    "tok_emb": "model.embed_tokens",
-    "norm": "model.norm",
-    "lm_head": "lm_head",
-    "attn_norm": "input_layernorm",
-    "mlp_norm": "post_attention_layernorm",
-    # attn.wq: self_attn.q_proj, ...
-    **{f"attn.w{x}": f"self_attn.{x}_proj" for x in "qkvo"},
-    # the q/k norms of Qwen3
-    **{f"attn.{x}_norm": f"self_attn.{x}_norm" for x in "qk"},
-    **{f"mlp.{x}": f"mlp.{x}_proj" for x in ("gate", "up", "down")},
-}
-
-
-def hf_names(model: Transformer) -> dict:
-    """{Hugging Face name: our name} of each tensor in a checkpoint (a tied lm_head
-    is not one)."""
-    names = {}
-    for name in model.state_dict():
-        # a gated mask adapter saves on its own
-        if is_adapter_tensor(name):
-            continue
-        if name == "lm_head.weight" and model.config.tie_embeddings:
-            continue
-        match = re.fullmatch(r"(layers\.\d+\.)?(.+)\.(weight|bias)", name)
-        layer, module, suffix = match.groups()
-        prefix = f"model.{layer}" if layer else ""
-        names[f"{prefix}{HF_NAMES[module]}.{suffix}"] = name
-    return names
-
-
-def load_hf(cls, path, device, dtype) -> Transformer:
-    """Transformer.from_pretrained; names and shapes are checked first: a bad file
-    fails loudly."""
-    cfg = read_model_config(path)
-    tensors = read_safetensors(path)
-    with torch.device("meta"):
-        model = cls(cfg)
-    names = hf_names(model)
-    shapes = {n: list(t.shape) for n, t in model.state_dict().items()}
-    if cfg.tie_embeddings:
-        # some exports write the tied copy anyway
-        tensors.pop("lm_head.weight", None)
-
-    # Every problem in one message, three names of each kind at most.
-    wrong = []
-    for h in sorted(set(names) & set(tensors)):
-        shape = list(tensors[h].shape)
-        if shape != shapes[names[h]]:
-            wrong.append(f"{h} {shape} (expected {shapes[names[h]]})")
-    missing = sorted(set(names) - set(tensors))
-    unexpected = sorted(set(tensors) - set(names))
-    problems = []
-    for what, bad in (("missing", missing), ("unexpected", unexpected)):
-        if bad:
-            more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-            problems.append(f"{what} {', '.join(bad[:3])}{more}")
-    if wrong:
-        problems.append(f"wrong shape {', '.join(wrong[:3])}")
-    if problems:
-        raise ValueError(f"checkpoint {path} does not match its config: "
-                         + "; ".join(problems))
-
-    # one tensor at a time: the file's copy is freed as ours is made
-    ours = {names[h]: tensors.pop(h).to(device=device, dtype=dtype) for h in list(tensors)}
-    # tied: lm_head is set next
-    model.load_state_dict(ours, assign=True, strict=not cfg.tie_embeddings)
-    if cfg.tie_embeddings:
-        model.lm_head.weight = model.tok_emb.weight
-    model.inv_freq = rope_inv_freq(cfg).to(device)
-    return model.eval()
-
-
-def save_hf(model: Transformer, path, max_shard_bytes: int, dtype=None):
-    from safetensors.torch import save_file
-    os.makedirs(path, exist_ok=True)
-    sd = model.state_dict()
-    state = {h: sd[n].detach().to(dtype or sd[n].dtype).contiguous().cpu()
-             for h, n in hf_names(model).items()}
-    shards = [{}]
-    size = 0
-    for name, t in state.items():
-        if shards[-1] and size + t.nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += t.nbytes
-    # leftovers of an earlier, differently sharded save
-    for stale in os.listdir(path):
-        if stale.startswith("model") and stale.endswith((".safetensors", ".index.json")):
-            os.remove(os.path.join(path, stale))
-
-    n = len(shards)
-    files = ["model.safetensors"]
-    if n > 1:
-        files = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    for file, shard in zip(files, shards):
-        write = functools.partial(save_file, shard, metadata={"format": "pt"})
-        atomic_save(write, os.path.join(path, file))
-    if n > 1:
-        total = sum(t.nbytes for t in state.values())
-        weight_map = {name: file for file, shard in zip(files, shards) for name in shard}
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        write_json(os.path.join(path, "model.safetensors.index.json"), index)
-    saved_dtype = next(iter(state.values())).dtype
-    write_json(os.path.join(path, "config.json"), config_to_hf(model.config, saved_dtype))
-
-
-def config_from_hf(hf: dict) -> ModelConfig:
-    model_type = hf.get("model_type")
-    if model_type not in HF_ARCHITECTURES:
-        raise ValueError(f"unsupported model_type {model_type!r} in config.json; "
-                         f"supported: {', '.join(HF_ARCHITECTURES)}")
-    if hf.get("mlp_bias"):
-        raise ValueError("unsupported config: mlp_bias=true")
-
-    # New transformers: rope_parameters {rope_theta, rope_type, ...}; old:
-    # rope_theta and rope_scaling.
-    rope = dict(hf.get("rope_parameters") or {})
-    theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
-    rope = rope or dict(hf.get("rope_scaling") or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, llama3")
-    scaling = None
-    if rope_type == "llama3":
-        keys = ("factor", "low_freq_factor", "high_freq_factor",
-                "original_max_position_embeddings")
-        scaling = {"rope_type": "llama3", **{k: rope[k] for k in keys}}
-
-    heads = hf["num_attention_heads"]
-    return ModelConfig(
-        vocab_size=hf["vocab_size"],
-        dim=hf["hidden_size"],
-        n_layers=hf["num_hidden_layers"],
-        n_heads=heads,
-        n_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        ffn_dim=hf["intermediate_size"],
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
-        rope_theta=float(theta),
-        rope_scaling=scaling,
-        qk_norm=model_type == "qwen3",
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attn_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
-        model_type=model_type,
-        max_seq_len=hf.get("max_position_embeddings", 2048),
-        bos_token_id=hf.get("bos_token_id"),
-        eos_token_id=hf.get("eos_token_id"),
-        mask_token_id=hf.get("mask_token_id"),
-    )
-
-
-def config_to_hf(cfg: ModelConfig, dtype=torch.float32) -> dict:
-    """The config.json of `cfg`, in the old style that old and new transformers (and
-    vLLM) read."""
-    hf = {
-        "architectures": [HF_ARCHITECTURES[cfg.model_type]],
-        "model_type": cfg.model_type,
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.dim,
-        "intermediate_size": cfg.ffn_dim,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": dict(cfg.rope_scaling) if cfg.rope_scaling else None,
-    }
-    # Qwen2 always has attention biases, and no field for them
-    if cfg.model_type != "qwen2":
-        hf["attention_bias"] = cfg.attn_bias
-    return {
-        **hf,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "max_position_embeddings": cfg.max_seq_len,
-        "bos_token_id": cfg.bos_token_id,
-        "eos_token_id": cfg.eos_token_id,
-        "mask_token_id": cfg.mask_token_id,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-    }
-
-
-def read_json(path, what="file") -> dict:
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no {what} at {path}")
-    try:
-        with open(path, encoding="utf-8") as f:
-            obj = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"malformed JSON in {path}: {e}") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"{path}: expected a JSON object, found a {type(obj).__name__}")
-    return obj
-
-
-def read_model_config(path) -> ModelConfig:
-    file = os.path.join(path, "config.json")
-    hf = read_json(file, "model config")
-    try:
-        return config_from_hf(hf)
-    except (KeyError, TypeError, ValueError) as e:
-        problem = str(e).replace(" in config.json", "")
-        if isinstance(e, KeyError):
-            problem = f"missing field {e}"
-        raise ValueError(f"{file}: {problem}") from None
-
-
-def write_json(path, obj):
-    text = json.dumps(obj, indent=2) + "\n"
-    atomic_save(lambda p: open(p, "w").write(text), path)
-
-
-def atomic_save(write, path):
-    """Call write(tmp_path), then rename over `path`: a crash never leaves a
-    half-written file. The file gets the mode open() gives (safetensors writes its
-    files for the owner only)."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    write(tmp)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
-    os.replace(tmp, path)
-
-
-def read_safetensors(path) -> dict:
-    """All tensors of a single-file or sharded safetensors checkpoint (never
-    unpickles)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-    single = os.path.join(path, "model.safetensors")
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(single):
-        files = [single]
-    elif os.path.isfile(index):
-        weight_map = read_json(index, "safetensors index").get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{index} has no weight_map")
-        files = [os.path.join(path, f) for f in sorted(set(weight_map.values()))]
-    else:
-        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json "
-                                f"in {path}")
-
-    tensors = {}
-    for f in files:
-        if not os.path.isfile(f):
-            raise FileNotFoundError(f"missing checkpoint shard {f}")
-        try:
-            tensors.update(load_file(f))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise ValueError(f"cannot read {f} (truncated or corrupt safetensors "
-                             f"file): {e}") from None
-    return tensors

@@ -31,11 +31,14 @@ import torch
 import torch.nn.functional as F
 
 import data
-from confadapt import DecodeConfig, chunk_texts, decode_modes, generate
+from confadapt import DecodeConfig, decode_modes
 from distill import frozen_teacher, mtp_loss
-from model import ModelConfig, Transformer, add_mask_token, write_json
+from model import ModelConfig, Transformer, add_mask_token
 from mtp.cli import (Parser, Progress, count, format_seconds, output_folder, parse_device,
                      positive_int, provenance, run_cli)
+from mtp.chunks import chunk_texts
+from mtp.engine import generate
+from mtp.hf import write_json
 from mtp.plots import plot_chunks, plot_pareto, plot_training
 from mtp.toy_run import (Phase, check_run_folder, checkpoint_path, export_hf, format_summary,
                          save_phase)
@@ -216,7 +219,7 @@ def sweep(cfg: RunConfig, multi_token: bool) -> list[DecodeConfig]:
                              lossless_k=cfg.k_max)
     else:
         modes = decode_modes(static_ks=(1,))
-    return [DecodeConfig("static", k=1) if m.kind == "greedy" else m for m in modes]
+    return modes
 
 
 def evaluate(models: dict, tokenizer, eval_sets: dict,
@@ -236,7 +239,9 @@ def evaluate(models: dict, tokenizer, eval_sets: dict,
             for task, examples in eval_sets.items():
                 row, sample = score(model, mode, task, examples, tokenizer, cfg)
                 rows.append({"model": name, **row})
-                samples[name][f"{task} | {mode.describe()}"] = sample
+                # greedy is named static k=1 here: the curve's start
+                setting = "static k=1" if mode.describe() == "greedy" else mode.describe()
+                samples[name][f"{task} | {setting}"] = sample
                 done += len(examples)
                 if progress.due(last=done == total):
                     elapsed = time.perf_counter() - start

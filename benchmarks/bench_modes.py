@@ -1,6 +1,6 @@
 """Benchmark: greedy, static k, ConfAdapt and lossless decoding of one model, timed side by side.
 
-Every mode decodes the same rows at every batch size (confadapt.generate with continuous
+Every mode decodes the same rows at every batch size (mtp.engine.generate with continuous
 batching); then the latency curve of one cached pass of T = 1..N new tokens per row, which says
 how much of a mode's effective k (fewer passes) can become wall-clock speed-up.
 
@@ -19,7 +19,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mtp.cli import (Parser, add_model_args, chat_stop_ids, encode_prompt, load,  # noqa: E402
                  positive_int, probability, prompt_format, run_cli)
-from confadapt import DecodeConfig, generate, synchronize  # noqa: E402
+from confadapt import DecodeConfig  # noqa: E402
+from mtp.engine import cached_forward, generate, new_cache, synchronize  # noqa: E402
 
 
 @torch.inference_mode()
@@ -31,9 +32,9 @@ def forward_latency(model, batch_size: int, context: int, sizes, repeats: int = 
     """
     device = next(model.parameters()).device
     vocab = model.config.vocab_size
-    cache = model.new_cache(batch_size, context + max(sizes))
+    cache = new_cache(model, batch_size, context + max(sizes))
     filler = torch.arange(batch_size * context, device=device).view(batch_size, context) % vocab  # (B, context)
-    model(filler, cache=cache, output_index=torch.zeros(batch_size, 1, dtype=torch.long, device=device))
+    cached_forward(model, filler, cache, output_index=torch.zeros(batch_size, 1, dtype=torch.long, device=device))
     out = {}
     for T in sizes:
         tokens = torch.arange(T, device=device).expand(batch_size, T) % vocab        # (B, T)
@@ -41,7 +42,7 @@ def forward_latency(model, batch_size: int, context: int, sizes, repeats: int = 
         for i in range(repeats + 1):                                                  # run 0 warms up
             synchronize(device)
             t0 = time.perf_counter()
-            model(tokens, cache=cache, output_index=tokens.new_tensor(range(T)).expand(batch_size, T))
+            cached_forward(model, tokens, cache, output_index=tokens.new_tensor(range(T)).expand(batch_size, T))
             synchronize(device)
             if i > 0:
                 times.append(time.perf_counter() - t0)
@@ -75,7 +76,9 @@ def bench(model, prompts: list[list[int]], max_new_tokens: int, modes: list[Deco
     """
     n_rows = n_rows or max(len(prompts), max(batch_sizes))
     rows = [prompts[i % len(prompts)] for i in range(n_rows)]
-    decoders = [(m.describe(), m.kind, lambda r, n, bs, m=m: generate(model, r, n, m, mask_id, stop_ids, batch_size=bs))
+    # each decoder: (its name, its kind (greedy is static k=1), decode)
+    decoders = [(m.describe(), "greedy" if m.describe() == "greedy" else m.kind,
+                 lambda r, n, bs, m=m: generate(model, r, n, m, mask_id, stop_ids, batch_size=bs))
                 for m in modes] + [(name, name, fn) for name, fn in (others or {}).items()]
     results, latency = [], {}
     outputs = {} if outputs is None else outputs

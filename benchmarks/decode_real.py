@@ -4,7 +4,7 @@ On a real model (SmolLM2-135M-Instruct: about 0.5 GB of float32 weights read per
 pass costs real work, so its speed-ups say what a user gains. In one run, on the same weights
 and the same chat-formatted prompts, these decoders take turns (bench_modes.bench):
 
-    greedy                      ours: confadapt.generate, one token per pass
+    greedy                      ours: mtp.engine.generate, one token per pass
     transformers greedy         AutoModelForCausalLM.generate(do_sample=False) on the same folder
     transformers prompt lookup  generate(prompt_lookup_num_tokens=N): drafts copied from earlier
                                 text and verified in one pass; lossless and training-free, what a
@@ -38,11 +38,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_modes import bench, forward_latency  # noqa: E402
 from mtp.cli import (CliError, Parser, base_folder, cpu_name, load_model, parse_device,  # noqa: E402
                  parse_dtype, positive_int, provenance, stop_ids_of)
-from confadapt import (DecodeConfig, DecodeStats, Generation, chunk_texts,  # noqa: E402
-                       decode_modes, generate, synchronize)
-from mtp.tokenizer import FORMATS, default_format, end_token, prompt_tokens  # noqa: E402
-from tasks.word_problems import word_problem_split  # noqa: E402
-from model import add_mask_token, atomic_save  # noqa: E402
+from confadapt import DecodeConfig, decode_modes  # noqa: E402
+from mtp.chunks import chunk_texts  # noqa: E402
+from mtp.engine import DecodeStats, Generation, generate, synchronize  # noqa: E402
+from mtp.tokenizer import default_format, end_token, FORMATS, prompt_tokens
+from tasks.word_problems import word_problem_split
+from model import add_mask_token  # noqa: E402
+from mtp.hf import atomic_save, save_pretrained  # noqa: E402
 
 HF_GREEDY, HF_LOOKUP = "transformers greedy", "transformers prompt lookup"
 MODE_CHOICES = ("greedy", "hf-greedy", "hf-lookup", "static", "confadapt", "lossless")
@@ -99,7 +101,7 @@ class PassLog:
 @torch.inference_mode()
 def hf_decode(hf, rows: list[list[int]], max_new_tokens: int, batch_size: int, stop_ids: set, lookup: int | None):
     """Decode `rows` batch_size at a time with transformers' generate; (Generations, DecodeStats)
-    measured as confadapt.generate measures itself, or None where generate cannot (lookup, batch > 1).
+    measured as mtp.engine.generate measures itself, or None where generate cannot (lookup, batch > 1).
 
     A static batch is left-padded (with an attention mask) and decoded until its longest row ends;
     finished rows keep being computed, which the positions fed show. The prefill pass computes the
@@ -178,7 +180,7 @@ def load(args, device, dtype, need_mask: bool):
 
         with tempfile.TemporaryDirectory() as tmp:
             if grown:
-                ours.save_pretrained(tmp)
+                save_pretrained(ours, tmp)
             folder = tmp if grown else base_folder(args.model)
             hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
     return ours, tok, hf

@@ -29,21 +29,20 @@ import os
 import statistics
 import sys
 import time
-from collections import Counter
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import model as M  # noqa: E402
 from mtp.cli import native_bfloat16_gpu, parse_device, parse_dtype  # noqa: E402
-from confadapt import DecodeConfig, decode_pass, generate, prefill  # noqa: E402
-from data import mtp_layout  # noqa: E402
-from tasks.word_problems import word_problem_tokenizer  # noqa: E402
+from mtp.engine import HostSyncs, decode_pass, generate, new_cache, prefill  # noqa: E402
+from mtp.hf import read_safetensors, save_pretrained  # noqa: E402
+from confadapt import DecodeConfig  # noqa: E402
+from data import mtp_layout
+from tasks.word_problems import word_problem_tokenizer
 from distill import frozen_teacher, mtp_loss  # noqa: E402
 
-aten = torch.ops.aten
 
 # The two model shapes the figures are about (random weights: only the shapes matter here).
 SMOLLM2 = dict(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_dim=1536,
@@ -58,42 +57,6 @@ SMALL = dict(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_di
 def shapes(small: bool) -> dict:
     """The shapes a section measures, by name: the two real ones, or the small stand-in."""
     return {"small stand-in": SMALL} if small else {"smollm2": SMOLLM2, "llama8b": LLAMA8B}
-
-
-class HostSyncs(TorchDispatchMode):
-    """Count, by kind, the operations that make the host wait for the device.
-
-    On a GPU each of them waits until all queued work is done: reading a value (.item(), int(),
-    bool(), `if tensor:`), .tolist(), and every operation whose output size depends on the data
-    (nonzero, masked_select, indexing with a boolean mask). They are counted on any device, so a
-    CPU run shows what a GPU run would wait for. (.tolist() is counted by name: code that keeps
-    host data in Python lists never calls it on a host tensor.)
-    """
-
-    def __enter__(self):
-        self.counts = Counter()
-        self._tolist = torch.Tensor.tolist
-        torch.Tensor.tolist = lambda t: (self.counts.update(["tolist"]), self._tolist(t))[1]
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.Tensor.tolist = self._tolist
-        return super().__exit__(*exc)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in (aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default):
-            self.counts["item"] += 1
-        elif func in (aten.nonzero.default, aten.masked_select.default):
-            self.counts[func.__name__.split(".")[0]] += 1
-        elif func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default) and any(
-            torch.is_tensor(i) and i.dtype == torch.bool for i in args[1] if i is not None
-        ):
-            self.counts["boolean index"] += 1
-        return func(*args, **(kwargs or {}))
-
-    @property
-    def total(self) -> int:
-        return sum(self.counts.values())
 
 
 def synchronize(device):
@@ -349,7 +312,7 @@ def train_step(device, dtype, small) -> dict:
 @torch.inference_mode()
 def syncs(device, dtype, small) -> dict:
     model = random_model(SMALL if small else SMOLLM2, device, dtype)
-    cache = model.new_cache(4, 128)
+    cache = new_cache(model, 4, 128)
     prefill(model, cache, {b: list(range(1, 60 - b)) for b in range(4)}, 0)
     masks = [model.config.mask_token_id] * 15
     inputs = [[5] * (1 + b % 4) + masks for b in range(4)]  # accepted tokens, then masks
@@ -408,14 +371,14 @@ def smoke_model(folder) -> dict:
                         ffn_dim=128, max_seq_len=512, bos_token_id=tok.bos_id,
                         eos_token_id=tok.eos_id)
     torch.manual_seed(0)
-    M.Transformer(cfg).save_pretrained(folder)
+    save_pretrained(M.Transformer(cfg), folder)
     tok.save_pretrained(folder)
     return {"folder": str(folder), "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads}
 
 
 def compare(folder_a, folder_b) -> dict:
     """Largest difference between the weights of two exported folders, and their dtypes."""
-    a, b = M.read_safetensors(folder_a), M.read_safetensors(folder_b)
+    a, b = read_safetensors(folder_a), read_safetensors(folder_b)
     if a.keys() != b.keys():
         raise ValueError(f"{folder_a} and {folder_b} hold different tensors")
     return {

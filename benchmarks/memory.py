@@ -13,7 +13,7 @@ builds it on one process, with <mask> added as one more row of the embedding and
 
 Training state: mtp.distributed.training_state_bytes of that model. Activations: one micro-batch's
 forward and loss (data.mtp_layout, then distill.mtp_loss, or for the adapter
-distill.gated_mtp_loss, whose gradient pass runs over the mask slots alone) run on the meta
+adapter.gated_mtp_loss, whose gradient pass runs over the mask slots alone) run on the meta
 device, adding up every tensor saved for backward: what the step holds when its backward
 starts. The paper's step by default (8 rows of 160 tokens, k = k_max = 16, the longest layout a
 step draws, 5 regions).
@@ -53,9 +53,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mtp.cli import CliError, Parser, number, output_folder, positive_int, run_cli  # noqa: E402
 from data import default_n_regions, mtp_layout  # noqa: E402
-from distill import frozen_teacher, gated_mtp_loss, mtp_loss  # noqa: E402
-from model import (ADAPTER_TARGETS, ModelConfig, Transformer,  # noqa: E402
-                   add_mask_adapter, atomic_save, write_json)
+from adapter import ADAPTER_TARGETS, add_mask_adapter, gated_mtp_loss  # noqa: E402
+from distill import frozen_teacher, mtp_loss  # noqa: E402
+from model import ModelConfig, Transformer  # noqa: E402
+from mtp.hf import atomic_save, write_json  # noqa: E402
 from mtp.distributed import training_state_bytes  # noqa: E402
 
 aten = torch.ops.aten
@@ -110,7 +111,7 @@ def student_and_teacher(cfg: ModelConfig, mode: str, rank: int, device="meta"):
 class Answers(TorchDispatchMode):
     """What the losses ask of tensor values, answered for meta tensors (which have none): the rows
     that hold <mask> (the adapter's gate: n_mask of them), and what they read on the host: the
-    statistics and a fresh KV cache's lengths (zeros)."""
+    statistics and a fresh KV cache's lengths (zeros), and whether the cache overflows (no)."""
 
     def __init__(self, n_mask: int):
         super().__init__()
@@ -120,6 +121,8 @@ class Answers(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is aten.nonzero.default and args[0].is_meta:
             return torch.empty(self.n_mask, 1, dtype=torch.long, device="meta")
+        if func is aten._local_scalar_dense.default and args[0].is_meta:
+            return False
         to_host = kwargs.get("device") == torch.device("cpu")
         if func is aten._to_copy.default and args[0].is_meta and to_host:
             return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)

@@ -24,10 +24,11 @@ from pathlib import Path
 
 import torch
 
-from confadapt import DecodeConfig, accept_confadapt, generate
+from confadapt import DecodeConfig, accept_confadapt
 from mtp.tokenizer import prompt_tokens
 from tasks.word_problems import domain_prompts
-from model import write_json
+from mtp.engine import generate
+from mtp.hf import write_json
 from mtp.cli import read_rows
 from mtp.finetune_cli import load_for_inference, model_name
 

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 
+from adapter import is_adapter_folder, load_mask_adapter, read_adapter_config
+from model import add_mask_token
+from mtp.hf import from_pretrained
 from mtp.tokenizer import FORMATS, Tokenizer, default_format, end_token, prompt_tokens
-from model import (Transformer, add_mask_token, is_adapter_folder, load_mask_adapter,
-                   read_adapter_config)
 
 
 # --- one-line errors ---
@@ -250,7 +251,7 @@ def load_model(path, device="cpu", dtype=torch.float32):
     model folder, or of a gated mask adapter folder: its base model with <mask>
     added, then the adapter."""
     base = base_folder(path)
-    model = Transformer.from_pretrained(base, device=device, dtype=dtype)
+    model = from_pretrained(base, device=device, dtype=dtype)
     tokenizer = load_tokenizer(base)
     if base != path:
         add_mask_token(model, tokenizer)

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from distill import frozen_teacher
-from model import Transformer, add_mask_adapter
+from adapter import add_mask_adapter
+from model import Transformer
 from mtp.cli import parse_device, parse_dtype
 
 

@@ -19,8 +19,9 @@ import torch
 
 from mtp.tokenizer import default_format, end_token, FORMATS
 from tasks.word_problems import DOMAINS
-from distill import MODES
-from model import ADAPTER_TARGETS, read_model_config
+from distill import LOSSES
+from adapter import ADAPTER_TARGETS
+from mtp.hf import read_model_config
 from mtp.cli import (CliError, Parser, base_folder, count, input_path, load_model, number,
                      output_folder, parse_device, parse_dtype, positive_float, positive_int,
                      probability, stop_ids_of)
@@ -112,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--seed", type=count, default=0,
                    help="data order and every step's k and offset")
     m = t.add_argument_group("multi-token prediction")
-    m.add_argument("--mode", default="hard", choices=MODES,
+    m.add_argument("--mode", default="hard", choices=LOSSES,
                    help="hard / soft: self-distillation; gt: naive ablation")
     m.add_argument("--k-max", type=number(int, 2), default=16,
                    help="k is drawn uniformly from [2, k_max] every step")

@@ -8,7 +8,9 @@ at the end of a run.
 matplotlib is imported inside each function, so a run that draws nothing never loads it."""
 import os
 
-from confadapt import DecodeConfig, chunk_texts, generate, save_chunks_png
+from confadapt import DecodeConfig
+from mtp.chunks import chunk_texts, save_chunks_png
+from mtp.engine import generate
 from tasks.toy import BRANCHING_TASKS, TOY_TASKS, encode_example, heldout_examples
 
 # How the figures draw each model (in this order) and each decoding

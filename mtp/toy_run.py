@@ -12,7 +12,8 @@ from typing import NamedTuple
 
 import torch
 
-from model import ModelConfig, Transformer, atomic_save, read_json
+from model import ModelConfig, Transformer
+from mtp.hf import atomic_save, read_json, save_pretrained
 from mtp.cli import CliError, format_seconds, output_folder, read_checkpoint
 from tasks.toy import BRANCHING_TASKS
 
@@ -82,7 +83,7 @@ def export_hf(path: str, out: str, done: dict, tokenizers: dict):
                        f"settings; run the same command without --export-hf first")
     output_folder(path, "--export-hf")
     for phase, tokenizer in tokenizers.items():
-        done[phase].model.save_pretrained(os.path.join(path, phase))
+        save_pretrained(done[phase].model, os.path.join(path, phase))
         tokenizer.save_pretrained(os.path.join(path, phase))
     *first, last = [f"{path}/{phase}" for phase in tokenizers]
     print(f"exported {', '.join(first)} and {last} (Hugging Face layout)")

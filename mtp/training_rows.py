@@ -15,10 +15,11 @@ from pathlib import Path
 
 import torch
 
-from confadapt import DecodeConfig, generate
+from confadapt import DecodeConfig
 from mtp.tokenizer import end_token, padding_token, prompt_tokens
 from tasks.word_problems import domain_prompts
-from model import atomic_save
+from mtp.engine import generate
+from mtp.hf import atomic_save
 from mtp.cli import fields_of, read_rows
 from mtp.finetune_cli import load_for_inference
 

@@ -28,6 +28,7 @@ from mtp.cli import (CliError, Parser, Progress, count, format_seconds,  # noqa:
 from model import ModelConfig, Transformer  # noqa: E402
 from tasks.word_problems import (word_problem_batch, word_problem_tokenizer,  # noqa: E402
                                  write_word_problems)
+from mtp.hf import save_pretrained  # noqa: E402
 
 
 @dataclass
@@ -132,7 +133,7 @@ def word_problem_base(args, cfg: BaseConfig, device) -> dict:
     model = train(Transformer(config).to(device), cfg, tokenizer, pairs, device)
 
     # 3. saved in Hugging Face layout, with the tokenizer
-    model.save_pretrained(base)
+    save_pretrained(model, base)
     tokenizer.save_pretrained(base)
     seconds = time.perf_counter() - start
     print(f"== done in {format_seconds(seconds)}: {base} (Hugging Face layout); next: "

@@ -26,10 +26,11 @@ import statistics
 import sys
 from pathlib import Path
 
-from confadapt import DecodeConfig, decode_modes, generate
+from confadapt import DecodeConfig, decode_modes
 from mtp.tokenizer import prompt_tokens, start_tokens, Tokenizer
 from tasks.word_problems import PROMPTS
-from model import atomic_save, write_json
+from mtp.engine import generate
+from mtp.hf import atomic_save, write_json
 from mtp.cli import Progress, format_seconds, provenance, read_rows
 from mtp.finetune_cli import load_for_inference, model_name
 

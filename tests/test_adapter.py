@@ -13,14 +13,16 @@ import torch
 from safetensors.torch import load_file
 
 import confadapt
-from mtp.cli import load_model
-from confadapt import DecodeConfig, generate
+from confadapt import DecodeConfig
 from data import MASK, mtp_layout
 from tasks.word_problems import word_problem_tokenizer
-from distill import adapter_off_teacher, frozen_teacher, gated_mtp_loss, mtp_loss
-from model import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, KVCache, ModelConfig, Transformer,
-                   adapter_state, add_mask_adapter, add_mask_token,
-                   load_mask_adapter, save_mask_adapter)
+from adapter import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_off_teacher, adapter_state,
+                     add_mask_adapter, gated_mtp_loss, load_mask_adapter, save_mask_adapter)
+from distill import frozen_teacher, mtp_loss
+from model import KVCache, ModelConfig, Transformer, add_mask_token
+from mtp.cli import load_model
+from mtp.engine import cached_forward, generate, new_cache
+from mtp.hf import from_pretrained, save_pretrained
 
 # conftest.py
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -109,11 +111,11 @@ def test_ordinary_positions_of_cached_ragged_passes_are_the_untuned_models():
     feeding different numbers: the cache entries and logits of the accepted
     tokens are the untuned model's."""
     untuned, adapted = untuned_and_adapted()
-    caches = [m.new_cache(3, 64) for m in (untuned, adapted)]
+    caches = [new_cache(m, 3, 64) for m in (untuned, adapted)]
     prompts = torch.randint(1, MASK_ID, (3, 7),
                             generator=torch.Generator().manual_seed(2))
     for model, cache in zip((untuned, adapted), caches):
-        model(prompts, cache=cache)
+        cached_forward(model, prompts, cache)
 
     # (accepted per row, masks)
     passes = [([2, 3, 1], 4), ([1, 2, 2], 3)]
@@ -123,7 +125,7 @@ def test_ordinary_positions_of_cached_ragged_passes_are_the_untuned_models():
         for row, n in enumerate(accepted):
             fed[row, n:n + n_mask] = MASK_ID
             n_tokens.append(n + n_mask)
-        outs = [m(fed, cache=c, n_tokens=n_tokens)
+        outs = [cached_forward(m, fed, c, n_tokens=n_tokens)
                 for m, c in zip((untuned, adapted), caches)]
         for row, n in enumerate(accepted):
             assert torch.equal(outs[0][row, :n], outs[1][row, :n])
@@ -253,7 +255,7 @@ def test_greedy_and_lossless_print_the_untuned_models_greedy_tokens(batch_size):
 def test_save_and_load_round_trip(tmp_path):
     untuned, adapted = untuned_and_adapted(targets=("wv", "up"))
     base = tmp_path / "base"
-    untuned.save_pretrained(base)
+    save_pretrained(untuned, base)
     folder = tmp_path / "adapter"
     save_mask_adapter(adapted, folder, base)
     assert (sorted(p.name for p in folder.iterdir())
@@ -264,7 +266,7 @@ def test_save_and_load_round_trip(tmp_path):
     config = json.loads((folder / ADAPTER_CONFIG).read_text())
     assert config["adapter_type"] == "gated-mask-lora"
     assert config["base_model"] == "../base"
-    loaded = load_mask_adapter(Transformer.from_pretrained(base), folder)
+    loaded = load_mask_adapter(from_pretrained(base), folder)
     b = packed_batch()
     assert torch.equal(packed_logits(loaded, b), packed_logits(adapted, b))
 
@@ -278,7 +280,7 @@ def test_load_model_reads_base_and_adapter(tmp_path, capsys):
     cfg = ModelConfig(vocab_size=tok.n_vocab, dim=32, n_layers=2, n_heads=4,
                       n_kv_heads=2, ffn_dim=48)
     base = Transformer(cfg).eval()
-    base.save_pretrained(tmp_path / "base")
+    save_pretrained(base, tmp_path / "base")
     tok.save_pretrained(tmp_path / "base")
     tuned = copy.deepcopy(base)
     mask_id = add_mask_token(tuned, copy.deepcopy(tok))
@@ -308,9 +310,9 @@ def test_a_loaded_adapter_stays_float32_on_a_bfloat16_base(tmp_path):
     """The update is computed in float32 and added to the base's bfloat16
     output: close to the float32 model's, and only at the mask rows."""
     untuned, adapted = untuned_and_adapted()
-    untuned.save_pretrained(tmp_path / "base")
+    save_pretrained(untuned, tmp_path / "base")
     save_mask_adapter(adapted, tmp_path / "adapter", tmp_path / "base")
-    base = Transformer.from_pretrained(tmp_path / "base", dtype=torch.bfloat16)
+    base = from_pretrained(tmp_path / "base", dtype=torch.bfloat16)
     loaded = load_mask_adapter(base, tmp_path / "adapter")
     names = adapter_state(loaded)
     dtypes = {n: p.dtype for n, p in loaded.named_parameters()}
@@ -322,7 +324,7 @@ def test_a_loaded_adapter_stays_float32_on_a_bfloat16_base(tmp_path):
     ours = packed_logits(loaded, b)
     assert ours.dtype == torch.bfloat16
     is_mask = b.kind == MASK
-    untuned_bf16 = Transformer.from_pretrained(tmp_path / "base", dtype=torch.bfloat16)
+    untuned_bf16 = from_pretrained(tmp_path / "base", dtype=torch.bfloat16)
     assert torch.equal(ours[~is_mask], packed_logits(untuned_bf16, b)[~is_mask])
     reference = packed_logits(adapted, b)
     assert (ours.float() - reference)[is_mask].abs().max() < 0.1 * reference.abs().max()

@@ -35,6 +35,7 @@ from mtp.cli import parse_device, parse_dtype, provenance, run_cli
 from tasks import gsm8k
 from mtp.tokenizer import Tokenizer, prompt_tokens
 from tasks.word_problems import word_problem_tokenizer, write_word_problems
+from mtp.hf import save_pretrained
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -78,7 +79,7 @@ def write_base_model(folder, logit_scale=1.0):
     model = tiny_model(tok.n_vocab, **ONE_LAYER, **ids)
     with torch.no_grad():
         model.lm_head.weight.mul_(logit_scale)
-    model.save_pretrained(folder)
+    save_pretrained(model, folder)
     tok.save_pretrained(folder)
     generation = json.dumps({"eos_token_id": tok.eos_id}) + "\n"
     (folder / "generation_config.json").write_text(generation)

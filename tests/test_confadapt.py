@@ -1,4 +1,6 @@
-"""confadapt.py: every decoding mode against plain greedy and against its uncached definition.
+"""confadapt.py: every decoding mode against plain greedy and against its uncached definition,
+decoded by both cached decoders: confadapt.generate (the lesson's) and mtp.engine.generate (ragged
+passes and continuous batching, what every command decodes with).
 
 Two tiny models: a random one (weights scaled up so its argmaxes are well separated) and a toy
 MTP model trained here for a few seconds on arithmetic sequences (step 1 or 3, mod 16), so its
@@ -8,6 +10,7 @@ rejected, and ConfAdapt accepts chunks of varying size.
 import copy
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -15,12 +18,12 @@ import torch
 import torch.nn.functional as F
 
 import confadapt
-from confadapt import (DecodeConfig, accept_confadapt, decode_pass, generate, generate_uncached, prefill,
-                       verify_drafts)
+from confadapt import DecodeConfig, accept_confadapt, generate_uncached, verify_drafts
 from model import ModelConfig, Transformer
+from mtp.engine import decode_pass, generate, new_cache, prefill
+from mtp.hf import from_pretrained, save_pretrained
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-import bench_modes  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MASK = 31
 PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13], [4], [20, 21]]     # different lengths on purpose
@@ -117,6 +120,13 @@ def test_bad_settings(random_model, bad):
         generate(random_model, [[1, 2]], 4, bad)
 
 
+def test_greedy_is_static_k_one():
+    assert DecodeConfig("greedy") == DecodeConfig("static", k=1)
+    assert DecodeConfig("static", k=1).describe() == "greedy"
+    assert DecodeConfig("static", k=2).describe() == "static k=2"
+    assert DecodeConfig("greedy").block == 1
+
+
 def test_bad_inputs(random_model):
     with pytest.raises(ValueError, match="mask"):
         generate(_without_mask(random_model), [[1, 2]], 4, DecodeConfig("static", k=2))
@@ -163,23 +173,42 @@ EVERY_MODE = [DecodeConfig("greedy")] + [DecodeConfig("static", k=k) for k in (2
     [DecodeConfig("lossless", k=k) for k in (2, 4, 8)]
 
 
+def lesson_decoder(model, prompts, n, mode, stop_ids, batch_size):
+    """confadapt.generate, batch_size prompts at a time -> ((tokens, chunk sizes) per prompt,
+    None: it counts no passes)."""
+    size = batch_size or len(prompts)
+    out = []
+    for i in range(0, len(prompts), size):
+        out += confadapt.generate(model, prompts[i:i + size], n, mode, stop_ids=stop_ids)
+    return out, None
+
+
+def engine_decoder(model, prompts, n, mode, stop_ids, batch_size):
+    """mtp.engine.generate -> ((tokens, chunk sizes) per prompt, forward passes)."""
+    gens, stats = generate(model, prompts, n, mode, stop_ids=stop_ids, batch_size=batch_size)
+    return [(g.tokens, g.chunk_sizes) for g in gens], stats.forward_passes
+
+
+@pytest.mark.parametrize("decoder", [lesson_decoder, engine_decoder], ids=["lesson", "engine"])
 @pytest.mark.parametrize("mode", EVERY_MODE, ids=lambda m: m.describe())
 @pytest.mark.gpu
-def test_generate_is_the_uncached_definition(random_model, toy_model, mode, device):
-    """generate (KV cache, ragged passes, continuous batching) gives the tokens and chunk sizes of
-    generate_uncached (the definition: one prompt, every pass recomputed), alone and batched."""
+def test_generate_is_the_uncached_definition(random_model, toy_model, mode, decoder, device):
+    """Both cached decoders give the tokens and chunk sizes of generate_uncached (the definition:
+    one prompt, every pass recomputed), alone and batched: confadapt.generate (a KV cache, padded
+    passes) and the engine (ragged passes, continuous batching)."""
     random_model, toy_model = on(device, random_model, toy_model)
     sizes = set()
     for model, prompts in [(random_model, PROMPTS), (toy_model, TOY_PROMPTS)]:
         for stop_ids in [(), {prompts[1][-1], 7}]:
             want = [uncached(model, p, 30, mode, stop_ids) for p in prompts]
             for batch_size in (1, 2, None):
-                gens, stats = generate(model, prompts, 30, mode, stop_ids=stop_ids, batch_size=batch_size)
-                assert [(g.tokens, g.chunk_sizes) for g in gens] == want, batch_size
-                if batch_size == 1:                        # one row at a time: passes add up
-                    assert stats.forward_passes == sum(len(chunks) for _, chunks in want)
+                got, passes = decoder(model, prompts, 30, mode, stop_ids, batch_size)
+                assert got == want, batch_size
+                # the engine, one row at a time: its passes add up
+                if batch_size == 1 and passes is not None:
+                    assert passes == sum(len(chunks) for _, chunks in want)
             sizes |= {n for _, chunks in want for n in chunks[:-1]}
-    if mode.kind in ("greedy", "static"):
+    if mode.kind == "static":
         assert sizes == {mode.block}
     else:                                                  # chunks of varied sizes: the rule was at work
         assert len(sizes) >= min(3, mode.block), sizes
@@ -198,10 +227,12 @@ def test_lossless_is_greedy_on_random_models(random_model, seed, k, device):
     random_model = on(device, random_model)
     torch.manual_seed(seed)
     prompts = [torch.randint(0, 30, (n,)).tolist() for n in (1, 3, 6)]
+    mode = DecodeConfig("lossless", k=k)
     for p in prompts:
-        [gen], stats = generate(random_model, [p], 20, DecodeConfig("lossless", k=k))
+        [gen], stats = generate(random_model, [p], 20, mode)
         assert gen.tokens == uncached(random_model, p, 20)[0]
-        assert stats.forward_passes <= 20
+        # one pass per chunk of the definition: fewer than greedy's 20 where drafts held
+        assert stats.forward_passes == len(uncached(random_model, p, 20, mode)[1])
 
 
 def test_lossless_is_greedy_and_faster_on_a_trained_toy(toy_model):
@@ -224,7 +255,7 @@ def test_cache_after_rollbacks_matches_full_recompute(random_model):
     """Two rows of different lengths: passes with masks, rolled back to different lengths per row,
     then the cached logits of the real continuation equal a full recompute."""
     seqs = [torch.randint(0, 30, (40,), generator=torch.Generator().manual_seed(s)).tolist() for s in (1, 2)]
-    cache = random_model.new_cache(2, 96)
+    cache = new_cache(random_model, 2, 96)
     prefill(random_model, cache, {0: seqs[1][:30], 1: seqs[1][:3]}, MASK)
     prefill(random_model, cache, {0: seqs[0][:8]}, MASK)         # row 0 starts afresh (a prompt joins)
     assert cache.lengths.tolist() == [7, 2]                      # caches 7 and 2 tokens
@@ -305,45 +336,13 @@ def test_generation_stops_at_the_end_of_the_context(random_model):
     for mode in MODES:
         [gen], _ = generate(random_model, [prompt], 50, mode)
         assert len(gen.tokens) == 6
+        [(tokens, _)] = confadapt.generate(random_model, [prompt], 50, mode)
+        assert tokens == gen.tokens
 
 
 # ----------------------------------------------------------------------------------------------
-# Showing the chunks, the benchmark (benchmarks/bench_modes.py), the command line
+# The command line, and the benchmark (benchmarks/bench_modes.py, run as a script)
 # ----------------------------------------------------------------------------------------------
-
-class CharTokenizer:
-    """Token i is the letter chr(97 + i % 26) (enough to render chunks)."""
-
-    def decode(self, ids):
-        return "".join(chr(97 + i % 26) for i in ids)
-
-
-def test_chunk_rendering(tmp_path):
-    texts = confadapt.chunk_texts(CharTokenizer(), [0, 1, 2, 3, 4, 5], [3, 1, 2])
-    assert texts == ["abc", "d", "ef"]
-    plain = confadapt.render_chunks("> ", texts, [3, 1, 2], colour=False)
-    assert plain == "> [abc]₃[d]₁[ef]₂"
-    coloured = confadapt.render_chunks("> ", texts, [3, 1, 2], colour=True)
-    assert coloured.count("\x1b[0m") == 6 and "abc" in coloured
-    path = tmp_path / "chunks.png"
-    confadapt.save_chunks_png(str(path), "> ", texts + ["line\nbreak"], [3, 1, 2, 4], title="test")
-    assert path.stat().st_size > 1000
-
-
-def test_bench_smoke(toy_model):
-    modes = [DecodeConfig("greedy"), DecodeConfig("confadapt", tau=0.9, k_max=8), DecodeConfig("lossless", k=4)]
-    report = bench_modes.bench(toy_model, TOY_PROMPTS, 12, modes, batch_sizes=(1, 2), repeats=1,
-                             latency_sizes=range(1, 4))
-    rows = report["results"]
-    assert len(rows) == 6 and {r["batch_size"] for r in rows} == {1, 2}
-    assert all(r["speedup"] == 1.0 for r in rows if r["kind"] == "greedy")
-    tokens = {(r["batch_size"], r["kind"]): r["tokens"] for r in rows}
-    assert tokens[1, "greedy"] == tokens[2, "greedy"] == tokens[1, "lossless"] == tokens[2, "lossless"]   # same rows
-    assert all(r["equals_greedy"] for r in rows if r["kind"] in ("greedy", "lossless"))
-    assert set(report["latency_seconds"][2]) == {1, 2, 3}
-    assert "speed-up" in bench_modes.format_bench(report)
-    json.dumps(report)
-
 
 @pytest.mark.parametrize("argv, message", [
     (["--tau", "1.5"], "tau"),
@@ -380,7 +379,7 @@ def model_dirs(tmp_path_factory):
         if name == "mtp":
             add_mask_token(model, tok)
         path = tmp_path_factory.mktemp(name)
-        model.save_pretrained(path)
+        save_pretrained(model, path)
         tok.save_pretrained(path)
         dirs[name] = str(path)
     return dirs
@@ -397,7 +396,7 @@ def test_cli_json_matches_generate(model_dirs, capsys):
         assert confadapt.main(["--model", path, "--prompt", "1 2 3", "--max-new-tokens", "9", "--json"] + flags) == 0
         out = json.loads(capsys.readouterr().out)
         assert {"text", "tokens", "forward_passes", "effective_k", "seconds"} <= set(out)
-        model, tok = Transformer.from_pretrained(path), Tokenizer.from_pretrained(path)
+        model, tok = from_pretrained(path), Tokenizer.from_pretrained(path)
         prompt = [tok.bos_id] + tok.encode("1 2 3")
         [gen], _ = generate(model, [prompt], 9, mode, stop_ids=tok.stop_ids)
         assert out["tokens"] == gen.tokens and out["text"] == tok.decode(gen.tokens)
@@ -418,18 +417,48 @@ def test_cli_errors_from_the_model(model_dirs, capsys):
     assert "no mask token" in capsys.readouterr().err
     assert confadapt.main(["--model", model_dirs["plain"], "--prompt", "1 2", "--greedy", "--json",
                            "--max-new-tokens", "3"]) == 0                     # greedy needs no mask
-    assert json.loads(capsys.readouterr().out)["forward_passes"] <= 3
+    out = json.loads(capsys.readouterr().out)
+    # one token a pass
+    assert out["mode"] == "greedy" and out["forward_passes"] == len(out["tokens"]) > 0
+    assert out["chunk_sizes"] == [1] * len(out["tokens"])
     assert confadapt.main(["--model", model_dirs["mtp"], "--prompt", " ".join(["7"] * 60)]) == 2
     err = capsys.readouterr().err
     assert "does not fit the context" in err and err.count("\n") == 1
 
 
-def test_cli_bench_json(model_dirs, capsys):
-    assert bench_modes.main(["--model", model_dirs["mtp"], "--prompt", "1 2 3", "--prompt", "4",
-                           "--max-new-tokens", "6", "--batch-sizes", "1", "2", "--taus", "0.5", "0.9",
-                           "--repeats", "1", "--latency-max", "3", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
-    modes = {r["mode"] for r in report["results"]}
+def bench_modes(*args) -> str:
+    """benchmarks/bench_modes.py run as a script -> its output."""
+    script = os.path.join(ROOT, "benchmarks", "bench_modes.py")
+    run = subprocess.run([sys.executable, script, *args], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
+def test_bench_json(model_dirs):
+    """Every mode at every batch size decodes the same rows; greedy is the speed-up's base, and
+    lossless prints greedy's tokens."""
+    out = bench_modes("--model", model_dirs["mtp"], "--prompt", "1 2 3", "--prompt", "4",
+                      "--max-new-tokens", "6", "--batch-sizes", "1", "2", "--taus", "0.5", "0.9",
+                      "--repeats", "1", "--latency-max", "3", "--json", "--threads", "1")
+    report = json.loads(out)
+    rows = report["results"]
+    modes = {r["mode"] for r in rows}
     assert modes == {"greedy", "static k=4", "confadapt tau=0.5 k_max=16", "confadapt tau=0.9 k_max=16",
                      "lossless k=16"}
-    assert len(report["results"]) == 10 and set(report["latency_seconds"]) == {"1", "2"}
+    assert len(rows) == 10 and {r["batch_size"] for r in rows} == {1, 2}
+    assert set(report["latency_seconds"]) == {"1", "2"}
+    assert set(report["latency_seconds"]["2"]) == {"1", "2", "3"}
+    assert all(r["speedup"] == 1.0 for r in rows if r["kind"] == "greedy")
+    tokens = {(r["batch_size"], r["kind"]): r["tokens"] for r in rows}
+    assert tokens[1, "greedy"] == tokens[2, "greedy"] == tokens[1, "lossless"] == tokens[2, "lossless"]
+    assert all(r["equals_greedy"] for r in rows if r["kind"] in ("greedy", "lossless"))
+
+
+def test_bench_table(model_dirs):
+    out = bench_modes("--model", model_dirs["mtp"], "--prompt", "1 2 3", "--max-new-tokens", "4",
+                      "--batch-sizes", "1", "--taus", "0.9", "--repeats", "1", "--latency-max", "2",
+                      "--threads", "1")
+    assert "speed-up" in out and "forward-pass latency" in out
+    # a header, one line per mode (greedy, static, ConfAdapt, lossless), the latency curve
+    assert len(out.splitlines()) == 1 + 4 + 3

@@ -10,9 +10,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import decode_real  # noqa: E402
 from bench_modes import bench  # noqa: E402
-from confadapt import DecodeConfig, generate  # noqa: E402
-from tasks.word_problems import word_problem_tokenizer  # noqa: E402
-from model import Transformer  # noqa: E402
+from confadapt import DecodeConfig  # noqa: E402
+from tasks.word_problems import word_problem_tokenizer
+from mtp.engine import generate  # noqa: E402
+from mtp.hf import from_pretrained  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")            # conftest.py
 
@@ -75,7 +76,7 @@ def test_benchmark_runs_end_to_end(tiny_dir, tmp_path, capsys):
 
 def test_equals_greedy_catches_a_wrong_token(tiny_dir, tmp_path, monkeypatch):
     """Output that differs from greedy's in one token is reported as such, in bench and in the table."""
-    model = Transformer.from_pretrained(tiny_dir)
+    model = from_pretrained(tiny_dir)
 
     def corrupted(rows, n, bs):
         gens, stats = generate(model, rows, n, DecodeConfig("greedy"), batch_size=bs)
@@ -143,9 +144,10 @@ def test_benchmark_reads_a_gated_adapter_and_compares_with_the_untuned_base(tiny
     """On an adapter folder, transformers decodes the untuned base, and our greedy and lossless
     modes (base + adapter) print exactly its greedy text."""
     from mtp.cli import load_tokenizer
-    from model import add_mask_adapter, add_mask_token, save_mask_adapter
+    from adapter import add_mask_adapter, save_mask_adapter
+    from model import add_mask_token
 
-    model = Transformer.from_pretrained(tiny_dir)
+    model = from_pretrained(tiny_dir)
     add_mask_token(model, load_tokenizer(tiny_dir))
     add_mask_adapter(model, rank=2, alpha=4.0)
     with torch.no_grad():

@@ -23,10 +23,10 @@ from safetensors.torch import load_file
 import finetune_hf
 from mtp.cli import read_rows
 from mtp.finetune_cli import MODEL_CARD_TAGS, build_parser
-from model import Transformer
 from mtp.tokenizer import (QWEN2_PATTERN, Tokenizer, prompt_tokens, response_tokens,
                            training_sequences)
 from tasks.word_problems import word_problem_batch, word_problem_tokenizer, write_word_problems
+from mtp.hf import from_pretrained
 
 REPO = Path(__file__).resolve().parents[1]
 # float32: the comparisons are exact.
@@ -182,7 +182,7 @@ def test_the_export_loads_in_transformers_with_mask_and_gives_our_logits(full_ru
     assert hf_tok.convert_tokens_to_ids("<mask>") == mask_id == word_problem_tokenizer().n_vocab
     assert hf_tok("3 apples <mask>")["input_ids"][-1] == mask_id
     hf = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
-    ours = Transformer.from_pretrained(final)
+    ours = from_pretrained(final)
     x = torch.tensor([hf_tok("Tom has 3 apples.<mask><mask>")["input_ids"]])
     torch.testing.assert_close(hf(x).logits, ours(x),
                                atol=1e-5, rtol=1e-4)
@@ -303,7 +303,7 @@ def test_qwen3_tied_checkpoint_reuses_a_spare_row_and_uses_the_qwen_recipe(tmp_p
     assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
     ids = [n] + tok.encode("Tom has 3 apples.\n\n") + [n + 3, n + 3]
     x = torch.tensor([ids])
-    ours = Transformer.from_pretrained(out / "final")
+    ours = from_pretrained(out / "final")
     torch.testing.assert_close(hf(x).logits, ours(x),
                                atol=1e-5, rtol=1e-4)
 
@@ -370,7 +370,7 @@ def adapter_resumed(one_thread_for_module, tiny_hf, tmp_path_factory):
 def test_gated_adapter_final_holds_the_trained_adapter_alone(adapter_run):
     """final/ holds the adapter's config and weights and a card: the low-rank updates and
     the <mask> embedding, which training changed."""
-    from model import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+    from adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
     final = adapter_run[0] / "final"
     files = sorted(p.name for p in final.iterdir())
     assert files == sorted([ADAPTER_CONFIG, ADAPTER_WEIGHTS, "README.md"])
@@ -407,7 +407,7 @@ def test_gated_adapter_resumes_only_with_its_own_settings(adapter_resumed):
 
 
 def test_gated_adapter_resumed_equals_uninterrupted(adapter_run, adapter_resumed):
-    from model import ADAPTER_WEIGHTS
+    from adapter import ADAPTER_WEIGHTS
     saved = load_file(str(adapter_run[0] / "final" / ADAPTER_WEIGHTS))
     resumed = load_file(str(adapter_resumed[0] / "final" / ADAPTER_WEIGHTS))
     assert saved.keys() == resumed.keys()
@@ -415,7 +415,7 @@ def test_gated_adapter_resumed_equals_uninterrupted(adapter_run, adapter_resumed
 
 
 def test_gated_adapter_export_writes_the_adapter_again(adapter_run, tmp_path):
-    from model import ADAPTER_WEIGHTS
+    from adapter import ADAPTER_WEIGHTS
     full, _ = adapter_run
     export(full, tmp_path / "exp")
     saved = load_file(str(full / "final" / ADAPTER_WEIGHTS))
@@ -461,7 +461,7 @@ def test_gated_adapter_refuses_the_prefix_loss_and_an_adapter_as_base(tiny_hf, t
 def test_gated_adapter_under_fsdp2_on_two_cpu_processes_matches_one_process(tiny_hf, tmp_path):
     """The adapter sharded over 2 processes x micro-batch 1 trains what 1 process x
     micro-batch 4 does."""
-    from model import ADAPTER_WEIGHTS
+    from adapter import ADAPTER_WEIGHTS
     adapter = ["--adapter", "gated-lora", "--adapter-rank", "4", "--steps", "3"]
     single = tmp_path / "single"
     sharded = tmp_path / "fsdp"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import finetune_hf
-from confadapt import Generation
+from mtp.engine import Generation
 from tasks.word_problems import word_problem_tokenizer
 from tasks import gsm8k
 

@@ -12,10 +12,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import finetune_hf  # noqa: E402
 import memory  # noqa: E402
-from data import mtp_layout  # noqa: E402
-from tasks.word_problems import word_problem_tokenizer  # noqa: E402
-from distill import gated_mtp_loss, mtp_loss  # noqa: E402
-from model import ADAPTER_TARGETS, ModelConfig, Transformer  # noqa: E402
+from data import mtp_layout
+from tasks.word_problems import word_problem_tokenizer
+from adapter import ADAPTER_TARGETS, gated_mtp_loss  # noqa: E402
+from distill import mtp_loss  # noqa: E402
+from model import ModelConfig, Transformer  # noqa: E402
+from mtp.hf import save_pretrained  # noqa: E402
 from mtp.distributed import Dist  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")            # conftest.py
@@ -54,7 +56,7 @@ def test_the_training_state_is_the_bytes_of_a_student_built_by_finetune_hf(mode,
     scalar each) then hold exactly the bytes the table gives for the same config on meta."""
     tok = word_problem_tokenizer()
     cfg = tiny_config(vocab_size=tok.n_vocab)
-    Transformer(cfg).save_pretrained(tmp_path)
+    save_pretrained(Transformer(cfg), tmp_path)
     tok.save_pretrained(tmp_path)
     adapter = "none" if mode == "full" else "gated-lora"
     args = argparse.Namespace(model=str(tmp_path), adapter=adapter, adapter_rank=RANK,

@@ -1,21 +1,20 @@
-"""model.py against the transformers reference, on tiny random
-checkpoints the tests write.
+"""model.py: attention against its definition, the KV cache against a full
+recompute, and the whole model against the transformers reference.
 
-Nothing is downloaded: each test builds a random Llama-3-style or
-Qwen3-style model with transformers, saves it in the Hugging Face layout
-(single file or sharded), loads it with `Transformer.from_pretrained`
-and compares logits and greedy continuations.
+The reference tests need transformers (they are skipped without it) and
+download nothing: each builds a random Llama-3-style, Qwen3-style or
+Qwen2-style model with transformers, saves it in the Hugging Face layout
+(single file or sharded), loads it with mtp.hf.from_pretrained and compares
+logits and greedy continuations.
 """
-import json
 import os
 
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-
-from model import (KVCache, ModelConfig, Transformer, add_mask_token, attend,  # noqa: E402
-                   config_from_hf, CachedPass, ragged_cells, rope_inv_freq)
+from model import ModelConfig, Transformer, attend, rope_inv_freq
+from mtp.engine import cached_forward, new_cache
+from mtp.hf import from_pretrained
 
 # The shape every tiny checkpoint shares; each architecture adds its own fields.
 TINY = dict(
@@ -59,6 +58,9 @@ QWEN2 = dict(
 
 
 def hf_model(fields: dict, seed=0):
+    """A random transformers model of this config (the test is skipped without
+    transformers)."""
+    transformers = pytest.importorskip("transformers")
     fields = dict(fields)
     config = transformers.AutoConfig.for_model(fields.pop("model_type"),
                                                **fields)
@@ -96,7 +98,7 @@ def test_logits_and_greedy_match_transformers(tmp_path, fields, shard, device):
                         max_shard_size="40KB" if shard else "5GB")
     files = os.listdir(tmp_path)
     assert ("model.safetensors.index.json" in files) == shard
-    ours = Transformer.from_pretrained(tmp_path, device=device)
+    ours = from_pretrained(tmp_path, device=device)
     ref.to(device)
 
     # 200 positions: well past original_max_position_embeddings (64), where
@@ -130,8 +132,8 @@ def test_bfloat16_is_as_close_to_float32_as_transformers(tmp_path, fields, devic
     with torch.no_grad():
         exact = ref.to(device)(tokens).logits
         theirs = ref.to(torch.bfloat16)(tokens).logits.float()
-        ours = Transformer.from_pretrained(tmp_path, device=device,
-                                           dtype=torch.bfloat16)(tokens).float()
+        ours = from_pretrained(tmp_path, device=device,
+                               dtype=torch.bfloat16)(tokens).float()
     their_err = (theirs - exact).abs().mean()
     our_err = (ours - exact).abs().mean()
     assert 0 < our_err <= 1.5 * their_err, (our_err, their_err)
@@ -192,7 +194,8 @@ def every_attention_path(model: Transformer) -> list[torch.Tensor]:
     """Logits and gradients of each way the model calls attention: the
     packed training layout (a boolean mask, forward and backward),
     causal training, a cached prefill, a cached pass of several tokens,
-    a ragged pass and a one-token prompt (a key length of 1)."""
+    a one-token prompt (a key length of 1), and the engine's passes
+    (mtp/engine.py), plain and ragged."""
     from data import mtp_layout
 
     model.zero_grad()
@@ -207,13 +210,16 @@ def every_attention_path(model: Transformer) -> list[torch.Tensor]:
            model.tok_emb.weight.grad]
     with torch.no_grad():
         cache = model.new_cache(2, 64)
-        # a prefill, 4 cached tokens, a ragged pass
+        # a prefill, 4 cached tokens
         out.append(model(seqs[:, :10], cache=cache))
         out.append(model(seqs[:, 10:14], cache=cache))
-        out.append(model(seqs[:, 14:20], cache=cache,
-                         n_tokens=[6, 2]))
         # a one-token prompt
         out.append(model(seqs[:1, :1], cache=model.new_cache(1, 8)))
+        # the engine: a prefill, a ragged pass
+        cache = new_cache(model, 2, 64)
+        out.append(cached_forward(model, seqs[:, :10], cache))
+        out.append(cached_forward(model, seqs[:, 10:16], cache,
+                                  n_tokens=[6, 2]))
     return out
 
 
@@ -245,16 +251,6 @@ def test_casting_the_model_keeps_rope_frequencies_in_float32():
     assert model.tok_emb.weight.dtype == torch.bfloat16
     assert model.inv_freq.dtype == torch.float32
     assert torch.equal(model.inv_freq, rope_inv_freq(cfg))
-
-
-def test_older_and_newer_config_styles_agree():
-    old = dict(LLAMA3, torch_dtype="bfloat16")
-    new = {k: v for k, v in LLAMA3.items()
-           if k not in ("rope_theta", "rope_scaling")}
-    new.update(dtype="bfloat16",
-               rope_parameters={**LLAMA3["rope_scaling"], "rope_theta": 500000.0})
-    assert config_from_hf(old) == config_from_hf(new)
-    assert config_from_hf(old).rope_scaling["factor"] == 8.0
 
 
 def small_random_model() -> Transformer:
@@ -300,103 +296,6 @@ def test_kv_cache_matches_full_recompute(device):
         assert cache.lengths.tolist() == [13, 9]
 
 
-@pytest.mark.gpu
-def test_ragged_pass_matches_full_recompute_and_caches_only_real_tokens(device):
-    """n_tokens: each row feeds its own number of tokens; the padding is
-    neither computed nor cached."""
-    model = small_random_model().to(device)
-    seq = torch.randint(0, 97, (3, 40)).to(device)
-    with torch.no_grad():
-        full = model(seq)
-        cache = model.new_cache(3, 64)
-        done = [0, 0, 0]
-        for feed in ([5, 1, 9], [3, 7, 0], [1, 12, 4], [9, 2, 2]):
-            T = max(feed)
-            # 96: padding
-            tokens = torch.full((3, T), 96, device=device)
-            for b, n in enumerate(feed):
-                tokens[b, :n] = seq[b, done[b]:done[b] + n]
-            # the padding's outputs repeat the last real one
-            want = [list(range(n)) + [max(n - 1, 0)] * (T - n)
-                    for n in feed]
-            got = model(tokens, cache=cache, n_tokens=feed,
-                        output_index=torch.tensor(want, device=device))
-            for b, n in enumerate(feed):
-                assert torch.allclose(got[b, :n], full[b, done[b]:done[b] + n],
-                                      atol=1e-5)
-                done[b] += n
-            # advanced by the real tokens only
-            assert cache.lengths.tolist() == done
-
-        # Without output_index: (B, T, V), real positions right (the padding's
-        # logits are meaningless). A tensor n_tokens works too.
-        tokens = torch.stack([seq[b, n:n + 2]
-                              for b, n in enumerate(done)])
-        got = model(tokens, cache=cache,
-                    n_tokens=torch.tensor([2, 1, 2], device=device))
-        for b, n in enumerate([2, 1, 2]):
-            assert torch.allclose(got[b, :n], full[b, done[b]:done[b] + n],
-                                  atol=1e-5)
-    with pytest.raises(ValueError, match="needs a KV cache"):
-        model(seq, n_tokens=torch.tensor([1, 2, 3]))
-
-
-def test_cached_passes_reading_whole_key_blocks_match_full_recompute():
-    """On a GPU a cached pass reads the key slots in blocks of 64
-    (KVCache.key_block), so the attention shapes change once per block:
-    the unwritten slots it reads must change nothing."""
-    model = small_random_model()
-    seq = torch.randint(0, 97, (3, 40))
-    with torch.no_grad():
-        full = model(seq)
-        cache = model.new_cache(3, 100)
-        cache.key_block = 64
-        assert CachedPass(cache, 5).S == 64
-        assert CachedPass(cache, 99).S == 100
-        done = [0, 0, 0]
-        for feed in ([5, 1, 9], [3, 7, 0], [1, 12, 4], [9, 2, 2]):
-            T = max(feed)
-            tokens = torch.zeros(3, T, dtype=torch.long)
-            for b, n in enumerate(feed):
-                tokens[b, :n] = seq[b, done[b]:done[b] + n]
-            got = model(tokens, cache=cache, n_tokens=feed)
-            for b, n in enumerate(feed):
-                want = full[b, done[b]:done[b] + n]
-                torch.testing.assert_close(got[b, :n], want,
-                                           atol=1e-5, rtol=1e-5)
-                done[b] += n
-        assert cache.lengths.tolist() == done
-
-
-def test_a_ragged_pass_reads_the_device_once_whatever_the_depth():
-    """Ragged decoding builds its index tensors once per pass from
-    host-side lengths: the host waits for the device a fixed number of
-    times per pass, not several times per layer."""
-    from benchmarks.gpu_figures import HostSyncs
-
-    counts = []
-    for n_layers in (1, 6):
-        torch.manual_seed(0)
-        model = Transformer(ModelConfig(vocab_size=50, dim=32,
-                                        n_layers=n_layers, n_heads=4,
-                                        n_kv_heads=2, ffn_dim=64)).eval()
-        cache = model.new_cache(3, 64)
-        with torch.no_grad():
-            model(torch.randint(0, 50, (3, 10)), cache=cache,
-                  n_tokens=[10, 4, 7])
-            with HostSyncs() as syncs:
-                model(torch.randint(0, 50, (3, 6)), cache=cache,
-                      n_tokens=[6, 0, 2])
-        counts.append(syncs.total)
-    # cache.lengths, read once
-    assert counts[0] == counts[1] == 1, counts
-
-
-def test_ragged_cells_is_its_worked_example():
-    cells = ragged_cells([3, 5, 4], fed=[2, 0, 1], T=2)
-    assert cells == ([0, 2], [0, 0, 2], [3, 4, 4], [0, 1, 2], [0, 1, 4])
-
-
 def test_positions_and_mask_arguments():
     """Explicit positions and masks: a shifted sequence with shifted
     positions gives the same logits as the original, and a block mask
@@ -425,140 +324,23 @@ def test_positions_and_mask_arguments():
                               atol=1e-6)
 
 
-class _Vocab:
-    """The bit of the tokenizer interface add_mask_token uses."""
-
-    def __init__(self, n):
-        self.n_vocab = n
-        self.special_tokens = {}
-
-    def add_special_token(self, text, token_id=None):
-        token_id = self.n_vocab if token_id is None else token_id
-        self.special_tokens[text] = token_id
-        self.n_vocab = max(self.n_vocab, token_id + 1)
-        return token_id
-
-
-@pytest.mark.parametrize("fields", [LLAMA3, QWEN3],
-                         ids=["llama3-grow", "qwen3-spare-row"])
-def test_export_with_mask_token_loads_in_transformers(tmp_path, fields):
-    ref = hf_model(fields)
-    ref.save_pretrained(tmp_path / "base")
-    ours = Transformer.from_pretrained(tmp_path / "base")
-    # Llama: the tokenizer fills the matrix, so the matrix grows. Qwen: spare
-    # rows beyond the tokenizer (like Qwen3-4B's 151669..151935) are reused.
-    llama = fields is LLAMA3
-    n_vocab = 320 if llama else 300
-    vocab = _Vocab(n_vocab)
-    mask_id = add_mask_token(ours, vocab)
-    assert mask_id == n_vocab
-    assert ours.config.vocab_size == (321 if llama else 320)
-    row = ours.tok_emb.weight[mask_id]
-    emb = ours.tok_emb.weight[:mask_id]
-    assert torch.isfinite(row).all()
-    assert 0.3 < row.std() / emb.std() < 3
-    # idempotent
-    assert add_mask_token(ours, vocab) == mask_id
-
-    # Llama: sharded, Qwen: one file, over an earlier save's shards
-    mtp = tmp_path / "mtp"
-    mtp.mkdir()
-    stale = "model-00001-of-00009.safetensors"
-    (mtp / stale).write_text("an earlier save's shard")
-    shard = {"max_shard_bytes": 40_000} if llama else {}
-    ours.save_pretrained(mtp, **shard)
-    files = sorted(f for f in os.listdir(mtp)
-                   if f.startswith("model"))
-    assert ("model.safetensors.index.json" in files) == llama
-    assert stale not in files
-    assert len(files) > 5 if llama else files == ["model.safetensors"]
-    config = json.load(open(mtp / "config.json"))
-    assert config["mask_token_id"] == mask_id
-
-    back = transformers.AutoModelForCausalLM.from_pretrained(mtp).eval()
-    tokens = torch.tensor([[1, 2, 3, mask_id, mask_id, 7, 8, mask_id]])
-    with torch.no_grad():
-        diff = back(tokens).logits - ours(tokens)
-        assert diff.abs().max() <= 1e-4
-    again = Transformer.from_pretrained(mtp)
-    assert again.config.mask_token_id == mask_id
-
-
-# ---- bad input: one clear error, never a wrong model ------------------------------
-
-@pytest.fixture
-def llama_dir(tmp_path):
-    hf_model(LLAMA3).save_pretrained(tmp_path)
-    return tmp_path
-
-
-def _edit_config(edit):
-    def apply(path):
-        cfg = json.load(open(path / "config.json"))
-        edit(cfg)
-        json.dump(cfg, open(path / "config.json", "w"))
-    return apply
-
-
-def _edit_tensors(edit):
-    def apply(path):
-        from safetensors.torch import load_file, save_file
-        tensors = load_file(path / "model.safetensors")
-        edit(tensors)
-        save_file(tensors, path / "model.safetensors")
-    return apply
-
-
-def _truncate(path):
-    data = (path / "model.safetensors").read_bytes()
-    (path / "model.safetensors").write_bytes(data[: len(data) // 2])
-
-
-# what is wrong -> (how to break a good folder, error, message)
-BAD_FOLDERS = {
-    "no config": (
-        lambda path: (path / "config.json").unlink(),
-        FileNotFoundError,
-        "no model config at"),
-    "unknown model type": (
-        _edit_config(lambda c: c.update(model_type="gpt2")),
-        ValueError,
-        "unsupported model_type 'gpt2'"),
-    "malformed config": (
-        lambda path: (path / "config.json").write_text("{not json"),
-        ValueError,
-        "malformed JSON"),
-    "missing tensor": (
-        _edit_tensors(lambda t: t.pop("model.layers.1.mlp.up_proj.weight")),
-        ValueError,
-        r"missing model\.layers\.1\.mlp\.up_proj\.weight$"),
-    "unexpected tensors": (
-        _edit_tensors(lambda t: t.update({n: torch.ones(1) for n in "dcba"})),
-        ValueError,
-        r"unexpected a, b, c and 1 more$"),
-    "misshaped tensor": (
-        _edit_tensors(lambda t: t.update({"model.norm.weight": torch.ones(63)})),
-        ValueError,
-        r"wrong shape model\.norm\.weight \[63\] \(expected \[64\]\)$"),
-    "truncated weights": (_truncate, ValueError, "truncated or corrupt"),
-}
-
-
-@pytest.mark.parametrize("case", BAD_FOLDERS)
-def test_a_bad_checkpoint_is_one_clear_error(llama_dir, case):
-    """Never a wrong model and never a traceback: one line that names
-    the problem."""
-    breaks, error, message = BAD_FOLDERS[case]
-    breaks(llama_dir)
-    with pytest.raises(error, match=message) as err:
-        Transformer.from_pretrained(llama_dir)
-    assert "\n" not in str(err.value)
-
-
 def test_cache_overflow_is_an_error():
+    """A pass that does not fit is refused before anything is stored; one
+    that fills the cache exactly fits."""
     model = Transformer(ModelConfig(vocab_size=20, dim=16, n_layers=1, n_heads=2,
                                     n_kv_heads=2, ffn_dim=32))
     cache = model.new_cache(1, 8)
-    with pytest.raises(ValueError, match="KV cache overflow"):
+    with pytest.raises(ValueError, match="KV cache overflow: 9 slots needed"):
         model(torch.zeros(1, 9, dtype=torch.long), cache=cache)
-    assert isinstance(cache, KVCache)
+    assert cache.lengths.tolist() == [0]
+    model(torch.zeros(1, 8, dtype=torch.long), cache=cache)
+    assert cache.lengths.tolist() == [8]
+
+
+def test_a_cache_and_a_mask_are_one_too_many():
+    """With a cache, attention is causal by slot: an attn_mask is refused."""
+    model = small_random_model()
+    mask = torch.ones(3, 3, dtype=torch.bool).tril()
+    with pytest.raises(ValueError, match="cannot be combined with a KV cache"):
+        model(torch.zeros(1, 3, dtype=torch.long), attn_mask=mask,
+              cache=model.new_cache(1, 8))

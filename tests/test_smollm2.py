@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from confadapt import DecodeConfig, generate
-from mtp.tokenizer import CHATML_SYSTEM, Tokenizer, prompt_tokens
+from confadapt import DecodeConfig
+from mtp.tokenizer import CHATML_SYSTEM, prompt_tokens, Tokenizer
 from tasks.word_problems import domain_prompts
-from model import Transformer
+from mtp.engine import generate
+from mtp.hf import from_pretrained, save_pretrained
 
 REPO = Path(__file__).resolve().parents[1]
 SMOLLM2 = REPO / "models" / "smollm2"
@@ -28,7 +29,7 @@ CHAT = ["What is the capital of France?", domain_prompts("word_problems", 1, "te
 
 @pytest.fixture(scope="module")
 def ours():
-    return Transformer.from_pretrained(SMOLLM2), Tokenizer.from_pretrained(SMOLLM2)
+    return from_pretrained(SMOLLM2), Tokenizer.from_pretrained(SMOLLM2)
 
 
 @pytest.fixture(scope="module")
@@ -101,9 +102,9 @@ def test_confadapt_command_speaks_the_chat_format_as_transformers_does(hf, tmp_p
     import confadapt
     from model import add_mask_token
 
-    model, tok = Transformer.from_pretrained(SMOLLM2), Tokenizer.from_pretrained(SMOLLM2)
+    model, tok = from_pretrained(SMOLLM2), Tokenizer.from_pretrained(SMOLLM2)
     add_mask_token(model, tok)
-    model.save_pretrained(tmp_path)
+    save_pretrained(model, tmp_path)
     tok.save_pretrained(tmp_path)
     question = "What is the capital of France?"
     assert confadapt.main(["--model", str(tmp_path), "--prompt", question, "--greedy", "--max-new-tokens", "16",

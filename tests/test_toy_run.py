@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import train_toy
-from model import write_json
+from mtp.hf import write_json
 from mtp.cli import CliError
 from mtp.toy_run import Phase, check_run_folder, format_summary, save_phase
 from tasks.toy import toy_tokenizer

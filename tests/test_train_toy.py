@@ -16,8 +16,8 @@ from matplotlib.image import imread
 
 import data
 import train_toy
-from confadapt import PNG_COLOURS
-from model import Transformer
+from mtp.chunks import PNG_COLOURS
+from mtp.hf import from_pretrained
 from mtp.plots import plot_pareto, plot_training
 from mtp.toy_run import check_run_folder, format_summary
 from tasks.toy import BRANCHING_TASKS, TOY_TASKS, toy_batch, toy_tokenizer
@@ -207,17 +207,17 @@ def test_export_hf_only_exports_the_finished_run(exported):
 
 def test_exported_students_have_a_mask_token_and_the_teacher_none(exported):
     hf = exported.hf
-    teacher = Transformer.from_pretrained(hf / "teacher")
+    teacher = from_pretrained(hf / "teacher")
     assert teacher.config.mask_token_id is None
     assert (hf / "teacher" / "tokenizer.json").exists()
     for name in ("naive", "distill"):
-        student = Transformer.from_pretrained(hf / name)
+        student = from_pretrained(hf / name)
         assert student.config.mask_token_id == teacher.config.vocab_size
         assert (hf / name / "tokenizer.json").exists()
 
 
 def test_the_exported_teacher_computes_what_its_checkpoint_does(quick, exported):
-    teacher = Transformer.from_pretrained(exported.hf / "teacher")
+    teacher = from_pretrained(exported.hf / "teacher")
     tokens = torch.tensor([[1, 2, 3]])
     cfg = train_toy.RunConfig(**train_toy.QUICK)
     checkpoint = check_run_folder(str(quick.out), cfg, train_toy.PHASES)["teacher"]

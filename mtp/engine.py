@@ -1,0 +1,493 @@
+"""The decoding engine: confadapt.py's rules with a KV cache, ragged passes and continuous
+batching. Every command decodes with it (confadapt.py, the eval commands, train_toy.py's
+evaluation, the benchmarks), so every speed figure is its speed. A learner can skip this file:
+confadapt.py's `generate` is the same decoding, plainly written, and the tests hold both to
+`confadapt.generate_uncached`, the definition.
+
+What it adds for throughput:
+
+- Ragged passes. A decoding pass feeds each row a few tokens (the accepted ones, then drafts and
+  <mask>s), each row its own number. Only attention mixes rows, so a pass packs the real tokens
+  of all rows into one row and never computes the right-padding: `RaggedPass` is the `cache` of
+  `Transformer.forward` that writes each packed token at its row's slot and spreads the queries
+  back onto their rows for attention.
+- Continuous batching. A finished row's cache row goes to the next waiting prompt, and with none
+  left the batch shrinks (`DecodeCache.keep_rows`).
+- Few waits for the device. A pass reads the device once (the cache lengths), builds every index
+  from that host copy, and sets the new lengths without waiting for the layers.
+- Whole blocks of key slots on a GPU (`DecodeCache.key_block`), so an attention library that
+  plans per shape (cuDNN) plans once per block, not once per pass.
+
+A row's output is the one it gets alone, up to float rounding.
+"""
+
+import functools
+import itertools
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from confadapt import DecodeConfig, accept, drafts_and_masks, top1
+from model import KVCache, Transformer, attend
+
+aten = torch.ops.aten
+
+
+# ---- the cache and one ragged pass ------------------------------------------------------------
+
+class DecodeCache(KVCache):
+    """model.KVCache, plus what continuous batching needs: rows leave it (keep_rows), and a pass
+    reads whole blocks of key_block slots (RaggedPass)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.key_block = 64 if self.k.is_cuda else 1
+
+    def keep_rows(self, rows):
+        """Keep only these batch rows, in this order (finished sequences leave)."""
+        idx = torch.as_tensor(rows, dtype=torch.long, device=self.lengths.device)
+        self.k = self.k.index_select(1, idx)
+        self.v = self.v.index_select(1, idx)
+        self.lengths = self.lengths.index_select(0, idx)
+
+
+def new_cache(model: Transformer, batch_size: int, max_len: int) -> DecodeCache:
+    p = model.tok_emb.weight
+    return DecodeCache(model.config, batch_size, max_len, p.device, p.dtype)
+
+
+def ragged_cells(lengths: list[int], fed: list[int], T: int):
+    """Where each token of a ragged pass goes. Row b of the (B, T) input feeds its
+    first fed[b] tokens (the rest is right-padding); those N tokens are packed row
+    after row. Attention spreads them over a (B', T) grid of the live rows (those
+    that feed any). Returns the live rows and, for each packed token, its cache
+    row, its cache slot (lengths[row] + t, also its RoPE position), its cell of
+    the (B', T) grid and its cell of the (B, T) input, both flattened.
+
+    Example: lengths [3, 5, 4], fed [2, 0, 1], T = 2. Row 1 feeds nothing, so the
+    live rows are [0, 2] and N = 3:
+
+        packed token       0  1  2
+        cache row          0  0  2
+        cache slot         3  4  4
+        cell of (B', T)    0  1  2    (live row 1, row 2, starts at cell 2)
+        cell of (B, T)     0  1  4    (row 2 starts at cell 4)
+
+    ragged_cells([3, 5, 4], [2, 0, 1], 2)
+        == ([0, 2], [0, 0, 2], [3, 4, 4], [0, 1, 2], [0, 1, 4])
+    """
+    live = [b for b, n in enumerate(fed) if n]
+    # (live row, cache row, step) of each packed token
+    cells = [(i, b, t) for i, b in enumerate(live) for t in range(fed[b])]
+    rows = [b for _, b, _ in cells]
+    slots = [lengths[b] + t for _, b, t in cells]
+    grid = [i * T + t for i, _, t in cells]
+    index = [b * T + t for _, b, t in cells]
+    return live, rows, slots, grid, index
+
+
+class RaggedPass:
+    """One cached pass of T tokens a row, of which row b feeds its first fed[b] (all T if fed is
+    None), as the `cache` Transformer.forward attends through. A ragged pass (some row feeds
+    fewer than T) runs on its N real tokens packed into one row: `pack` the tokens, give
+    `positions`, and read the logits at `packed_places`.
+
+    Its index tensors are built once, from the lengths read once from the device, so no layer
+    waits for the device."""
+
+    def __init__(self, cache: DecodeCache, T: int, fed=None):
+        self.cache = cache
+        self.T = T
+        device = cache.lengths.device
+        # the pass's one read of the device
+        lengths = cache.lengths.tolist()
+        if fed is None:
+            fed = [T] * len(lengths)
+        if torch.is_tensor(fed):
+            fed = fed.tolist()
+        self.fed = fed
+        self.ragged = any(f != T for f in fed)
+        new_lengths = [n + f for n, f in zip(lengths, fed)]
+        S = max(new_lengths)
+        if S > cache.max_len:
+            raise ValueError(f"KV cache overflow: {S} slots needed, "
+                             f"cache holds {cache.max_len}")
+        # Read whole blocks of key slots (the mask hides the extra ones): a GPU
+        # attention library that plans per shape (cuDNN) then plans once per block,
+        # not once per pass as the keys grow.
+        block = cache.key_block
+        self.S = min(cache.max_len, -(-S // block) * block)
+
+        tensor = functools.partial(torch.tensor, dtype=torch.long, device=device)
+        live, rows, slots, grid, index = ragged_cells(lengths, fed, T)
+        self.rows = tensor(rows)
+        self.slots = tensor(slots)
+        self.grid = tensor(grid)
+        self.index = tensor(index)
+        # each token's RoPE position is its slot: (1, N) packed, else (B, T)
+        self.positions = self.slots.view(1, -1) if self.ragged else self.slots.view(-1, T)
+        # where row b's packed tokens start
+        self.starts = list(itertools.accumulate(fed, initial=0))
+        # only the rows that feed tokens attend (all: a view, not a copy)
+        self.live = slice(None)
+        if len(live) < len(lengths):
+            self.live = tensor(live)
+        self.new_lengths = tensor(new_lengths)
+        # causal by slot: grid cell (i, t) sees the slots up to its own position
+        start = tensor([lengths[b] for b in live])
+        positions = start[:, None] + torch.arange(T, device=device)       # (B', T)
+        mask = torch.arange(self.S, device=device) <= positions[:, :, None]
+        self.mask = mask[:, None]                                    # (B', 1, T, S)
+
+    def pack(self, x):
+        """(B, T) -> (1, N): a ragged pass's real tokens in one row."""
+        if not self.ragged:
+            return x
+        return x.reshape(-1)[self.index][None]
+
+    def packed_places(self, places: list[list[int]]) -> list[list[int]]:
+        """Places t of row b of the (B, T) input -> indices into the packed row. A place
+        in the padding reads the row's last real token, and a row that feeds nothing
+        reads token 0: their logits are meaningless."""
+        def packed(b, t):
+            if not self.fed[b]:
+                return 0
+            return self.starts[b] + min(t, self.fed[b] - 1)
+
+        return [[packed(b, t) for t in row] for b, row in enumerate(places)]
+
+    def spread(self, x, cells, n_rows: int):
+        """Packed (N, ...) -> (n_rows, T, ...): x[i] at flat cell cells[i], zeros
+        elsewhere."""
+        shape = x.shape[1:]
+        out = x.new_zeros(n_rows * self.T, *shape).index_copy_(0, cells, x)
+        return out.view(n_rows, self.T, *shape)
+
+    def attend(self, layer: int, q, k, v):
+        """Write k, v (B, n_kv, T, hd) into the cache, then attend with q
+        (B, n_heads, T, hd) over the cached slots -> (B, n_heads, T, hd). In a
+        ragged pass B = 1 and T = N: the packed tokens."""
+        k_new = k.transpose(1, 2).flatten(0, 1)                   # (N, n_kv, hd)
+        v_new = v.transpose(1, 2).flatten(0, 1)
+        keys = self.cache.k[layer]
+        values = self.cache.v[layer]
+        keys[self.rows, :, self.slots] = k_new.to(keys.dtype)
+        values[self.rows, :, self.slots] = v_new.to(values.dtype)
+        # the first S slots of the live rows, in the pass's dtype (a cache built
+        # from FSDP2's float32 shards holds float32; the pass computes in bfloat16)
+        k = keys[self.live, :, : self.S].to(q.dtype)             # (B', n_kv, S, hd)
+        v = values[self.live, :, : self.S].to(q.dtype)
+        if not self.ragged:
+            return attend(q, k, v, self.mask)
+
+        # spread the packed queries out to the (B', T) grid of their rows, and back
+        q = self.spread(q[0].transpose(0, 1), self.grid, len(self.mask))
+        y = attend(q.transpose(1, 2), k, v, self.mask)           # (B', n_heads, T, hd)
+        y = y.transpose(1, 2).flatten(0, 1).index_select(0, self.grid)
+        return y[None].transpose(1, 2)                            # (1, n_heads, N, hd)
+
+    def advance(self, T: int):
+        """Transformer.forward's call after the last layer: every row's new length, built
+        with the plan, so the host need not wait for the layers (T, the packed row's
+        length, is not any row's)."""
+        self.cache.lengths.copy_(self.new_lengths)
+
+
+def cached_forward(model: Transformer, tokens, cache: DecodeCache, n_tokens=None,
+                   output_index=None):
+    """model(tokens, cache=cache, output_index=output_index) as one ragged pass: row b feeds
+    its first n_tokens[b] tokens (default all T; best a list) at its next slots, and the
+    right-padding is never computed (its logits are meaningless). output_index: (B, N), a
+    tensor or, to spare a ragged pass a read of the device, lists -> logits (B, N, V); without
+    it (B, T, V)."""
+    B, T = tokens.shape
+    p = RaggedPass(cache, T, n_tokens)
+    if output_index is not None and not p.ragged:
+        output_index = torch.as_tensor(output_index, dtype=torch.long, device=tokens.device)
+    if p.ragged:
+        # the wanted places on the host (given as a tensor: one more read of the device)
+        places = [list(range(T))] * B if output_index is None else output_index
+        if torch.is_tensor(places):
+            places = places.tolist()
+        packed = p.packed_places(places)
+        output_index = torch.tensor(packed, dtype=torch.long, device=tokens.device).view(1, -1)
+        tokens = p.pack(tokens)                                      # (1, N)
+    logits = model(tokens, positions=p.positions, cache=p, output_index=output_index)
+    return logits.view(B, -1, logits.shape[-1])                      # (B, N or T, V)
+
+
+# ---- decoding with continuous batching ---------------------------------------------------------
+# The cache holds the K/V of every accepted token except the `pending` ones, which
+# the next pass feeds: input = pending + (lossless: drafts) + masks, predictions
+# from the last pending token on, then a rollback drops masks and rejected drafts.
+# Each row has its own cache length and input length (a ragged pass); a finished
+# row's place goes to the next waiting prompt (continuous batching).
+
+@dataclass
+class Generation:
+    """One prompt's continuation, and the tokens each forward pass emitted."""
+
+    # the new tokens (prompt excluded), cut after the first stop token
+    tokens: list[int]
+    # tokens emitted by each forward pass of this row; sum == len(tokens)
+    chunk_sizes: list[int]
+    # True: ended on a stop token; False: max_new_tokens or context end
+    stopped: bool
+
+    @property
+    def forward_passes(self) -> int:
+        return len(self.chunk_sizes)
+
+    @property
+    def effective_k(self) -> float:
+        return len(self.tokens) / max(1, self.forward_passes)
+
+    @property
+    def boundaries(self) -> list[int]:
+        """End index (into `tokens`) of each chunk: [3, 4, 9] means tokens[0:3],
+        [3:4], [4:9]."""
+        return list(itertools.accumulate(self.chunk_sizes))
+
+
+@dataclass
+class DecodeStats:
+    """What one `generate` call did, over all its rows."""
+
+    mode: str
+    # most rows decoded at once
+    batch_size: int
+    # model calls in the decoding loop (one batched call = one pass)
+    forward_passes: int
+    # passes summed over rows (== forward_passes at batch size 1)
+    row_passes: int
+    # new tokens over all rows
+    tokens: int
+    # tokens / row_passes: tokens one row gains per pass
+    effective_k: float
+    # positions the decoding passes computed (all rows; padding not computed)
+    fed_tokens: int
+    # chunk size -> how many passes emitted that many tokens (all rows)
+    accept_hist: dict
+    # wall time of the whole call, prefill included
+    seconds: float
+    prefill_seconds: float
+    # tokens / decoding seconds (prefill excluded, like effective_k)
+    tokens_per_second: float
+
+
+@dataclass
+class Row:
+    """One prompt being decoded in a cache row."""
+
+    prompt: list[int]
+    # most new tokens (max_new_tokens, capped by the context)
+    budget: int
+    # accepted, K/V not in the cache yet: fed in the next pass
+    pending: list[int]
+    # accepted so far
+    tokens: list[int] = field(default_factory=list)
+    chunk_sizes: list[int] = field(default_factory=list)
+    # lossless: guesses for the tokens after `pending`
+    drafts: list[int] = field(default_factory=list)
+    done: bool = False
+
+
+def synchronize(device):
+    """A timer must read finished GPU work (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def prefill(model, cache, prompts, pad_id) -> float:
+    """Cache row b starts afresh with prompts[b] (a dict: cache row -> prompt) but
+    its last token, its first pending one -> seconds."""
+    start = time.perf_counter()
+    lengths = cache.lengths.clone()
+    # what each cache row feeds: all of its prompt but the last token (the others: nothing)
+    all_but_last = [[] for _ in range(len(cache.lengths))]
+    for b, prompt in prompts.items():
+        lengths[b] = 0
+        all_but_last[b] = prompt[:-1]
+    # a row's previous sequence is forgotten
+    cache.rollback(lengths)
+    # only the cache is wanted: no logits
+    if any(all_but_last):
+        zeros = [0] * len(all_but_last)
+        decode_pass(model, cache, all_but_last, firsts=zeros, n_preds=zeros, pad_id=pad_id)
+    synchronize(cache.lengths.device)
+    return time.perf_counter() - start
+
+
+def decode_pass(model, cache, inputs, firsts, n_preds, pad_id):
+    """One pass of every row -> logits (B, N, V) at input index firsts[b] ..
+    firsts[b] + n_preds[b] - 1 of row b (fewer repeat the last, up to
+    N = max(n_preds)). Row b feeds inputs[b] at its own cache slots, right-padded;
+    cached_forward skips the padding given the lengths (kept on the host)."""
+    device = cache.lengths.device
+    T = max(len(x) for x in inputs)
+    N = max(n_preds)
+    # (B, T): every row right-padded to the longest
+    tokens = torch.tensor([x + [pad_id] * (T - len(x)) for x in inputs], device=device)
+    places = [[f + min(j, n - 1) for j in range(N)] for f, n in zip(firsts, n_preds)]
+    n_tokens = [len(x) for x in inputs]
+    return cached_forward(model, tokens, cache, n_tokens, output_index=places)   # (B, N, V)
+
+
+def decode_step(model, cache, batch, mode, mask_id, pad_id, stop_ids):
+    """One ragged pass of every Row in `batch`, and what each keeps -> how many
+    positions the pass fed."""
+    # 1) every row feeds its pending tokens, then drafts and masks, and wants
+    # predictions from its last pending token on
+    inputs = []
+    n_preds = []
+    for r in batch:
+        wanted = r.budget - len(r.tokens)
+        r.drafts, tail = drafts_and_masks(mode, r.drafts, wanted, mask_id)
+        inputs.append(r.pending + tail)
+        n_preds.append(len(tail) + 1)
+    # each row's first prediction is at its last pending token
+    firsts = [len(r.pending) - 1 for r in batch]
+    logits = decode_pass(model, cache, inputs, firsts=firsts, n_preds=n_preds, pad_id=pad_id)
+    preds, confs = top1(logits.float(), mask_id)   # (B, N, V) -> (B, N) each
+
+    # 2) each row keeps what the accept rule allows. Verified drafts were fed as
+    # themselves, so their K/V stays; the other kept tokens become pending.
+    for b, (r, n) in enumerate(zip(batch, n_preds)):
+        tokens, n_verified, r.drafts = accept(mode, preds[b][:n], confs[b][:n],
+                                              r.drafts, stop_ids)
+        r.tokens += tokens
+        r.chunk_sizes.append(len(tokens))
+        r.pending = tokens[n_verified:]
+        r.done = tokens[-1] in stop_ids or len(r.tokens) >= r.budget
+
+    # 3) the cache forgets the masks and the rejected drafts
+    cached = [len(r.prompt) + len(r.tokens) - len(r.pending) for r in batch]
+    cache.rollback(torch.tensor(cached, device=cache.lengths.device))
+    return sum(len(x) for x in inputs)
+
+
+@torch.inference_mode()
+def generate(model, prompts: list[list[int]], max_new_tokens: int,
+             mode: DecodeConfig | None = None, mask_id=None, stop_ids=(),
+             batch_size: int | None = None) -> tuple[list[Generation], DecodeStats]:
+    """Continue every prompt (token ids) by up to max_new_tokens tokens -> a
+    Generation per prompt, ended by its first stop token (kept). At most
+    batch_size rows decode at once (default: all)."""
+    # 0) refuse what cannot be decoded, before any work
+    mode = mode or DecodeConfig()
+    mode.validate()
+    if mask_id is None:
+        mask_id = model.config.mask_token_id
+    if mode.block > 1 and mask_id is None:
+        raise ValueError(f"{mode.describe()} needs a <mask> token, and the model has "
+                         "none (only greedy works)")
+    context = model.config.max_seq_len
+    for p in prompts:
+        if not p:
+            raise ValueError("empty prompt: give at least one token (e.g. BOS)")
+        if len(p) >= context:
+            raise ValueError(f"prompt of {len(p)} tokens does not fit the context "
+                             f"of {context} tokens")
+    if max_new_tokens < 1 or (batch_size is not None and batch_size < 1):
+        raise ValueError("max_new_tokens and batch_size must be at least 1, "
+                         f"got {max_new_tokens}, {batch_size}")
+    stop_ids = set(stop_ids)
+    # padding is never computed: any id does
+    pad_id = mask_id or 0
+
+    # 1) prefill the first batch_size prompts; the others wait for a free cache row
+    start = time.perf_counter()
+    rows = [Row(list(p), budget=min(max_new_tokens, context - len(p)), pending=[p[-1]])
+            for p in prompts]
+    width = min(batch_size or len(rows), len(rows))
+    # room for the longest row, and one pass beyond it
+    length = max(len(r.prompt) + r.budget for r in rows) + 2 * mode.block
+    cache = new_cache(model, width, length)
+    # cache row b decodes rows[active[b]]
+    active = list(range(width))
+    waiting = list(range(width, len(rows)))
+    prefill(model, cache, {b: rows[i].prompt for b, i in enumerate(active)}, pad_id)
+    # setting up counts as prefill
+    prefill_s = time.perf_counter() - start
+
+    passes = 0
+    fed = 0
+    while active:
+        # 2) one ragged pass of every active row; each keeps what the accept rule allows
+        batch = [rows[i] for i in active]
+        fed += decode_step(model, cache, batch, mode, mask_id=mask_id, pad_id=pad_id,
+                           stop_ids=stop_ids)
+        passes += 1
+
+        # 3) continuous batching: a finished row hands its cache row to the next
+        # waiting prompt, or with none left leaves the batch
+        joining = {b: waiting.pop(0) for b, i in enumerate(active) if rows[i].done and waiting}
+        active = [joining.get(b, i) for b, i in enumerate(active)]
+        if joining:
+            starting = {b: rows[active[b]].prompt for b in joining}
+            prefill_s += prefill(model, cache, starting, pad_id)
+        still = [b for b, i in enumerate(active) if not rows[i].done]
+        if len(still) < len(active) and still:
+            cache.keep_rows(still)
+        active = [active[b] for b in still]
+    seconds = time.perf_counter() - start
+
+    # 4) each prompt's tokens, and what the whole call did
+    gens = [Generation(r.tokens, r.chunk_sizes, stopped=r.tokens[-1] in stop_ids)
+            for r in rows]
+    n_tokens = sum(len(g.tokens) for g in gens)
+    row_passes = sum(g.forward_passes for g in gens)
+    hist = Counter(n for g in gens for n in g.chunk_sizes)
+    stats = DecodeStats(mode.describe(),
+                        batch_size=width,
+                        forward_passes=passes,
+                        row_passes=row_passes,
+                        tokens=n_tokens,
+                        effective_k=n_tokens / max(1, row_passes),
+                        fed_tokens=fed,
+                        accept_hist=dict(sorted(hist.items())),
+                        seconds=seconds,
+                        prefill_seconds=prefill_s,
+                        tokens_per_second=n_tokens / max(seconds - prefill_s, 1e-9))
+    return gens, stats
+
+
+# ---- counting the waits for the device --------------------------------------------------------
+
+class HostSyncs(TorchDispatchMode):
+    """Count, by kind, the operations that make the host wait for the device.
+
+    On a GPU each of them waits until all queued work is done: reading a value (.item(), int(),
+    bool(), `if tensor:`), .tolist(), and every operation whose output size depends on the data
+    (nonzero, masked_select, indexing with a boolean mask). They are counted on any device, so a
+    CPU run shows what a GPU run would wait for. (.tolist() is counted by name: code that keeps
+    host data in Python lists never calls it on a host tensor.)
+    """
+
+    def __enter__(self):
+        self.counts = Counter()
+        self._tolist = torch.Tensor.tolist
+        torch.Tensor.tolist = lambda t: (self.counts.update(["tolist"]), self._tolist(t))[1]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default):
+            self.counts["item"] += 1
+        elif func in (aten.nonzero.default, aten.masked_select.default):
+            self.counts[func.__name__.split(".")[0]] += 1
+        elif func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default) and any(
+            torch.is_tensor(i) and i.dtype == torch.bool for i in args[1] if i is not None
+        ):
+            self.counts["boolean index"] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
