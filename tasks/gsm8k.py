@@ -194,10 +194,12 @@ def result_row(mode: DecodeConfig, samples, seconds, batch_size) -> dict:
     tokens = sum(s["tokens"] for s in samples)
     passes = sum(s["passes"] for s in samples)
 
-    decoding = "k=1 (greedy)" if mode.kind == "greedy" else mode.describe()
+    # greedy is static k = 1; its rows keep the name and kind results files have always had
+    greedy = mode.describe() == "greedy"
+    decoding = "k=1 (greedy)" if greedy else mode.describe()
+    kind = "greedy" if greedy else mode.kind
     # ConfAdapt has a threshold and a k_max instead of one k.
-    row = {"decoding": decoding, "kind": mode.kind, "k": mode.block, "tau": None,
-           "k_max": None}
+    row = {"decoding": decoding, "kind": kind, "k": mode.block, "tau": None, "k_max": None}
     if mode.kind == "confadapt":
         row.update(k=None, tau=mode.tau, k_max=mode.k_max)
 
