@@ -141,25 +141,20 @@ def attend(q, k, v, mask):
 
 
 class Linear(nn.Linear):
-    """nn.Linear that may carry a gated mask adapter, applied only at mask_rows."""
+    """nn.Linear that may carry a gated mask adapter (adapter.py), applied at mask_rows only."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        # a GatedLowRank (adapter.py), or None
         self.adapter = None
 
     def forward(self, x, mask_rows=None):
-        """y = W x for x (..., d_in). With an adapter, its update is added in place at
-        mask_rows, rows of x.flatten(0, -2) (y's backward does not need y itself)."""
+        """y = W x for x (..., d_in). An adapter's update, in the adapter's dtype, is added
+        in place at mask_rows, rows of x.flatten(0, -2) (y's backward does not need y)."""
         y = super().forward(x)
         a = self.adapter
-        # no adapter, or a pass with no <mask>
         if a is None or mask_rows is None or len(mask_rows) == 0:
             return y
         x_mask = x.reshape(-1, x.shape[-1]).index_select(0, mask_rows)   # (n_mask, d_in)
-        # In the adapter's dtype: float32 when loaded for decoding, as a CPU
-        # multiplies a pass's few rows by the small matrices 5x faster in
-        # float32 than in bfloat16 (training: what autocast or FSDP2 casts to).
         update = F.linear(F.linear(x_mask.to(a.down.dtype), a.down), a.up)   # (n_mask, d_out)
         y.view(-1, y.shape[-1]).index_add_(0, mask_rows, update.to(y.dtype), alpha=a.scale)
         return y
@@ -308,13 +303,10 @@ class Transformer(nn.Module):
         x = self.tok_emb(tokens)
         if self.mask_embedding is None or not use_adapter:
             return x, None
-        # The adapter's gate: its own <mask> embedding and its updates act only at
-        # the rows that hold <mask>; every other row computes exactly what the base
-        # model does.
+        # The adapter's gate: its <mask> embedding and updates act only at the rows that
+        # hold <mask>, so every other row is the base model's (nonzero waits for a GPU).
         is_mask = tokens == self.config.mask_token_id                     # (B, T)
         x = torch.where(is_mask[..., None], self.mask_embedding.to(x.dtype), x)
-        # On a GPU, nonzero waits for the device once a pass: the price of
-        # computing the updates on the mask rows alone.
         mask_rows = is_mask.flatten().nonzero().squeeze(1)
         return x, mask_rows
 
