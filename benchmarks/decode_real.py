@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_modes import bench, forward_latency  # noqa: E402
-from mtp.cli import (CliError, Parser, base_folder, cpu_name, load_model, parse_device,  # noqa: E402
+from mtp.cli import (CliError, Parser, add_flags, base_folder, cpu_name, load_model, parse_device,  # noqa: E402
                  parse_dtype, positive_int, provenance, stop_ids_of)
 from confadapt import DecodeConfig, decode_modes  # noqa: E402
 from mtp.chunks import chunk_texts  # noqa: E402
@@ -425,40 +425,45 @@ def parse(argv):
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="dtype of the decoding runs; auto (the default): bfloat16 where the hardware "
                    "computes it natively (a GPU from Ampere on, a CPU with AVX-512 BF16 or AMX), else float32")
-    g.add_argument("--threads", type=positive_int, default=None,
-                   help="CPU threads for torch (default: torch's choice)")
-    g.add_argument("--format", default="auto", choices=("auto",) + FORMATS,
-                   help="prompt format (auto: the one finetune_hf.py picks for this tokenizer)")
+    add_flags(g,
+              ("--threads", positive_int, None, "CPU threads for torch (default: torch's choice)"),
+              ("--format", None, "auto",
+               "prompt format (auto: the one finetune_hf.py picks for this tokenizer)",
+               {"choices": ("auto",) + FORMATS}))
     r = p.add_argument_group("workload (--quick: 4 prompts, 48 tokens, batch 1 and 4, one round, latency at 6 sizes)")
     r.add_argument("--quick", action="store_true", help="a smoke run in minutes, for checking the command")
-    r.add_argument("--parts", nargs="+", default=["decoding", "latency"], choices=["decoding", "latency"])
-    r.add_argument("--prompts-per-domain", type=int,
-                   help=f"prompts of each of 4 domains (default {FULL['prompts_per_domain']})")
-    r.add_argument("--max-new-tokens", type=int, help=f"default {FULL['max_new_tokens']}")
-    r.add_argument("--batch-sizes", type=int, nargs="+", help=f"default {FULL['batch_sizes']}")
-    r.add_argument("--rows", type=int, help="the prompts cycled to this many rows (default: as many as the prompts "
-                   "or the largest batch size; more keep a batch full: a finished row's place goes to a waiting one)")
-    r.add_argument("--repeats", type=int,
-                   help=f"rounds over all modes, each keeps its fastest (default {FULL['repeats']})")
+    add_flags(r,
+              ("--parts", None, ["decoding", "latency"], None,
+               {"nargs": "+", "choices": ["decoding", "latency"]}),
+              ("--prompts-per-domain", int, None,
+               f"prompts of each of 4 domains (default {FULL['prompts_per_domain']})"),
+              ("--max-new-tokens", int, None, f"default {FULL['max_new_tokens']}"),
+              ("--batch-sizes", int, None, f"default {FULL['batch_sizes']}", {"nargs": "+"}),
+              ("--rows", int, None, "the prompts cycled to this many rows (default: as many as the prompts "
+               "or the largest batch size; more keep a batch full: a finished row's place goes to a waiting one)"),
+              ("--repeats", int, None,
+               f"rounds over all modes, each keeps its fastest (default {FULL['repeats']})"))
     d = p.add_argument_group("decoding modes")
-    d.add_argument("--modes", nargs="+", default=list(MODE_CHOICES), choices=MODE_CHOICES,
-                   help="which to run (our greedy, the reference, always runs)")
-    d.add_argument("--static-k", type=int, default=4)
-    d.add_argument("--taus", type=float, nargs="+", default=[0.9, 0.7], help="ConfAdapt thresholds")
-    d.add_argument("--k-max", type=int, nargs="+", default=[16],
-                   help="ConfAdapt: most tokens per pass (several: each with every tau)")
-    d.add_argument("--lossless-k", type=int, default=None,
-                   help="lossless: most tokens per pass (default: the largest --k-max)")
-    d.add_argument("--lookup-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
-    d.add_argument("--reference", help="another model folder (the untuned model, say): report each decoder's share "
-                   "of answers identical to its greedy answers at the same batch size")
+    add_flags(d,
+              ("--modes", None, list(MODE_CHOICES), "which to run (our greedy, the reference, always runs)",
+               {"nargs": "+", "choices": MODE_CHOICES}),
+              ("--static-k", int, 4, None),
+              ("--taus", float, [0.9, 0.7], "ConfAdapt thresholds", {"nargs": "+"}),
+              ("--k-max", int, [16], "ConfAdapt: most tokens per pass (several: each with every tau)",
+               {"nargs": "+"}),
+              ("--lossless-k", int, None, "lossless: most tokens per pass (default: the largest --k-max)"),
+              ("--lookup-tokens", int, 10, "transformers' prompt_lookup_num_tokens"),
+              ("--reference", None, None, "another model folder (the untuned model, say): report each "
+               "decoder's share of answers identical to its greedy answers at the same batch size"))
     la = p.add_argument_group("latency curve")
-    la.add_argument("--latency-sizes", type=int, nargs="+", help="new positions per row (default 1..32)")
-    la.add_argument("--latency-batch-sizes", type=int, nargs="+", default=[1, 16])
-    la.add_argument("--latency-dtypes", nargs="+", default=None, choices=["float32", "bfloat16"],
-                    help="default: float32 and bfloat16 on the CPU, the decoding dtype on a GPU")
-    la.add_argument("--latency-repeats", type=int,
-                    help=f"timed passes per point, median (default {FULL['latency_repeats']})")
+    add_flags(la,
+              ("--latency-sizes", int, None, "new positions per row (default 1..32)", {"nargs": "+"}),
+              ("--latency-batch-sizes", int, [1, 16], None, {"nargs": "+"}),
+              ("--latency-dtypes", None, None,
+               "default: float32 and bfloat16 on the CPU, the decoding dtype on a GPU",
+               {"nargs": "+", "choices": ["float32", "bfloat16"]}),
+              ("--latency-repeats", int, None,
+               f"timed passes per point, median (default {FULL['latency_repeats']})"))
     args = p.parse_args(argv)
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
