@@ -44,7 +44,7 @@ from mtp.engine import DecodeStats, Generation, generate, synchronize  # noqa: E
 from mtp.tokenizer import default_format, end_token, FORMATS, prompt_tokens
 from tasks.word_problems import word_problem_split
 from model import add_mask_token  # noqa: E402
-from mtp.hf import atomic_save, save_pretrained  # noqa: E402
+from mtp.hf import save_pretrained, write_text  # noqa: E402
 
 HF_GREEDY, HF_LOOKUP = "transformers greedy", "transformers prompt lookup"
 MODE_CHOICES = ("greedy", "hf-greedy", "hf-lookup", "static", "confadapt", "lossless")
@@ -279,10 +279,8 @@ def same_as_reference(result, outputs, reference, prompts, n_rows, stop_ids, arg
 
 def save(report: dict, out: Path):
     """results.json, results.md and the plots of what has been measured so far."""
-    results = json.dumps(report, indent=1) + "\n"
-    atomic_save(lambda p: Path(p).write_text(results, encoding="utf-8"), out / "results.json")
-    table = markdown(report)
-    atomic_save(lambda p: Path(p).write_text(table, encoding="utf-8"), out / "results.md")
+    write_text(out / "results.json", json.dumps(report, indent=1) + "\n")
+    write_text(out / "results.md", markdown(report))
     if report["decoding"]:
         plot_decoding(report, out / "decoding.png")
     if report["latency_ms"]:

@@ -19,7 +19,7 @@ from confadapt import DecodeConfig
 from mtp.tokenizer import end_token, padding_token, prompt_tokens
 from tasks.word_problems import domain_prompts
 from mtp.engine import generate
-from mtp.hf import atomic_save
+from mtp.hf import write_text
 from mtp.cli import fields_of, read_rows
 from mtp.finetune_cli import load_for_inference
 
@@ -55,8 +55,7 @@ def make_data(args):
               flush=True)
 
         # Written after each domain: Ctrl-C keeps them.
-        text = "".join(json.dumps(r) + "\n" for r in rows)
-        atomic_save(lambda p: Path(p).write_text(text, encoding="utf-8"), out)
+        write_text(out, "".join(json.dumps(r) + "\n" for r in rows))
     print(f"wrote {len(rows)} rows to {out}")
 
 

@@ -30,7 +30,7 @@ from confadapt import DecodeConfig, decode_modes
 from mtp.tokenizer import prompt_tokens, start_tokens, Tokenizer
 from tasks.word_problems import PROMPTS
 from mtp.engine import generate
-from mtp.hf import atomic_save, write_json
+from mtp.hf import write_json, write_text
 from mtp.cli import Progress, format_seconds, provenance, read_rows
 from mtp.finetune_cli import load_for_inference, model_name
 
@@ -254,11 +254,8 @@ def write_eval(out, title, meta, header, table, results, samples_text, n,
     if same:
         note += "; same as reference = share of answers identical to the reference's k=1 answer"
     md += ["", note + ".", ""]
-    atomic_save(lambda p: Path(p).write_text("\n".join(md), encoding="utf-8"),
-                out / "results.md")
-    samples = "".join(samples_text)
-    atomic_save(lambda p: Path(p).write_text(samples, encoding="utf-8"),
-                out / "samples.jsonl")
+    write_text(out / "results.md", "\n".join(md))
+    write_text(out / "samples.jsonl", "".join(samples_text))
     pareto_plot(results, out / "pareto.png", title)
 
 
