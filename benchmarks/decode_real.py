@@ -22,8 +22,6 @@ which is what turns fewer passes (effective k) into time saved, or not.
 writes results.json, results.md (the tables), samples.md (the answers at the smallest batch size,
 every pass's tokens between | marks), decoding.png and latency.png to --out.
 """
-from __future__ import annotations
-
 import argparse
 import json
 import os

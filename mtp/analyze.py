@@ -17,8 +17,6 @@ student learns to make at mask positions with growing confidence. Read them as a
 floor of what tuning can give, not a forecast.
 """
 
-from __future__ import annotations
-
 import math
 from pathlib import Path
 

@@ -8,8 +8,6 @@ into a new or empty folder, or with --overwrite over their own earlier output,
 never into a model folder or a training run they did not write.
 """
 
-from __future__ import annotations
-
 import argparse
 import os
 import warnings

@@ -8,8 +8,6 @@ so the model's greedy answers to prompts of the target domains serve, from the
 distribution ConfAdapt decodes.
 """
 
-from __future__ import annotations
-
 import json
 from pathlib import Path
 

@@ -17,8 +17,6 @@ and "$", all up to "#### " and one trailing ".", and are lower-cased. Standard e
 sqrt(sample var / n).
 """
 
-from __future__ import annotations
-
 import json
 import math
 import re
