@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mtp.cli import (Parser, add_flags, add_model_args, chat_stop_ids, encode_prompt, load,  # noqa: E402
                  positive_int, probability, prompt_format, run_cli)
-from confadapt import DecodeConfig  # noqa: E402
+from confadapt import DecodeConfig, decode_modes  # noqa: E402
 from mtp.engine import cached_forward, generate, new_cache, synchronize  # noqa: E402
 
 
@@ -155,11 +155,10 @@ def bench_main(argv):
     b.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     args = p.parse_args(argv)
 
-    modes = [DecodeConfig("greedy"), DecodeConfig("static", k=args.static_k)]
-    modes += [DecodeConfig("confadapt", tau=t, k_max=k) for k in args.k_max for t in args.taus]
-    modes += [DecodeConfig("lossless", k=args.lossless_k or max(args.k_max))]
-    for m in modes:
-        m.validate()
+    # decode_modes validates each
+    modes = [DecodeConfig("greedy"), *decode_modes([args.static_k])]
+    modes += [m for k in args.k_max for m in decode_modes(taus=args.taus, k_max=k)]
+    modes += decode_modes(lossless_k=args.lossless_k or max(args.k_max))
     model, tokenizer, mask_id, stop_ids = load(args, modes[1])
     fmt = prompt_format(args.format, tokenizer, model)
     stop_ids = chat_stop_ids(stop_ids, tokenizer, fmt)

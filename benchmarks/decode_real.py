@@ -151,10 +151,6 @@ def hf_decode(hf, rows: list[list[int]], max_new_tokens: int, batch_size: int, s
 # The run
 # ----------------------------------------------------------------------------------------------
 
-def machine(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
-
-
 def load(args, device, dtype, need_mask: bool):
     """Our model, tokenizer, mask id and transformers' copy of the same weights.
 
@@ -202,7 +198,8 @@ def run(args) -> dict:
     requests = chat_prompts(args.prompts_per_domain)
     prompts = [prompt_tokens(tok, fmt, text) for _, text in requests]
     dtype_name = str(dtype).removeprefix("torch.")
-    meta = {"model": args.model, "reference": args.reference, "machine": machine(device), "device": str(device),
+    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    meta = {"model": args.model, "reference": args.reference, "machine": machine, "device": str(device),
             **provenance(dtype), "format": fmt,
             "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "requests": requests,
             "rows": args.rows or max(len(prompts), max(args.batch_sizes)),     # bench_modes.bench's workload
@@ -230,7 +227,7 @@ def run(args) -> dict:
                     d: sum(len(g.tokens) for g, x in zip(gens, domains) if x == d)
                     / sum(g.forward_passes for g, x in zip(gens, domains) if x == d) for d in dict.fromkeys(domains)}
         if args.reference:
-            same_as_reference(result, outputs, args.reference, prompts, meta["rows"], stop_ids, args, device, dtype)
+            same_as_reference(result, outputs, prompts, meta["rows"], stop_ids, args, device, dtype)
         write_samples(out / "samples.md", tok, requests, outputs, min(args.batch_sizes))
         theirs = {r["batch_size"]: r["tokens_per_second"] for r in result if r["kind"] == HF_GREEDY}
         for r in result:
@@ -247,10 +244,7 @@ def run(args) -> dict:
         context = round(sum(meta["prompt_tokens"]) / len(prompts)) + args.max_new_tokens // 2
         meta["latency_context"] = context
         # Both dtypes on the CPU (their costs differ by CPU); on a GPU the decoding dtype alone.
-        latency_dtypes = args.latency_dtypes
-        if latency_dtypes is None:
-            latency_dtypes = ["float32", "bfloat16"] if device.type == "cpu" else [dtype_name]
-        for name in latency_dtypes:
+        for name in args.latency_dtypes or (["float32", "bfloat16"] if device.type == "cpu" else [dtype_name]):
             model = ours
             if name != dtype_name:
                 model = load_model(args.model, device, getattr(torch, name))[0]
@@ -263,10 +257,10 @@ def run(args) -> dict:
     return report
 
 
-def same_as_reference(result, outputs, reference, prompts, n_rows, stop_ids, args, device, dtype):
+def same_as_reference(result, outputs, prompts, n_rows, stop_ids, args, device, dtype):
     """Each decoder's share of answers identical to the greedy answers of another model folder
     (--reference: the untuned model, say), decoded at the same batch size: r["same_as_reference"]."""
-    model = load_model(reference, device, dtype)[0]
+    model = load_model(args.reference, device, dtype)[0]
     rows = [prompts[i % len(prompts)] for i in range(n_rows)]
     theirs = {bs: generate(model, rows, args.max_new_tokens, DecodeConfig("greedy"), stop_ids=stop_ids,
                            batch_size=bs)[0] for bs in args.batch_sizes}
@@ -290,10 +284,6 @@ def save(report: dict, out: Path):
 # ----------------------------------------------------------------------------------------------
 
 LOSSLESS_KINDS = ("lossless", HF_GREEDY)            # and prompt lookup: modes that promise greedy's output
-
-
-def promises_greedy(r) -> bool:
-    return r["kind"] in LOSSLESS_KINDS or r["kind"].startswith(HF_LOOKUP)
 
 
 def write_samples(path, tok, requests, outputs, batch_size):
@@ -322,7 +312,8 @@ def markdown(report: dict) -> str:
                   "|---|---|---|---|---|---|---|---|---|" + ("---|" if reference else "")]
         for r in rows:
             vs_hf = f"{r['speedup_vs_transformers']:.2f}x" if r["speedup_vs_transformers"] else ""
-            same = ("yes" if r["equals_greedy"] else "**no**") if promises_greedy(r) else ""
+            promises_greedy = r["kind"] in LOSSLESS_KINDS or r["kind"].startswith(HF_LOOKUP)
+            same = ("yes" if r["equals_greedy"] else "**no**") if promises_greedy else ""
             lines.append(f"| {r['batch_size']} | {r['mode']} | {r['tokens_per_second']:,.1f} | {r['speedup']:.2f}x "
                          f"| {vs_hf} | {r['effective_k']:.2f} | {r['efficiency']:.2f} | {r['fed_per_token']:.2f} "
                          f"| {same} |" + (f" {r['same_as_reference']:.0%} |" if "same_as_reference" in r else ""))

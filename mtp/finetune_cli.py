@@ -22,7 +22,7 @@ from adapter import ADAPTER_TARGETS
 from mtp.hf import read_model_config
 from mtp.cli import (CliError, Parser, add_flags, base_folder, count, input_path, load_model,
                      number, output_folder, parse_device, parse_dtype, positive_float,
-                     positive_int, probability, stop_ids_of)
+                     positive_int, probability)
 
 DESCRIPTION = ("Fine-tune a Hugging Face Llama/Qwen/SmolLM2 checkpoint into a multi-token "
                "predictor; measure it.")
@@ -303,10 +303,10 @@ def load_for_inference(args):
     """(model, tokenizer, mask id or None, prompt format, stop ids) of --model,
     for the commands that decode (eval, analyze, data)."""
     device = parse_device(args.device)
-    model, tok, mask_id, _ = load_model(args.model, device, parse_dtype(args.dtype, device))
+    model, tok, mask_id, stop_ids = load_model(args.model, device,
+                                               parse_dtype(args.dtype, device))
     fmt = args.format
     if fmt == "auto":
         fmt = default_format(tok, model.config.model_type)
     # The format's end of turn stops decoding too.
-    stop_ids = stop_ids_of(model, tok) | {end_token(tok, fmt)}
-    return model, tok, mask_id, fmt, stop_ids
+    return model, tok, mask_id, fmt, stop_ids | {end_token(tok, fmt)}
