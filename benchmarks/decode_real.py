@@ -455,15 +455,15 @@ def parse(argv):
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    counts = {"--prompts-per-domain": [args.prompts_per_domain], "--max-new-tokens": [args.max_new_tokens],
-              "--batch-sizes": args.batch_sizes, "--rows": [1 if args.rows is None else args.rows],
-              "--repeats": [args.repeats], "--static-k": [args.static_k], "--k-max": args.k_max,
-              "--lossless-k": [args.lossless_k or 1], "--lookup-tokens": [args.lookup_tokens],
-              "--latency-sizes": args.latency_sizes, "--latency-batch-sizes": args.latency_batch_sizes,
-              "--latency-repeats": [args.latency_repeats]}
-    for flag, values in counts.items():
-        if min(values) < 1:
-            raise CliError(f"{flag} must be at least 1, got {min(values)}")
+    # Each at least 1 (every value of a list); --rows unset and --lossless-k unset or 0 (the
+    # largest --k-max) are not numbers to check.
+    for name in ("prompts_per_domain", "max_new_tokens", "batch_sizes", "rows", "repeats", "static_k",
+                 "k_max", "lossless_k", "lookup_tokens", "latency_sizes", "latency_batch_sizes",
+                 "latency_repeats"):
+        value = getattr(args, name)
+        lowest = min(value) if isinstance(value, list) else value
+        if lowest is not None and lowest < 1 and (name, lowest) != ("lossless_k", 0):
+            raise CliError(f"--{name.replace('_', '-')} must be at least 1, got {lowest}")
     if args.rows is not None and args.rows < 4 * args.prompts_per_domain:
         raise CliError(f"--rows {args.rows}: fewer than the {4 * args.prompts_per_domain} prompts (4 domains x "
                        f"--prompts-per-domain {args.prompts_per_domain})")
