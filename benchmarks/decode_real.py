@@ -298,7 +298,7 @@ def write_samples(path, tok, requests, outputs, batch_size):
                 passes = f", {g.forward_passes} passes" if g.chunk_sizes else ""
                 lines += [f"**{mode}** ({len(g.tokens)} tokens{passes}):", "",
                           "    " + "|".join(chunk_texts(tok, g.tokens, sizes)).replace("\n", "\n    "), ""]
-    path.write_text("\n".join(lines), encoding="utf-8")
+    write_text(path, "\n".join(lines))
 
 
 def markdown(report: dict) -> str:

@@ -421,10 +421,7 @@ def main(argv=None) -> int:
             wanted = {"smoke_model": 1, "compare": 2}[args.section]
             if len(args.folders) != wanted:
                 raise ValueError(f"{args.section} takes {wanted} folder(s)")
-            if args.section == "smoke_model":
-                figures = smoke_model(*args.folders)
-            else:
-                figures = compare(*args.folders)
+            figures = (smoke_model if args.section == "smoke_model" else compare)(*args.folders)
         else:
             device = parse_device(args.device)
             figures = SECTIONS[args.section](device, parse_dtype(args.dtype, device), args.small)

@@ -172,8 +172,7 @@ def evaluate(args) -> list[dict]:
                              for s in samples]
 
             # Written after each decoder: an interrupted eval keeps those done.
-            write_eval(out, title, meta, header, table, results, samples_text, n=len(golds),
-                       batch_size=args.batch_size, same=same)
+            write_eval(out, title, meta, header, table, results, samples_text)
     except KeyboardInterrupt:
         kept = "nothing written"
         if results:
@@ -242,14 +241,15 @@ def decode_with_progress(model, prompts, mode: DecodeConfig, mask_id, stop_ids, 
     return gens, seconds
 
 
-def write_eval(out, title, meta, header, table, results, samples_text, n,
-               batch_size, same):
+def write_eval(out, title, meta, header, table, results, samples_text):
     write_json(out / "results.json", {"meta": meta, "results": results})
     md = [f"### {title}", "", *header, *table]
-    note = (f"n = {n} questions; accuracy in % ± standard error; effective k = tokens / "
+    # Every row has the question count, the batch size and, with --reference, the share.
+    row = results[0]
+    note = (f"n = {row['n']} questions; accuracy in % ± standard error; effective k = tokens / "
             "forward passes per completion (not a wall-clock speed-up); tokens/s = decoding "
-            f"throughput at batch size {batch_size}, prefill excluded")
-    if same:
+            f"throughput at batch size {row['batch_size']}, prefill excluded")
+    if "same_as_reference" in row:
         note += "; same as reference = share of answers identical to the reference's k=1 answer"
     md += ["", note + ".", ""]
     write_text(out / "results.md", "\n".join(md))
