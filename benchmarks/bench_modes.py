@@ -17,9 +17,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mtp.cli import (Parser, add_model_args, chat_stop_ids, encode_prompt, load,  # noqa: E402
+from mtp.cli import (Parser, add_flags, add_model_args, chat_stop_ids, encode_prompt, load,  # noqa: E402
                  positive_int, probability, prompt_format, run_cli)
-from confadapt import DecodeConfig  # noqa: E402
+from confadapt import DecodeConfig, decode_modes  # noqa: E402
 from mtp.engine import cached_forward, generate, new_cache, synchronize  # noqa: E402
 
 
@@ -137,31 +137,28 @@ def bench_main(argv):
     b = p.add_argument_group("benchmark")
     b.add_argument("--prompt", action="append", required=True,
                    help="a prompt (repeat for several; batches cycle through them)")
-    b.add_argument("--max-new-tokens", type=positive_int, default=128, help="most tokens per prompt")
-    b.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 4, 16], help="batch sizes to time")
-    b.add_argument("--static-k", type=positive_int, default=4, help="static k to time")
-    b.add_argument("--taus", type=probability, nargs="+", default=[0.5, 0.7, 0.8, 0.9, 0.95, 0.99],
-                   help="ConfAdapt thresholds")
-    b.add_argument("--k-max", type=positive_int, nargs="+", default=[16],
-                   help="ConfAdapt: most tokens per pass (several: a sweep)")
-    b.add_argument("--lossless-k", type=positive_int, default=None,
-                   help="lossless: most tokens per pass (default: the largest --k-max)")
-    b.add_argument("--rows", type=positive_int, default=None,
-                   help="rows in the workload, the prompts cycled "
-                        "(default: the number of prompts or the largest batch)")
-    b.add_argument("--repeats", type=positive_int, default=3,
-                   help="rounds over all modes; each mode keeps its fastest")
-    b.add_argument("--latency-max", type=positive_int, default=32,
-                   help="latency curve for 1..N new tokens per pass")
+    add_flags(b,
+              ("--max-new-tokens", positive_int, 128, "most tokens per prompt"),
+              ("--batch-sizes", positive_int, [1, 4, 16], "batch sizes to time", {"nargs": "+"}),
+              ("--static-k", positive_int, 4, "static k to time"),
+              ("--taus", probability, [0.5, 0.7, 0.8, 0.9, 0.95, 0.99], "ConfAdapt thresholds",
+               {"nargs": "+"}),
+              ("--k-max", positive_int, [16], "ConfAdapt: most tokens per pass (several: a sweep)",
+               {"nargs": "+"}),
+              ("--lossless-k", positive_int, None,
+               "lossless: most tokens per pass (default: the largest --k-max)"),
+              ("--rows", positive_int, None, "rows in the workload, the prompts cycled "
+               "(default: the number of prompts or the largest batch)"),
+              ("--repeats", positive_int, 3, "rounds over all modes; each mode keeps its fastest"),
+              ("--latency-max", positive_int, 32, "latency curve for 1..N new tokens per pass"))
     b.add_argument("--ignore-stop", action="store_true", help="always generate --max-new-tokens tokens")
     b.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     args = p.parse_args(argv)
 
-    modes = [DecodeConfig("greedy"), DecodeConfig("static", k=args.static_k)]
-    modes += [DecodeConfig("confadapt", tau=t, k_max=k) for k in args.k_max for t in args.taus]
-    modes += [DecodeConfig("lossless", k=args.lossless_k or max(args.k_max))]
-    for m in modes:
-        m.validate()
+    # decode_modes validates each
+    modes = [DecodeConfig("greedy"), *decode_modes([args.static_k])]
+    modes += [m for k in args.k_max for m in decode_modes(taus=args.taus, k_max=k)]
+    modes += decode_modes(lossless_k=args.lossless_k or max(args.k_max))
     model, tokenizer, mask_id, stop_ids = load(args, modes[1])
     fmt = prompt_format(args.format, tokenizer, model)
     stop_ids = chat_stop_ids(stop_ids, tokenizer, fmt)

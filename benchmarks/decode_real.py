@@ -22,8 +22,6 @@ which is what turns fewer passes (effective k) into time saved, or not.
 writes results.json, results.md (the tables), samples.md (the answers at the smallest batch size,
 every pass's tokens between | marks), decoding.png and latency.png to --out.
 """
-from __future__ import annotations
-
 import argparse
 import json
 import os
@@ -36,7 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_modes import bench, forward_latency  # noqa: E402
-from mtp.cli import (CliError, Parser, base_folder, cpu_name, load_model, parse_device,  # noqa: E402
+from mtp.cli import (CliError, Parser, add_flags, base_folder, cpu_name, load_model, parse_device,  # noqa: E402
                  parse_dtype, positive_int, provenance, stop_ids_of)
 from confadapt import DecodeConfig, decode_modes  # noqa: E402
 from mtp.chunks import chunk_texts  # noqa: E402
@@ -44,7 +42,7 @@ from mtp.engine import DecodeStats, Generation, generate, synchronize  # noqa: E
 from mtp.tokenizer import default_format, end_token, FORMATS, prompt_tokens
 from tasks.word_problems import word_problem_split
 from model import add_mask_token  # noqa: E402
-from mtp.hf import atomic_save, save_pretrained  # noqa: E402
+from mtp.hf import save_pretrained, write_text  # noqa: E402
 
 HF_GREEDY, HF_LOOKUP = "transformers greedy", "transformers prompt lookup"
 MODE_CHOICES = ("greedy", "hf-greedy", "hf-lookup", "static", "confadapt", "lossless")
@@ -153,10 +151,6 @@ def hf_decode(hf, rows: list[list[int]], max_new_tokens: int, batch_size: int, s
 # The run
 # ----------------------------------------------------------------------------------------------
 
-def machine(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
-
-
 def load(args, device, dtype, need_mask: bool):
     """Our model, tokenizer, mask id and transformers' copy of the same weights.
 
@@ -204,7 +198,8 @@ def run(args) -> dict:
     requests = chat_prompts(args.prompts_per_domain)
     prompts = [prompt_tokens(tok, fmt, text) for _, text in requests]
     dtype_name = str(dtype).removeprefix("torch.")
-    meta = {"model": args.model, "reference": args.reference, "machine": machine(device), "device": str(device),
+    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    meta = {"model": args.model, "reference": args.reference, "machine": machine, "device": str(device),
             **provenance(dtype), "format": fmt,
             "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "requests": requests,
             "rows": args.rows or max(len(prompts), max(args.batch_sizes)),     # bench_modes.bench's workload
@@ -232,7 +227,7 @@ def run(args) -> dict:
                     d: sum(len(g.tokens) for g, x in zip(gens, domains) if x == d)
                     / sum(g.forward_passes for g, x in zip(gens, domains) if x == d) for d in dict.fromkeys(domains)}
         if args.reference:
-            same_as_reference(result, outputs, args.reference, prompts, meta["rows"], stop_ids, args, device, dtype)
+            same_as_reference(result, outputs, prompts, meta["rows"], stop_ids, args, device, dtype)
         write_samples(out / "samples.md", tok, requests, outputs, min(args.batch_sizes))
         theirs = {r["batch_size"]: r["tokens_per_second"] for r in result if r["kind"] == HF_GREEDY}
         for r in result:
@@ -249,10 +244,7 @@ def run(args) -> dict:
         context = round(sum(meta["prompt_tokens"]) / len(prompts)) + args.max_new_tokens // 2
         meta["latency_context"] = context
         # Both dtypes on the CPU (their costs differ by CPU); on a GPU the decoding dtype alone.
-        latency_dtypes = args.latency_dtypes
-        if latency_dtypes is None:
-            latency_dtypes = ["float32", "bfloat16"] if device.type == "cpu" else [dtype_name]
-        for name in latency_dtypes:
+        for name in args.latency_dtypes or (["float32", "bfloat16"] if device.type == "cpu" else [dtype_name]):
             model = ours
             if name != dtype_name:
                 model = load_model(args.model, device, getattr(torch, name))[0]
@@ -265,10 +257,10 @@ def run(args) -> dict:
     return report
 
 
-def same_as_reference(result, outputs, reference, prompts, n_rows, stop_ids, args, device, dtype):
+def same_as_reference(result, outputs, prompts, n_rows, stop_ids, args, device, dtype):
     """Each decoder's share of answers identical to the greedy answers of another model folder
     (--reference: the untuned model, say), decoded at the same batch size: r["same_as_reference"]."""
-    model = load_model(reference, device, dtype)[0]
+    model = load_model(args.reference, device, dtype)[0]
     rows = [prompts[i % len(prompts)] for i in range(n_rows)]
     theirs = {bs: generate(model, rows, args.max_new_tokens, DecodeConfig("greedy"), stop_ids=stop_ids,
                            batch_size=bs)[0] for bs in args.batch_sizes}
@@ -279,10 +271,8 @@ def same_as_reference(result, outputs, reference, prompts, n_rows, stop_ids, arg
 
 def save(report: dict, out: Path):
     """results.json, results.md and the plots of what has been measured so far."""
-    results = json.dumps(report, indent=1) + "\n"
-    atomic_save(lambda p: Path(p).write_text(results, encoding="utf-8"), out / "results.json")
-    table = markdown(report)
-    atomic_save(lambda p: Path(p).write_text(table, encoding="utf-8"), out / "results.md")
+    write_text(out / "results.json", json.dumps(report, indent=1) + "\n")
+    write_text(out / "results.md", markdown(report))
     if report["decoding"]:
         plot_decoding(report, out / "decoding.png")
     if report["latency_ms"]:
@@ -294,10 +284,6 @@ def save(report: dict, out: Path):
 # ----------------------------------------------------------------------------------------------
 
 LOSSLESS_KINDS = ("lossless", HF_GREEDY)            # and prompt lookup: modes that promise greedy's output
-
-
-def promises_greedy(r) -> bool:
-    return r["kind"] in LOSSLESS_KINDS or r["kind"].startswith(HF_LOOKUP)
 
 
 def write_samples(path, tok, requests, outputs, batch_size):
@@ -312,7 +298,7 @@ def write_samples(path, tok, requests, outputs, batch_size):
                 passes = f", {g.forward_passes} passes" if g.chunk_sizes else ""
                 lines += [f"**{mode}** ({len(g.tokens)} tokens{passes}):", "",
                           "    " + "|".join(chunk_texts(tok, g.tokens, sizes)).replace("\n", "\n    "), ""]
-    path.write_text("\n".join(lines), encoding="utf-8")
+    write_text(path, "\n".join(lines))
 
 
 def markdown(report: dict) -> str:
@@ -326,7 +312,8 @@ def markdown(report: dict) -> str:
                   "|---|---|---|---|---|---|---|---|---|" + ("---|" if reference else "")]
         for r in rows:
             vs_hf = f"{r['speedup_vs_transformers']:.2f}x" if r["speedup_vs_transformers"] else ""
-            same = ("yes" if r["equals_greedy"] else "**no**") if promises_greedy(r) else ""
+            promises_greedy = r["kind"] in LOSSLESS_KINDS or r["kind"].startswith(HF_LOOKUP)
+            same = ("yes" if r["equals_greedy"] else "**no**") if promises_greedy else ""
             lines.append(f"| {r['batch_size']} | {r['mode']} | {r['tokens_per_second']:,.1f} | {r['speedup']:.2f}x "
                          f"| {vs_hf} | {r['effective_k']:.2f} | {r['efficiency']:.2f} | {r['fed_per_token']:.2f} "
                          f"| {same} |" + (f" {r['same_as_reference']:.0%} |" if "same_as_reference" in r else ""))
@@ -425,53 +412,58 @@ def parse(argv):
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="dtype of the decoding runs; auto (the default): bfloat16 where the hardware "
                    "computes it natively (a GPU from Ampere on, a CPU with AVX-512 BF16 or AMX), else float32")
-    g.add_argument("--threads", type=positive_int, default=None,
-                   help="CPU threads for torch (default: torch's choice)")
-    g.add_argument("--format", default="auto", choices=("auto",) + FORMATS,
-                   help="prompt format (auto: the one finetune_hf.py picks for this tokenizer)")
+    add_flags(g,
+              ("--threads", positive_int, None, "CPU threads for torch (default: torch's choice)"),
+              ("--format", None, "auto",
+               "prompt format (auto: the one finetune_hf.py picks for this tokenizer)",
+               {"choices": ("auto",) + FORMATS}))
     r = p.add_argument_group("workload (--quick: 4 prompts, 48 tokens, batch 1 and 4, one round, latency at 6 sizes)")
     r.add_argument("--quick", action="store_true", help="a smoke run in minutes, for checking the command")
-    r.add_argument("--parts", nargs="+", default=["decoding", "latency"], choices=["decoding", "latency"])
-    r.add_argument("--prompts-per-domain", type=int,
-                   help=f"prompts of each of 4 domains (default {FULL['prompts_per_domain']})")
-    r.add_argument("--max-new-tokens", type=int, help=f"default {FULL['max_new_tokens']}")
-    r.add_argument("--batch-sizes", type=int, nargs="+", help=f"default {FULL['batch_sizes']}")
-    r.add_argument("--rows", type=int, help="the prompts cycled to this many rows (default: as many as the prompts "
-                   "or the largest batch size; more keep a batch full: a finished row's place goes to a waiting one)")
-    r.add_argument("--repeats", type=int,
-                   help=f"rounds over all modes, each keeps its fastest (default {FULL['repeats']})")
+    add_flags(r,
+              ("--parts", None, ["decoding", "latency"], None,
+               {"nargs": "+", "choices": ["decoding", "latency"]}),
+              ("--prompts-per-domain", int, None,
+               f"prompts of each of 4 domains (default {FULL['prompts_per_domain']})"),
+              ("--max-new-tokens", int, None, f"default {FULL['max_new_tokens']}"),
+              ("--batch-sizes", int, None, f"default {FULL['batch_sizes']}", {"nargs": "+"}),
+              ("--rows", int, None, "the prompts cycled to this many rows (default: as many as the prompts "
+               "or the largest batch size; more keep a batch full: a finished row's place goes to a waiting one)"),
+              ("--repeats", int, None,
+               f"rounds over all modes, each keeps its fastest (default {FULL['repeats']})"))
     d = p.add_argument_group("decoding modes")
-    d.add_argument("--modes", nargs="+", default=list(MODE_CHOICES), choices=MODE_CHOICES,
-                   help="which to run (our greedy, the reference, always runs)")
-    d.add_argument("--static-k", type=int, default=4)
-    d.add_argument("--taus", type=float, nargs="+", default=[0.9, 0.7], help="ConfAdapt thresholds")
-    d.add_argument("--k-max", type=int, nargs="+", default=[16],
-                   help="ConfAdapt: most tokens per pass (several: each with every tau)")
-    d.add_argument("--lossless-k", type=int, default=None,
-                   help="lossless: most tokens per pass (default: the largest --k-max)")
-    d.add_argument("--lookup-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
-    d.add_argument("--reference", help="another model folder (the untuned model, say): report each decoder's share "
-                   "of answers identical to its greedy answers at the same batch size")
+    add_flags(d,
+              ("--modes", None, list(MODE_CHOICES), "which to run (our greedy, the reference, always runs)",
+               {"nargs": "+", "choices": MODE_CHOICES}),
+              ("--static-k", int, 4, None),
+              ("--taus", float, [0.9, 0.7], "ConfAdapt thresholds", {"nargs": "+"}),
+              ("--k-max", int, [16], "ConfAdapt: most tokens per pass (several: each with every tau)",
+               {"nargs": "+"}),
+              ("--lossless-k", int, None, "lossless: most tokens per pass (default: the largest --k-max)"),
+              ("--lookup-tokens", int, 10, "transformers' prompt_lookup_num_tokens"),
+              ("--reference", None, None, "another model folder (the untuned model, say): report each "
+               "decoder's share of answers identical to its greedy answers at the same batch size"))
     la = p.add_argument_group("latency curve")
-    la.add_argument("--latency-sizes", type=int, nargs="+", help="new positions per row (default 1..32)")
-    la.add_argument("--latency-batch-sizes", type=int, nargs="+", default=[1, 16])
-    la.add_argument("--latency-dtypes", nargs="+", default=None, choices=["float32", "bfloat16"],
-                    help="default: float32 and bfloat16 on the CPU, the decoding dtype on a GPU")
-    la.add_argument("--latency-repeats", type=int,
-                    help=f"timed passes per point, median (default {FULL['latency_repeats']})")
+    add_flags(la,
+              ("--latency-sizes", int, None, "new positions per row (default 1..32)", {"nargs": "+"}),
+              ("--latency-batch-sizes", int, [1, 16], None, {"nargs": "+"}),
+              ("--latency-dtypes", None, None,
+               "default: float32 and bfloat16 on the CPU, the decoding dtype on a GPU",
+               {"nargs": "+", "choices": ["float32", "bfloat16"]}),
+              ("--latency-repeats", int, None,
+               f"timed passes per point, median (default {FULL['latency_repeats']})"))
     args = p.parse_args(argv)
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    counts = {"--prompts-per-domain": [args.prompts_per_domain], "--max-new-tokens": [args.max_new_tokens],
-              "--batch-sizes": args.batch_sizes, "--rows": [1 if args.rows is None else args.rows],
-              "--repeats": [args.repeats], "--static-k": [args.static_k], "--k-max": args.k_max,
-              "--lossless-k": [args.lossless_k or 1], "--lookup-tokens": [args.lookup_tokens],
-              "--latency-sizes": args.latency_sizes, "--latency-batch-sizes": args.latency_batch_sizes,
-              "--latency-repeats": [args.latency_repeats]}
-    for flag, values in counts.items():
-        if min(values) < 1:
-            raise CliError(f"{flag} must be at least 1, got {min(values)}")
+    # Each at least 1 (every value of a list); --rows unset and --lossless-k unset or 0 (the
+    # largest --k-max) are not numbers to check.
+    for name in ("prompts_per_domain", "max_new_tokens", "batch_sizes", "rows", "repeats", "static_k",
+                 "k_max", "lossless_k", "lookup_tokens", "latency_sizes", "latency_batch_sizes",
+                 "latency_repeats"):
+        value = getattr(args, name)
+        lowest = min(value) if isinstance(value, list) else value
+        if lowest is not None and lowest < 1 and (name, lowest) != ("lossless_k", 0):
+            raise CliError(f"--{name.replace('_', '-')} must be at least 1, got {lowest}")
     if args.rows is not None and args.rows < 4 * args.prompts_per_domain:
         raise CliError(f"--rows {args.rows}: fewer than the {4 * args.prompts_per_domain} prompts (4 domains x "
                        f"--prompts-per-domain {args.prompts_per_domain})")

@@ -36,7 +36,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import model as M  # noqa: E402
 from mtp.cli import native_bfloat16_gpu, parse_device, parse_dtype  # noqa: E402
-from mtp.engine import HostSyncs, decode_pass, generate, new_cache, prefill  # noqa: E402
+from mtp.engine import (HostSyncs, decode_pass, generate, new_cache, prefill,  # noqa: E402
+                        synchronize)
 from mtp.hf import read_safetensors, save_pretrained  # noqa: E402
 from confadapt import DecodeConfig  # noqa: E402
 from data import mtp_layout
@@ -57,11 +58,6 @@ SMALL = dict(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_di
 def shapes(small: bool) -> dict:
     """The shapes a section measures, by name: the two real ones, or the small stand-in."""
     return {"small stand-in": SMALL} if small else {"smollm2": SMOLLM2, "llama8b": LLAMA8B}
-
-
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def random_model(shape: dict, device, dtype, n_layers=None) -> M.Transformer:
@@ -425,10 +421,7 @@ def main(argv=None) -> int:
             wanted = {"smoke_model": 1, "compare": 2}[args.section]
             if len(args.folders) != wanted:
                 raise ValueError(f"{args.section} takes {wanted} folder(s)")
-            if args.section == "smoke_model":
-                figures = smoke_model(*args.folders)
-            else:
-                figures = compare(*args.folders)
+            figures = (smoke_model if args.section == "smoke_model" else compare)(*args.folders)
         else:
             device = parse_device(args.device)
             figures = SECTIONS[args.section](device, parse_dtype(args.dtype, device), args.small)

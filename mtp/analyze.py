@@ -17,8 +17,6 @@ student learns to make at mask positions with growing confidence. Read them as a
 floor of what tuning can give, not a forecast.
 """
 
-from __future__ import annotations
-
 import math
 from pathlib import Path
 
@@ -28,7 +26,7 @@ from confadapt import DecodeConfig, accept_confadapt
 from mtp.tokenizer import prompt_tokens
 from tasks.word_problems import domain_prompts
 from mtp.engine import generate
-from mtp.hf import write_json
+from mtp.hf import write_json, write_text
 from mtp.cli import read_rows
 from mtp.finetune_cli import load_for_inference, model_name
 
@@ -102,7 +100,7 @@ def analyze(args) -> dict:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         write_json(out / "analysis.json", report)
-        (out / "analysis.md").write_text("\n".join(md), encoding="utf-8")
+        write_text(out / "analysis.md", "\n".join(md))
     return report
 
 

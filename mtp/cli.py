@@ -103,6 +103,14 @@ positive_float = number(float, 0, low_open=True)
 probability = number(float, 0, 1, low_open=True)
 
 
+def add_flags(group, *rows):
+    """One add_argument per row (flag, type, default, help), a fifth item, a dict,
+    holding a row's other keyword arguments (nargs, choices): a command's flags
+    that take a value, written as a table."""
+    for flag, type, default, help, *more in rows:
+        group.add_argument(flag, type=type, default=default, help=help, **dict(*more))
+
+
 def input_path(path, flag, folder=False):
     kind, other = ("folder", "a file") if folder else ("file", "a folder")
     if not os.path.exists(path):

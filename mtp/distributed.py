@@ -9,8 +9,6 @@ files, logs and writes, and a checkpoint holds each process's shards
 (torch.distributed.checkpoint).
 """
 
-from __future__ import annotations
-
 import os
 from dataclasses import dataclass
 from datetime import timedelta

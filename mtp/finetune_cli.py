@@ -8,8 +8,6 @@ into a new or empty folder, or with --overwrite over their own earlier output,
 never into a model folder or a training run they did not write.
 """
 
-from __future__ import annotations
-
 import argparse
 import os
 import warnings
@@ -22,9 +20,9 @@ from tasks.word_problems import DOMAINS
 from distill import LOSSES
 from adapter import ADAPTER_TARGETS
 from mtp.hf import read_model_config
-from mtp.cli import (CliError, Parser, base_folder, count, input_path, load_model, number,
-                     output_folder, parse_device, parse_dtype, positive_float, positive_int,
-                     probability, stop_ids_of)
+from mtp.cli import (CliError, Parser, add_flags, base_folder, count, input_path, load_model,
+                     number, output_folder, parse_device, parse_dtype, positive_float,
+                     positive_int, probability)
 
 DESCRIPTION = ("Fine-tune a Hugging Face Llama/Qwen/SmolLM2 checkpoint into a multi-token "
                "predictor; measure it.")
@@ -67,11 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--format", default="auto", choices=("auto", *FORMATS),
                        help="prompt format (auto: detect)")
         if max_new_tokens:
-            c.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens,
-                           help="most tokens of each answer (data: a cut answer is marked "
-                           "unfinished)")
-            c.add_argument("--batch-size", type=positive_int, default=16,
-                           help="prompts per batch")
+            add_flags(c,
+                      ("--max-new-tokens", positive_int, max_new_tokens,
+                       "most tokens of each answer (data: a cut answer is marked unfinished)"),
+                      ("--batch-size", positive_int, 16, "prompts per batch"))
         c.add_argument("--device", default="auto",
                        help="auto (cuda if any), cpu, cuda or cuda:N")
         c.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
@@ -87,59 +84,50 @@ def build_parser() -> argparse.ArgumentParser:
     g = t.add_argument_group("data")
     g.add_argument("--data", required=True, nargs="+",
                    help="rows (query or prompt, response): JSON array or JSONL")
-    g.add_argument("--seq-len", type=number(int, 2), default=160, help="tokens per sequence")
-    g.add_argument("--limit-rows", type=count, default=0,
-                   help="use only the first N rows (0: all)")
+    add_flags(g,
+              ("--seq-len", number(int, 2), 160, "tokens per sequence"),
+              ("--limit-rows", count, 0, "use only the first N rows (0: all)"))
     g.add_argument("--response-only", action="store_true",
                    help="predict response tokens only (the paper: all)")
     o = t.add_argument_group("optimization (defaults: the paper's full-scale recipe)")
-    o.add_argument("--steps", type=positive_int, default=100_000, help="optimizer steps")
-    o.add_argument("--batch-size", type=positive_int, default=128,
-                   help="per step, all processes")
-    o.add_argument("--micro-batch", type=positive_int, default=8,
-                   help="per forward pass and process")
-    o.add_argument("--lr", type=positive_float, default=1e-5,
-                   help="peak learning rate (AdamW)")
-    o.add_argument("--warmup", type=count, default=2000, help="linear warm-up steps")
-    o.add_argument("--decay", type=count, default=0,
-                   help="lr linearly to 0 over the last N steps (the paper: 0)")
-    o.add_argument("--weight-decay", type=number(float, 0), default=0.1,
-                   help="AdamW weight decay")
-    o.add_argument("--beta1", type=number(float, 0, 0.9999), default=0.9, help="AdamW beta1")
-    o.add_argument("--beta2", type=number(float, 0, 0.9999), default=0.95,
-                   help="AdamW beta2")
-    o.add_argument("--clip", type=positive_float, default=1.0,
-                   help="gradient norm clipping")
-    o.add_argument("--seed", type=count, default=0,
-                   help="data order and every step's k and offset")
+    add_flags(o,
+              ("--steps", positive_int, 100_000, "optimizer steps"),
+              ("--batch-size", positive_int, 128, "per step, all processes"),
+              ("--micro-batch", positive_int, 8, "per forward pass and process"),
+              ("--lr", positive_float, 1e-5, "peak learning rate (AdamW)"),
+              ("--warmup", count, 2000, "linear warm-up steps"),
+              ("--decay", count, 0, "lr linearly to 0 over the last N steps (the paper: 0)"),
+              ("--weight-decay", number(float, 0), 0.1, "AdamW weight decay"),
+              ("--beta1", number(float, 0, 0.9999), 0.9, "AdamW beta1"),
+              ("--beta2", number(float, 0, 0.9999), 0.95, "AdamW beta2"),
+              ("--clip", positive_float, 1.0, "gradient norm clipping"),
+              ("--seed", count, 0, "data order and every step's k and offset"))
     m = t.add_argument_group("multi-token prediction")
-    m.add_argument("--mode", default="hard", choices=LOSSES,
-                   help="hard / soft: self-distillation; gt: naive ablation")
-    m.add_argument("--k-max", type=number(int, 2), default=16,
-                   help="k is drawn uniformly from [2, k_max] every step")
-    m.add_argument("--regions", type=positive_int,
-                   help="MTP problems per sequence (default seq_len / (2 k_max))")
-    m.add_argument("--prefix-ntp-weight", type=number(float, 0), default=0.0,
-                   help="plus this much plain NTP loss")
-    m.add_argument("--adapter", default="none", choices=("none", "gated-lora"),
-                   help="none (the default, the paper's recipe): tune every weight against "
-                   "a frozen copy; gated-lora: freeze the model and train a low-rank update "
-                   "that acts only at <mask> positions (the model's own predictions stay "
-                   "exactly the base model's; the teacher is the base itself, no copy); "
-                   "final/ then holds the adapter, not a model")
-    m.add_argument("--adapter-rank", type=positive_int, default=32,
-                   help="gated-lora: rank of each update")
-    m.add_argument("--adapter-alpha", type=positive_float, default=64.0,
-                   help="gated-lora: the update is scaled by alpha / rank")
-    m.add_argument("--adapter-targets", nargs="+", choices=ADAPTER_TARGETS,
-                   default=list(ADAPTER_TARGETS),
-                   help="gated-lora: the projections that get an update (default: all)")
+    add_flags(m,
+              ("--mode", None, "hard", "hard / soft: self-distillation; gt: naive ablation",
+               {"choices": LOSSES}),
+              ("--k-max", number(int, 2), 16, "k is drawn uniformly from [2, k_max] every step"),
+              ("--regions", positive_int, None,
+               "MTP problems per sequence (default seq_len / (2 k_max))"),
+              ("--prefix-ntp-weight", number(float, 0), 0.0, "plus this much plain NTP loss"),
+              ("--adapter", None, "none",
+               "none (the default, the paper's recipe): tune every weight against a frozen "
+               "copy; gated-lora: freeze the model and train a low-rank update that acts only "
+               "at <mask> positions (the model's own predictions stay exactly the base "
+               "model's; the teacher is the base itself, no copy); final/ then holds the "
+               "adapter, not a model", {"choices": ("none", "gated-lora")}),
+              ("--adapter-rank", positive_int, 32, "gated-lora: rank of each update"),
+              ("--adapter-alpha", positive_float, 64.0,
+               "gated-lora: the update is scaled by alpha / rank"),
+              ("--adapter-targets", None, list(ADAPTER_TARGETS),
+               "gated-lora: the projections that get an update (default: all)",
+               {"nargs": "+", "choices": ADAPTER_TARGETS}))
     c = t.add_argument_group("checkpoints")
     c.add_argument("--out", required=True,
                    help="output folder: checkpoints/, log.jsonl, final/ (the exported model)")
-    c.add_argument("--save-every", type=positive_int, default=1000,
-                   help="checkpoint every N steps")
-    c.add_argument("--keep", type=positive_int, default=2, help="checkpoints to keep")
+    add_flags(c,
+              ("--save-every", positive_int, 1000, "checkpoint every N steps"),
+              ("--keep", positive_int, 2, "checkpoints to keep"))
     # One or neither.
     x = c.add_mutually_exclusive_group()
     x.add_argument("--resume", action="store_true",
@@ -157,20 +145,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder for results.json/.md, pareto.png, samples.jsonl")
     e.add_argument("--overwrite", action="store_true",
                    help="replace an earlier eval's files in --out")
-    e.add_argument("--prompt-style", default="fewshot", choices=("fewshot", "zeroshot"),
-                   help="fewshot: lm-eval gsm8k_cot; zeroshot: the question in the training "
-                   "format (small models)")
-    e.add_argument("--n-shot", type=number(int, 0, 8), default=8,
-                   help="fewshot: exemplars before the question")
-    e.add_argument("--static-k", type=positive_int, nargs="*", default=[1, 2, 3, 4],
-                   help="static k values (1: greedy)")
-    e.add_argument("--taus", type=probability, nargs="*", default=taus,
-                   help="ConfAdapt thresholds, each in (0, 1]")
-    e.add_argument("--k-max", type=positive_int, default=16,
-                   help="ConfAdapt: most tokens per pass")
-    e.add_argument("--lossless-k", type=count, default=0,
-                   help="also run the lossless mode with this k (0: no)")
-    e.add_argument("--limit", type=count, default=0, help="first N questions only (0: all)")
+    add_flags(e,
+              ("--prompt-style", None, "fewshot",
+               "fewshot: lm-eval gsm8k_cot; zeroshot: the question in the training format "
+               "(small models)", {"choices": ("fewshot", "zeroshot")}),
+              ("--n-shot", number(int, 0, 8), 8, "fewshot: exemplars before the question"),
+              ("--static-k", positive_int, [1, 2, 3, 4], "static k values (1: greedy)",
+               {"nargs": "*"}),
+              ("--taus", probability, taus, "ConfAdapt thresholds, each in (0, 1]",
+               {"nargs": "*"}),
+              ("--k-max", positive_int, 16, "ConfAdapt: most tokens per pass"),
+              ("--lossless-k", count, 0, "also run the lossless mode with this k (0: no)"),
+              ("--limit", count, 0, "first N questions only (0: all)"))
     e.add_argument("--reference",
                    help="an earlier eval's --out: report how often each answer equals its "
                    "k=1 answer")
@@ -183,10 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--data", help="the domain's prompts: rows with question, query or prompt")
     src.add_argument("--domains", nargs="+", choices=DOMAINS,
                      help="held-out prompts generated in code, per domain")
-    a.add_argument("--limit", type=count, default=64, help="first N prompts only (0: all)")
-    a.add_argument("--taus", type=probability, nargs="+", default=taus,
-                   help="ConfAdapt thresholds, each in (0, 1]")
-    a.add_argument("--k-max", type=number(int, 2), default=16, help="most tokens per pass")
+    add_flags(a,
+              ("--limit", count, 64, "first N prompts only (0: all)"),
+              ("--taus", probability, taus, "ConfAdapt thresholds, each in (0, 1]",
+               {"nargs": "+"}),
+              ("--k-max", number(int, 2), 16, "most tokens per pass"))
     a.add_argument("--out", help="also write analysis.json and analysis.md here")
     a.add_argument("--overwrite", action="store_true",
                    help="replace an earlier analysis in --out")
@@ -199,12 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="JSONL file of {domain, prompt, response} rows (train --data takes "
                    "it)")
     r.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
-    r.add_argument("--domains", nargs="+", choices=DOMAINS, default=list(DOMAINS),
-                   help="domains")
-    r.add_argument("--per-domain", type=positive_int, default=100,
-                   help="prompts per domain (fewer if it has fewer)")
-    r.add_argument("--split", default="train", choices=("train", "test"),
-                   help="prompt split")
+    add_flags(r,
+              ("--domains", None, list(DOMAINS), "domains", {"nargs": "+", "choices": DOMAINS}),
+              ("--per-domain", positive_int, 100, "prompts per domain (fewer if it has fewer)"),
+              ("--split", None, "train", "prompt split", {"choices": ("train", "test")}))
 
     x = sub.add_parser("export", help="a training checkpoint -> a Hugging Face folder")
     x.add_argument("--checkpoint", required=True,
@@ -318,10 +303,10 @@ def load_for_inference(args):
     """(model, tokenizer, mask id or None, prompt format, stop ids) of --model,
     for the commands that decode (eval, analyze, data)."""
     device = parse_device(args.device)
-    model, tok, mask_id, _ = load_model(args.model, device, parse_dtype(args.dtype, device))
+    model, tok, mask_id, stop_ids = load_model(args.model, device,
+                                               parse_dtype(args.dtype, device))
     fmt = args.format
     if fmt == "auto":
         fmt = default_format(tok, model.config.model_type)
     # The format's end of turn stops decoding too.
-    stop_ids = stop_ids_of(model, tok) | {end_token(tok, fmt)}
-    return model, tok, mask_id, fmt, stop_ids
+    return model, tok, mask_id, fmt, stop_ids | {end_token(tok, fmt)}

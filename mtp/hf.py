@@ -11,6 +11,7 @@ import functools
 import json
 import os
 import re
+from pathlib import Path
 
 import torch
 
@@ -238,13 +239,12 @@ def read_model_config(path) -> ModelConfig:
 
 
 def write_json(path, obj):
-    text = json.dumps(obj, indent=2) + "\n"
+    write_text(path, json.dumps(obj, indent=2) + "\n")
 
-    def write(tmp):
-        with open(tmp, "w") as f:
-            f.write(text)
 
-    atomic_save(write, path)
+def write_text(path, text):
+    """`text` into the file `path` (UTF-8), by atomic_save."""
+    atomic_save(lambda tmp: Path(tmp).write_text(text, encoding="utf-8"), path)
 
 
 def atomic_save(write, path):

@@ -8,8 +8,6 @@ so the model's greedy answers to prompts of the target domains serve, from the
 distribution ConfAdapt decodes.
 """
 
-from __future__ import annotations
-
 import json
 from pathlib import Path
 
@@ -19,7 +17,7 @@ from confadapt import DecodeConfig
 from mtp.tokenizer import end_token, padding_token, prompt_tokens
 from tasks.word_problems import domain_prompts
 from mtp.engine import generate
-from mtp.hf import atomic_save
+from mtp.hf import write_text
 from mtp.cli import fields_of, read_rows
 from mtp.finetune_cli import load_for_inference
 
@@ -55,8 +53,7 @@ def make_data(args):
               flush=True)
 
         # Written after each domain: Ctrl-C keeps them.
-        text = "".join(json.dumps(r) + "\n" for r in rows)
-        atomic_save(lambda p: Path(p).write_text(text, encoding="utf-8"), out)
+        write_text(out, "".join(json.dumps(r) + "\n" for r in rows))
     print(f"wrote {len(rows)} rows to {out}")
 
 

@@ -93,13 +93,12 @@ def write_tokenizer(reader, out: Path):
                   "vocab": {t: i for i, t in enumerate(tokens)}, "merges": [m.split(" ") for m in merges]},
     }
     (out / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8")
-    name = {i: t for i, t in enumerate(tokens)}
+    # each role's token: tokenizer_config.json's name -> the GGUF field of its id
+    roles = {"bos": "bos", "eos": "eos", "pad": "padding", "unk": "unknown"}
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
               "model_max_length": int(field(reader, "llama.context_length")),
-              "bos_token": name[int(field(reader, "tokenizer.ggml.bos_token_id"))],
-              "eos_token": name[int(field(reader, "tokenizer.ggml.eos_token_id"))],
-              "pad_token": name[int(field(reader, "tokenizer.ggml.padding_token_id"))],
-              "unk_token": name[int(field(reader, "tokenizer.ggml.unknown_token_id"))],
+              **{f"{role}_token": tokens[int(field(reader, f"tokenizer.ggml.{gguf}_token_id"))]
+                 for role, gguf in roles.items()},
               "chat_template": field(reader, "tokenizer.chat_template")}
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
 

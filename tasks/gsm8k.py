@@ -17,8 +17,6 @@ and "$", all up to "#### " and one trailing ".", and are lower-cased. Standard e
 sqrt(sample var / n).
 """
 
-from __future__ import annotations
-
 import json
 import math
 import re
@@ -30,7 +28,7 @@ from confadapt import DecodeConfig, decode_modes
 from mtp.tokenizer import prompt_tokens, start_tokens, Tokenizer
 from tasks.word_problems import PROMPTS
 from mtp.engine import generate
-from mtp.hf import atomic_save, write_json
+from mtp.hf import write_json, write_text
 from mtp.cli import Progress, format_seconds, provenance, read_rows
 from mtp.finetune_cli import load_for_inference, model_name
 
@@ -174,8 +172,7 @@ def evaluate(args) -> list[dict]:
                              for s in samples]
 
             # Written after each decoder: an interrupted eval keeps those done.
-            write_eval(out, title, meta, header, table, results, samples_text, n=len(golds),
-                       batch_size=args.batch_size, same=same)
+            write_eval(out, title, meta, header, table, results, samples_text)
     except KeyboardInterrupt:
         kept = "nothing written"
         if results:
@@ -244,21 +241,19 @@ def decode_with_progress(model, prompts, mode: DecodeConfig, mask_id, stop_ids, 
     return gens, seconds
 
 
-def write_eval(out, title, meta, header, table, results, samples_text, n,
-               batch_size, same):
+def write_eval(out, title, meta, header, table, results, samples_text):
     write_json(out / "results.json", {"meta": meta, "results": results})
     md = [f"### {title}", "", *header, *table]
-    note = (f"n = {n} questions; accuracy in % ± standard error; effective k = tokens / "
+    # Every row has the question count, the batch size and, with --reference, the share.
+    row = results[0]
+    note = (f"n = {row['n']} questions; accuracy in % ± standard error; effective k = tokens / "
             "forward passes per completion (not a wall-clock speed-up); tokens/s = decoding "
-            f"throughput at batch size {batch_size}, prefill excluded")
-    if same:
+            f"throughput at batch size {row['batch_size']}, prefill excluded")
+    if "same_as_reference" in row:
         note += "; same as reference = share of answers identical to the reference's k=1 answer"
     md += ["", note + ".", ""]
-    atomic_save(lambda p: Path(p).write_text("\n".join(md), encoding="utf-8"),
-                out / "results.md")
-    samples = "".join(samples_text)
-    atomic_save(lambda p: Path(p).write_text(samples, encoding="utf-8"),
-                out / "samples.jsonl")
+    write_text(out / "results.md", "\n".join(md))
+    write_text(out / "samples.jsonl", "".join(samples_text))
     pareto_plot(results, out / "pareto.png", title)
 
 
