@@ -7,7 +7,9 @@ MTP model trained here for a few seconds on arithmetic sequences (step 1 or 3, m
 mask predictions are often, but not always, right and confident: drafts get accepted and
 rejected, and ConfAdapt accepts chunks of varying size.
 """
+import contextlib
 import copy
+import io
 import json
 import os
 import subprocess
@@ -19,25 +21,58 @@ import torch.nn.functional as F
 
 import confadapt
 from confadapt import DecodeConfig, accept_confadapt, generate_uncached, verify_drafts
-from model import ModelConfig, Transformer
+from conftest import ONE_LAYER, tiny_model
+from model import ModelConfig, Transformer, add_mask_token
 from mtp.engine import decode_pass, generate, new_cache, prefill
 from mtp.hf import from_pretrained, save_pretrained
+from mtp.tokenizer import Tokenizer
+from tasks.toy import toy_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# The random model's mask token, and prompts of different lengths on purpose.
 MASK = 31
-PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13], [4], [20, 21]]     # different lengths on purpose
+PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13], [4], [20, 21]]
 
+# The toy's 16 tokens, its mask token and its prompts.
+TOY_V = 16
+TOY_MASK = 16
+TOY_PROMPTS = [[3, 4, 5], [9], [0, 3, 6, 9], [5, 6], [7, 10, 13, 0, 3, 6, 9, 12, 15]]
+
+GREEDY = DecodeConfig("greedy")
+
+# The modes the definition test decodes with: each kind, at small and large blocks.
+EVERY_MODE = [
+    GREEDY,
+    *[DecodeConfig("static", k=k) for k in (2, 3, 5)],
+    DecodeConfig("confadapt", tau=0.3, k_max=4),
+    DecodeConfig("confadapt", tau=0.6, k_max=8),
+    DecodeConfig("confadapt", tau=0.9, k_max=8),
+    DecodeConfig("confadapt", tau=0.99, k_max=16),
+    *[DecodeConfig("lossless", k=k) for k in (2, 4, 8)],
+]
+
+# One mode of each kind.
+MODES = [
+    GREEDY,
+    DecodeConfig("static", k=3),
+    DecodeConfig("confadapt", tau=0.5, k_max=6),
+    DecodeConfig("lossless", k=4),
+]
+
+# ConfAdapt on the trained toy: it accepts chunks there.
+TOY_CONFADAPT = DecodeConfig("confadapt", tau=0.9, k_max=8)
 
 pytestmark = pytest.mark.usefixtures("one_thread")            # conftest.py
 
 
+def describe(mode):
+    return mode.describe()
+
+
 @pytest.fixture(scope="module")
-def random_model():
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=32, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=96,
-                      mask_token_id=MASK)
-    model = Transformer(cfg).eval()
+def random_model(one_thread_for_module):
+    model = tiny_model(32, max_seq_len=96, mask_token_id=MASK).eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
@@ -45,43 +80,52 @@ def random_model():
     return model
 
 
-TOY_V, TOY_MASK = 16, 16
+def toy_batch(g):
+    """Prompts and targets of x_t = (start + step * t) mod 16: a random prefix and k - 1 masks."""
+    start = torch.randint(0, TOY_V, (32, 1), generator=g)
+    step = 1 + 2 * torch.randint(0, 2, (32, 1), generator=g)
+    # (32, 32)
+    seq = (start + step * torch.arange(32)) % TOY_V
+    i = int(torch.randint(1, 24, (1,), generator=g))
+    k = int(torch.randint(1, 9, (1,), generator=g))
+    masks = torch.full((32, k - 1), TOY_MASK)
+    x = torch.cat([seq[:, :i], masks], 1)
+    # the next token everywhere
+    targets = seq[:, 1:i + k]
+    return x, targets
 
 
 @pytest.fixture(scope="module")
-def toy_model():
-    """Train a tiny MTP model on x_t = (start + step * t) mod 16, step 1 or 3: the prefix (when it
-    has two tokens) determines the future, so mask predictions can be learned; with GT targets
-    since the continuation is deterministic."""
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=TOY_V + 1, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
-                      max_seq_len=64, mask_token_id=TOY_MASK)
-    model = Transformer(cfg)
+def toy_model(one_thread_for_module):
+    """A tiny MTP model trained on x_t = (start + step * t) mod 16, step 1 or 3.
+
+    The prefix (when it has two tokens) determines the future, so mask predictions can be
+    learned; it trains on the ground truth since the continuation is deterministic."""
+    model = tiny_model(TOY_V + 1, mask_token_id=TOY_MASK)
     opt = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.0)
     g = torch.Generator().manual_seed(0)
     for _ in range(300):
-        start = torch.randint(0, TOY_V, (32, 1), generator=g)
-        step = 1 + 2 * torch.randint(0, 2, (32, 1), generator=g)
-        seq = (start + step * torch.arange(32)) % TOY_V                           # (32, 32)
-        i, k = int(torch.randint(1, 24, (1,), generator=g)), int(torch.randint(1, 9, (1,), generator=g))
-        x = torch.cat([seq[:, :i], torch.full((32, k - 1), TOY_MASK)], 1)        # prefix + k-1 masks
-        loss = F.cross_entropy(model(x).flatten(0, 1), seq[:, 1:i + k].flatten())  # next token everywhere
+        x, targets = toy_batch(g)
+        logits = model(x)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         opt.zero_grad()
         loss.backward()
         opt.step()
     return model.eval()
 
 
-TOY_PROMPTS = [[3, 4, 5], [9], [0, 3, 6, 9], [5, 6], [7, 10, 13, 0, 3, 6, 9, 12, 15]]
-
-
 def on(device, *models):
     """The module's models, copied to the device of a `gpu`-marked test (conftest.py)."""
-    moved = [m if device.type == "cpu" else copy.deepcopy(m).to(device) for m in models]
-    return moved[0] if len(moved) == 1 else moved
+    if device.type == "cpu":
+        moved = list(models)
+    else:
+        moved = [copy.deepcopy(m).to(device) for m in models]
+    if len(moved) == 1:
+        return moved[0]
+    return moved
 
 
-def uncached(model, prompt, n, mode=DecodeConfig("greedy"), stop_ids=()):
+def uncached(model, prompt, n, mode=GREEDY, stop_ids=()):
     return generate_uncached(model, prompt, n, mode, stop_ids=stop_ids)
 
 
@@ -90,59 +134,91 @@ def tokens(model, prompts, n, mode, **kw):
     return [g.tokens for g in gens]
 
 
+def without_mask(model):
+    fields = {**model.config.__dict__, "mask_token_id": None}
+    clone = Transformer(ModelConfig(**fields)).eval()
+    clone.load_state_dict(model.state_dict())
+    return clone
+
+
 # ----------------------------------------------------------------------------------------------
 # The rules
 # ----------------------------------------------------------------------------------------------
 
-def test_confadapt_rule():
-    assert accept_confadapt([0.95, 0.99, 0.5, 0.99], 0.9) == 2       # leading run only
-    assert accept_confadapt([0.2, 0.99, 0.99], 0.9) == 1             # never fewer than one
-    assert accept_confadapt([0.9, 0.9], 0.9) == 2                    # "at least tau"
-    assert accept_confadapt([0.5, 0.5, 0.5], 0.4) == 3
+@pytest.mark.parametrize("probs, tau, accepted", [
+    # the leading run only
+    ([0.95, 0.99, 0.5, 0.99], 0.9, 2),
+    # never fewer than one
+    ([0.2, 0.99, 0.99], 0.9, 1),
+    # "at least tau"
+    ([0.9, 0.9], 0.9, 2),
+    ([0.5, 0.5, 0.5], 0.4, 3),
+])
+def test_confadapt_keeps_the_leading_confident_run(probs, tau, accepted):
+    assert accept_confadapt(probs, tau) == accepted
+
+
+def test_tau_one_is_greedy_on_a_saturated_softmax():
     # A saturated float32 softmax gives exactly 1.0; tau = 1.0 must still be plain greedy.
-    probs = torch.tensor([[0.0, 40.0, 0.0], [0.0, 0.0, 60.0]]).softmax(-1).max(-1).values
-    assert probs.tolist() == [1.0, 1.0]
-    assert accept_confadapt(probs.tolist(), 1.0) == 1
-    assert accept_confadapt(probs.tolist(), 0.999) == 2
+    logits = torch.tensor([[0.0, 40.0, 0.0], [0.0, 0.0, 60.0]])
+    probs = logits.softmax(-1).max(-1).values.tolist()
+    assert probs == [1.0, 1.0]
+    assert accept_confadapt(probs, 1.0) == 1
+    assert accept_confadapt(probs, 0.999) == 2
 
 
-def test_verify_drafts():
-    assert verify_drafts([4, 5, 6], [4, 5, 6]) == 3
-    assert verify_drafts([4, 9, 6], [4, 5, 6]) == 1                  # everything after a miss is dropped
-    assert verify_drafts([9, 5], [4, 5]) == 0
-    assert verify_drafts([], []) == 0
+@pytest.mark.parametrize("drafts, greedy, accepted", [
+    ([4, 5, 6], [4, 5, 6], 3),
+    # everything after a miss is dropped
+    ([4, 9, 6], [4, 5, 6], 1),
+    ([9, 5], [4, 5], 0),
+    ([], [], 0),
+])
+def test_verify_drafts_keeps_the_drafts_up_to_the_first_miss(drafts, greedy, accepted):
+    assert verify_drafts(drafts, greedy) == accepted
 
 
-@pytest.mark.parametrize("bad", [DecodeConfig(tau=0.0), DecodeConfig(tau=1.5), DecodeConfig("static", k=0),
-                                 DecodeConfig(k_max=0), DecodeConfig("beam")])
+@pytest.mark.parametrize("bad", [
+    DecodeConfig(tau=0.0),
+    DecodeConfig(tau=1.5),
+    DecodeConfig("static", k=0),
+    DecodeConfig(k_max=0),
+    DecodeConfig("beam"),
+])
 def test_bad_settings(random_model, bad):
     with pytest.raises(ValueError):
         generate(random_model, [[1, 2]], 4, bad)
 
 
 def test_greedy_is_static_k_one():
-    assert DecodeConfig("greedy") == DecodeConfig("static", k=1)
+    assert GREEDY == DecodeConfig("static", k=1)
+    assert GREEDY.block == 1
+
+
+def test_static_k_one_is_described_as_greedy():
     assert DecodeConfig("static", k=1).describe() == "greedy"
     assert DecodeConfig("static", k=2).describe() == "static k=2"
-    assert DecodeConfig("greedy").block == 1
 
 
-def test_bad_inputs(random_model):
+def test_static_decoding_needs_a_mask_token(random_model):
+    plain = without_mask(random_model)
     with pytest.raises(ValueError, match="mask"):
-        generate(_without_mask(random_model), [[1, 2]], 4, DecodeConfig("static", k=2))
-    assert tokens(_without_mask(random_model), [[1, 2]], 4, DecodeConfig("greedy"))     # greedy needs none
-    with pytest.raises(ValueError, match="context"):
-        generate(random_model, [[1] * 96], 4, DecodeConfig("greedy"))
-    with pytest.raises(ValueError, match="empty"):
-        generate(random_model, [[]], 4, DecodeConfig("greedy"))
-    with pytest.raises(ValueError, match="batch_size"):
-        generate(random_model, [[1, 2]], 4, DecodeConfig("greedy"), batch_size=0)
+        generate(plain, [[1, 2]], 4, DecodeConfig("static", k=2))
 
 
-def _without_mask(model):
-    clone = Transformer(ModelConfig(**{**model.config.__dict__, "mask_token_id": None})).eval()
-    clone.load_state_dict(model.state_dict())
-    return clone
+def test_greedy_decoding_needs_no_mask_token(random_model):
+    plain = without_mask(random_model)
+    assert tokens(plain, [[1, 2]], 4, GREEDY)
+
+
+@pytest.mark.parametrize("prompts, kw, match", [
+    ([[1] * 96], {}, "context"),
+    ([[]], {}, "empty"),
+    ([[1, 2]], {"batch_size": 0}, "batch_size"),
+], ids=["too-long", "empty", "batch-size-0"])
+def test_bad_inputs(random_model, prompts, kw, match):
+    with pytest.raises(ValueError, match=match):
+        generate(random_model, prompts, 4, GREEDY, **kw)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -153,44 +229,51 @@ def _without_mask(model):
 def test_greedy_matches_uncached_recompute(random_model, device):
     random_model = on(device, random_model)
     for p in PROMPTS:
-        assert tokens(random_model, [p], 20, DecodeConfig("greedy")) == [uncached(random_model, p, 20)[0]]
+        got = tokens(random_model, [p], 20, GREEDY)
+        want, _ = uncached(random_model, p, 20)
+        assert got == [want]
 
 
+@pytest.mark.parametrize("mode", [
+    DecodeConfig("confadapt", tau=1.0, k_max=8),
+    DecodeConfig("confadapt", tau=0.1, k_max=1),
+], ids=describe)
 @pytest.mark.parametrize("fixture", ["random_model", "toy_model"])
-def test_tau_one_and_k_max_one_are_greedy(request, fixture):
+def test_tau_one_and_k_max_one_are_greedy(request, fixture, mode):
+    """Both decode greedy's tokens, one token a pass."""
     model = request.getfixturevalue(fixture)
-    prompts = PROMPTS if fixture == "random_model" else TOY_PROMPTS
-    greedy = tokens(model, prompts, 24, DecodeConfig("greedy"))
-    for mode in [DecodeConfig("confadapt", tau=1.0, k_max=8), DecodeConfig("confadapt", tau=0.1, k_max=1)]:
-        for p, want in zip(prompts, greedy):
-            [gen], stats = generate(model, [p], 24, mode)
-            assert gen.tokens == want
-            assert stats.forward_passes == len(want)
-
-
-EVERY_MODE = [DecodeConfig("greedy")] + [DecodeConfig("static", k=k) for k in (2, 3, 5)] + \
-    [DecodeConfig("confadapt", tau=t, k_max=k) for t, k in [(0.3, 4), (0.6, 8), (0.9, 8), (0.99, 16)]] + \
-    [DecodeConfig("lossless", k=k) for k in (2, 4, 8)]
+    prompts = PROMPTS
+    if fixture == "toy_model":
+        prompts = TOY_PROMPTS
+    greedy = tokens(model, prompts, 24, GREEDY)
+    for p, want in zip(prompts, greedy):
+        [gen], stats = generate(model, [p], 24, mode)
+        assert gen.tokens == want
+        assert stats.forward_passes == len(want)
 
 
 def lesson_decoder(model, prompts, n, mode, stop_ids, batch_size):
-    """confadapt.generate, batch_size prompts at a time -> ((tokens, chunk sizes) per prompt,
-    None: it counts no passes)."""
+    """confadapt.generate, batch_size prompts at a time.
+
+    -> ((tokens, chunk sizes) per prompt, None: it counts no passes)"""
     size = batch_size or len(prompts)
     out = []
     for i in range(0, len(prompts), size):
-        out += confadapt.generate(model, prompts[i:i + size], n, mode, stop_ids=stop_ids)
+        batch = prompts[i:i + size]
+        out += confadapt.generate(model, batch, n, mode, stop_ids=stop_ids)
     return out, None
 
 
 def engine_decoder(model, prompts, n, mode, stop_ids, batch_size):
     """mtp.engine.generate -> ((tokens, chunk sizes) per prompt, forward passes)."""
-    gens, stats = generate(model, prompts, n, mode, stop_ids=stop_ids, batch_size=batch_size)
-    return [(g.tokens, g.chunk_sizes) for g in gens], stats.forward_passes
+    kw = {"stop_ids": stop_ids, "batch_size": batch_size}
+    gens, stats = generate(model, prompts, n, mode, **kw)
+    got = [(g.tokens, g.chunk_sizes) for g in gens]
+    return got, stats.forward_passes
 
 
 @pytest.mark.parametrize("decoder", [lesson_decoder, engine_decoder], ids=["lesson", "engine"])
-@pytest.mark.parametrize("mode", EVERY_MODE, ids=lambda m: m.describe())
+@pytest.mark.parametrize("mode", EVERY_MODE, ids=describe)
 @pytest.mark.gpu
 def test_generate_is_the_uncached_definition(random_model, toy_model, mode, decoder, device):
     """Both cached decoders give the tokens and chunk sizes of generate_uncached (the definition:
@@ -198,7 +281,8 @@ def test_generate_is_the_uncached_definition(random_model, toy_model, mode, deco
     passes) and the engine (ragged passes, continuous batching)."""
     random_model, toy_model = on(device, random_model, toy_model)
     sizes = set()
-    for model, prompts in [(random_model, PROMPTS), (toy_model, TOY_PROMPTS)]:
+    cases = [(random_model, PROMPTS), (toy_model, TOY_PROMPTS)]
+    for model, prompts in cases:
         for stop_ids in [(), {prompts[1][-1], 7}]:
             want = [uncached(model, p, 30, mode, stop_ids) for p in prompts]
             for batch_size in (1, 2, None):
@@ -207,16 +291,19 @@ def test_generate_is_the_uncached_definition(random_model, toy_model, mode, deco
                 # the engine, one row at a time: its passes add up
                 if batch_size == 1 and passes is not None:
                     assert passes == sum(len(chunks) for _, chunks in want)
-            sizes |= {n for _, chunks in want for n in chunks[:-1]}
+            for _, chunks in want:
+                sizes |= set(chunks[:-1])
     if mode.kind == "static":
         assert sizes == {mode.block}
-    else:                                                  # chunks of varied sizes: the rule was at work
+    else:
+        # chunks of varied sizes: the rule is at work
         assert len(sizes) >= min(3, mode.block), sizes
 
 
 @pytest.mark.gpu
 def test_confadapt_accepts_chunks_on_a_trained_toy(toy_model, device):
-    _, stats = generate(on(device, toy_model), TOY_PROMPTS, 30, DecodeConfig("confadapt", tau=0.9, k_max=8))
+    toy_model = on(device, toy_model)
+    _, stats = generate(toy_model, TOY_PROMPTS, 30, TOY_CONFADAPT)
     assert stats.effective_k > 1.5
 
 
@@ -224,125 +311,306 @@ def test_confadapt_accepts_chunks_on_a_trained_toy(toy_model, device):
 @pytest.mark.parametrize("k", [2, 4, 8])
 @pytest.mark.gpu
 def test_lossless_is_greedy_on_random_models(random_model, seed, k, device):
+    """Greedy's tokens, in one pass per chunk of the definition: fewer than greedy's 20 where
+    drafts hold."""
     random_model = on(device, random_model)
     torch.manual_seed(seed)
     prompts = [torch.randint(0, 30, (n,)).tolist() for n in (1, 3, 6)]
     mode = DecodeConfig("lossless", k=k)
     for p in prompts:
         [gen], stats = generate(random_model, [p], 20, mode)
-        assert gen.tokens == uncached(random_model, p, 20)[0]
-        # one pass per chunk of the definition: fewer than greedy's 20 where drafts held
-        assert stats.forward_passes == len(uncached(random_model, p, 20, mode)[1])
+        greedy, _ = uncached(random_model, p, 20)
+        _, chunks = uncached(random_model, p, 20, mode)
+        assert gen.tokens == greedy
+        assert stats.forward_passes == len(chunks)
 
 
-def test_lossless_is_greedy_and_faster_on_a_trained_toy(toy_model):
-    n = 40
-    greedy, _ = generate(toy_model, TOY_PROMPTS, n, DecodeConfig("greedy"))
+@pytest.fixture(scope="module")
+def toy_greedy(toy_model):
+    """Greedy on the toy, 40 tokens a prompt -> the generations."""
+    gens, _ = generate(toy_model, TOY_PROMPTS, 40, GREEDY)
+    return gens
+
+
+@pytest.fixture(scope="module")
+def toy_lossless(toy_model):
+    """Lossless decoding on the toy, 40 tokens a prompt -> {k: (generations, statistics)}."""
+    runs = {}
     for k in (4, 8):
-        gens, stats = generate(toy_model, TOY_PROMPTS, n, DecodeConfig("lossless", k=k))
-        assert [g.tokens for g in gens] == [g.tokens for g in greedy]
-        assert [g.tokens for g in greedy] == [uncached(toy_model, p, n)[0] for p in TOY_PROMPTS]
-        assert stats.row_passes < 0.7 * stats.tokens                      # fewer passes than greedy
-        assert any(1 < size < k for size in stats.accept_hist)            # partial acceptances happened
+        runs[k] = generate(toy_model, TOY_PROMPTS, 40, DecodeConfig("lossless", k=k))
+    return runs
+
+
+def test_greedy_on_a_trained_toy_is_the_uncached_definition(toy_model, toy_greedy):
+    got = [g.tokens for g in toy_greedy]
+    want = [uncached(toy_model, p, 40)[0] for p in TOY_PROMPTS]
+    assert got == want
+
+
+@pytest.mark.parametrize("k", [4, 8])
+def test_lossless_is_greedy_on_a_trained_toy(toy_greedy, toy_lossless, k):
+    gens, _ = toy_lossless[k]
+    got = [g.tokens for g in gens]
+    want = [g.tokens for g in toy_greedy]
+    assert got == want
+
+
+@pytest.mark.parametrize("k", [4, 8])
+def test_lossless_takes_fewer_passes_than_greedy_on_a_trained_toy(toy_lossless, k):
+    _, stats = toy_lossless[k]
+    assert stats.row_passes < 0.7 * stats.tokens
+
+
+@pytest.mark.parametrize("k", [4, 8])
+def test_lossless_accepts_part_of_a_draft_on_a_trained_toy(toy_lossless, k):
+    _, stats = toy_lossless[k]
+    assert any(1 < size < k for size in stats.accept_hist)
 
 
 # ----------------------------------------------------------------------------------------------
 # The cache, stop tokens, batching, statistics
 # ----------------------------------------------------------------------------------------------
 
+def random_seq(seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 30, (40,), generator=g).tolist()
+
+
 @torch.no_grad()
 def test_cache_after_rollbacks_matches_full_recompute(random_model):
     """Two rows of different lengths: passes with masks, rolled back to different lengths per row,
     then the cached logits of the real continuation equal a full recompute."""
-    seqs = [torch.randint(0, 30, (40,), generator=torch.Generator().manual_seed(s)).tolist() for s in (1, 2)]
+    seqs = [random_seq(1), random_seq(2)]
     cache = new_cache(random_model, 2, 96)
     prefill(random_model, cache, {0: seqs[1][:30], 1: seqs[1][:3]}, MASK)
-    prefill(random_model, cache, {0: seqs[0][:8]}, MASK)         # row 0 starts afresh (a prompt joins)
-    assert cache.lengths.tolist() == [7, 2]                      # caches 7 and 2 tokens
+    # row 0 starts afresh (a prompt joins)
+    prefill(random_model, cache, {0: seqs[0][:8]}, MASK)
+    # caches 7 and 2 tokens
+    assert cache.lengths.tolist() == [7, 2]
     done = [7, 2]
-    for step in [(3, 5), (1, 6), (6, 2)]:                                          # tokens fed per row
+    # the tokens fed per row
+    for step in [(3, 5), (1, 6), (6, 2)]:
         inputs = [seqs[b][done[b]:done[b] + step[b]] + [MASK] * 4 for b in range(2)]
         decode_pass(random_model, cache, inputs, [0, 0], [1, 1], MASK)
         done = [done[b] + step[b] for b in range(2)]
-        cache.rollback(torch.tensor(done))                                         # drop masks and padding
+        # drop the masks and the padding
+        cache.rollback(torch.tensor(done))
     inputs = [seqs[b][done[b]:done[b] + 5] for b in range(2)]
-    got = decode_pass(random_model, cache, inputs, [0, 0], [5, 5], MASK)           # (2, 5, V)
+    # (2, 5, V)
+    got = decode_pass(random_model, cache, inputs, [0, 0], [5, 5], MASK)
     for b in range(2):
-        full = random_model(torch.tensor([seqs[b][:done[b] + 5]]))[0, done[b]:]
+        seen = torch.tensor([seqs[b][:done[b] + 5]])
+        full = random_model(seen)[0, done[b]:]
         assert torch.allclose(got[b], full, atol=1e-5)
 
 
-def test_stop_token_in_the_middle_of_a_chunk(random_model):
+@pytest.fixture(scope="module")
+def stopped_mid_chunk(random_model):
+    """Static k=4 decoding of PROMPTS[0], then again with a stop token strictly inside a chunk
+    (not its first or last) that does not occur before it.
+
+    -> (the full generation, the stopped one, its statistics, the stop's index, its chunk)"""
     mode = DecodeConfig("static", k=4)
     [gen], _ = generate(random_model, [PROMPTS[0]], 24, mode)
-    # a token strictly inside a chunk (not its first or last) that does not occur before it
     ends = gen.boundaries
-    cut, c = next((i, c) for c in range(1, len(ends)) for i in range(ends[c - 1] + 1, ends[c] - 1)
-                  if gen.tokens[i] not in gen.tokens[:i])
+    cut, c = next(
+        (i, c)
+        for c in range(1, len(ends))
+        for i in range(ends[c - 1] + 1, ends[c] - 1)
+        if gen.tokens[i] not in gen.tokens[:i]
+    )
     stop = gen.tokens[cut]
     [stopped], stats = generate(random_model, [PROMPTS[0]], 24, mode, stop_ids={stop})
-    assert stopped.tokens == gen.tokens[:cut + 1] and stopped.stopped and not gen.stopped
-    assert stopped.chunk_sizes == gen.chunk_sizes[:c] + [cut + 1 - ends[c - 1]]     # last chunk cut short
+    return gen, stopped, stats, cut, c
+
+
+def test_a_stop_token_mid_chunk_ends_the_generation(stopped_mid_chunk):
+    gen, stopped, _, cut, _ = stopped_mid_chunk
+    assert stopped.tokens == gen.tokens[:cut + 1]
+    assert stopped.stopped
+    assert not gen.stopped
+
+
+def test_a_stop_token_mid_chunk_cuts_its_chunk_short(stopped_mid_chunk):
+    gen, stopped, _, cut, c = stopped_mid_chunk
+    last = cut + 1 - gen.boundaries[c - 1]
+    assert stopped.chunk_sizes == gen.chunk_sizes[:c] + [last]
+
+
+def test_a_stop_token_mid_chunk_counts_the_tokens_up_to_it(stopped_mid_chunk):
+    _, _, stats, cut, _ = stopped_mid_chunk
     assert stats.tokens == cut + 1
-    assert (stopped.tokens, stopped.chunk_sizes) == uncached(random_model, PROMPTS[0], 24, mode, {stop})
 
 
-MODES = [DecodeConfig("greedy"), DecodeConfig("static", k=3), DecodeConfig("confadapt", tau=0.5, k_max=6),
-         DecodeConfig("lossless", k=4)]
+def test_a_stop_token_mid_chunk_is_the_uncached_definition(random_model, stopped_mid_chunk):
+    gen, stopped, _, cut, _ = stopped_mid_chunk
+    mode = DecodeConfig("static", k=4)
+    stop = {gen.tokens[cut]}
+    want = uncached(random_model, PROMPTS[0], 24, mode, stop)
+    assert (stopped.tokens, stopped.chunk_sizes) == want
 
 
-@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.describe())
+def early_stop(prompts):
+    """A stop token that ends some rows early: the batch shrinks."""
+    return {prompts[0][0]}
+
+
+def one_at_a_time(model, prompts, mode):
+    """Each prompt alone -> the generations."""
+    stop_ids = early_stop(prompts)
+    alone = []
+    for p in prompts:
+        [gen], _ = generate(model, [p], 25, mode, stop_ids=stop_ids)
+        alone.append(gen)
+    return alone
+
+
+def batch_runs(model, prompts, mode):
+    """All prompts at once, and two rows at a time.
+
+    -> ((generations, statistics), (generations, statistics))"""
+    stop_ids = early_stop(prompts)
+    batched = generate(model, prompts, 25, mode, stop_ids=stop_ids)
+    # Two rows at a time: a finished row's place goes to the next waiting prompt.
+    joined = generate(model, prompts, 25, mode, stop_ids=stop_ids, batch_size=2)
+    return batched, joined
+
+
+def outcome(gen):
+    return gen.tokens, gen.chunk_sizes, gen.stopped
+
+
+@pytest.mark.parametrize("mode", MODES, ids=describe)
 @pytest.mark.gpu
 def test_batched_equals_one_at_a_time(random_model, toy_model, mode, device):
     random_model, toy_model = on(device, random_model, toy_model)
-    for model, prompts in [(random_model, PROMPTS), (toy_model, TOY_PROMPTS)]:
-        stop_ids = {prompts[0][0]}                       # some rows stop early: the batch shrinks
-        alone = [generate(model, [p], 25, mode, stop_ids=stop_ids)[0][0] for p in prompts]
-        batched, stats = generate(model, prompts, 25, mode, stop_ids=stop_ids)
-        assert stats.batch_size == len(prompts)
-        assert stats.forward_passes == max(g.forward_passes for g in batched)
-        # Two rows at a time: a finished row's place goes to the next waiting prompt.
-        joined, joined_stats = generate(model, prompts, 25, mode, stop_ids=stop_ids, batch_size=2)
-        assert joined_stats.batch_size == 2
-        assert max(g.forward_passes for g in batched) <= joined_stats.forward_passes < stats.row_passes
+    cases = [(random_model, PROMPTS), (toy_model, TOY_PROMPTS)]
+    for model, prompts in cases:
+        alone = one_at_a_time(model, prompts, mode)
+        (batched, _), (joined, _) = batch_runs(model, prompts, mode)
         for a, b, j in zip(alone, batched, joined):
-            assert (b.tokens, b.chunk_sizes, b.stopped) == (a.tokens, a.chunk_sizes, a.stopped)
-            assert (j.tokens, j.chunk_sizes, j.stopped) == (a.tokens, a.chunk_sizes, a.stopped)
+            assert outcome(b) == outcome(a)
+            assert outcome(j) == outcome(a)
 
 
-def test_statistics_add_up(toy_model):
-    gens, stats = generate(toy_model, TOY_PROMPTS, 30, DecodeConfig("confadapt", tau=0.9, k_max=8))
+@pytest.fixture(scope="module", params=MODES, ids=describe)
+def batch_stats(request, random_model, toy_model):
+    """Per model: the statistics of all prompts at once and of two rows at a time."""
+    mode = request.param
+    stats = []
+    cases = [(random_model, PROMPTS), (toy_model, TOY_PROMPTS)]
+    for model, prompts in cases:
+        batched, joined = batch_runs(model, prompts, mode)
+        stats.append((batched, joined, len(prompts)))
+    return stats
+
+
+def test_a_batch_holds_every_prompt(batch_stats):
+    for (_, stats), _, n_prompts in batch_stats:
+        assert stats.batch_size == n_prompts
+
+
+def test_a_batch_takes_as_many_passes_as_its_longest_row(batch_stats):
+    for (batched, stats), _, _ in batch_stats:
+        assert stats.forward_passes == max(g.forward_passes for g in batched)
+
+
+def test_two_rows_at_a_time_hold_two_rows(batch_stats):
+    for _, (_, joined_stats), _ in batch_stats:
+        assert joined_stats.batch_size == 2
+
+
+def test_two_rows_at_a_time_take_between_the_batch_and_the_rows_passes(batch_stats):
+    for (batched, stats), (_, joined_stats), _ in batch_stats:
+        longest = max(g.forward_passes for g in batched)
+        assert longest <= joined_stats.forward_passes < stats.row_passes
+
+
+@pytest.fixture(scope="module")
+def toy_confadapt(toy_model):
+    """ConfAdapt on the toy, 30 tokens a prompt -> (generations, statistics)."""
+    return generate(toy_model, TOY_PROMPTS, 30, TOY_CONFADAPT)
+
+
+def test_statistics_count_the_tokens(toy_confadapt):
+    gens, stats = toy_confadapt
     assert stats.tokens == sum(len(g.tokens) for g in gens)
-    assert stats.row_passes == sum(g.forward_passes for g in gens) == sum(stats.accept_hist.values())
-    assert sum(n * c for n, c in stats.accept_hist.items()) == stats.tokens
+
+
+def test_statistics_count_the_passes(toy_confadapt):
+    gens, stats = toy_confadapt
+    passes = sum(g.forward_passes for g in gens)
+    assert stats.row_passes == passes == sum(stats.accept_hist.values())
+
+
+def test_the_acceptance_histogram_adds_up_to_the_tokens(toy_confadapt):
+    _, stats = toy_confadapt
+    accepted = sum(n * c for n, c in stats.accept_hist.items())
+    assert accepted == stats.tokens
+
+
+def test_effective_k_is_tokens_per_pass(toy_confadapt):
+    _, stats = toy_confadapt
     assert stats.effective_k == pytest.approx(stats.tokens / stats.row_passes)
-    assert stats.seconds > stats.prefill_seconds > 0 and stats.tokens_per_second > 0
-    # Positions fed: each pass feeds the last pass's tokens (the first: the prompt's last) plus
-    # k_max - 1 masks, fewer when fewer tokens are still wanted; padding of the batch not counted.
+
+
+def test_statistics_time_the_decoding(toy_confadapt):
+    _, stats = toy_confadapt
+    assert stats.seconds > stats.prefill_seconds > 0
+    assert stats.tokens_per_second > 0
+
+
+def test_statistics_count_the_positions_fed(toy_confadapt):
+    # Each pass feeds the last pass's tokens (the first: the prompt's last) plus k_max - 1
+    # masks, fewer when fewer tokens are still wanted; the batch's padding is not counted.
+    gens, stats = toy_confadapt
     fed = 0
     for g in gens:
         for i, n in enumerate(g.chunk_sizes):
-            fed += (g.chunk_sizes[i - 1] if i else 1) + min(8, 30 - sum(g.chunk_sizes[:i])) - 1
+            tokens_fed = g.chunk_sizes[i - 1] if i else 1
+            wanted = 30 - sum(g.chunk_sizes[:i])
+            fed += tokens_fed + min(8, wanted) - 1
     assert stats.fed_tokens == fed
-    _, greedy = generate(toy_model, TOY_PROMPTS, 30, DecodeConfig("greedy"))
+
+
+def test_greedy_feeds_one_position_a_token(toy_model):
+    _, greedy = generate(toy_model, TOY_PROMPTS, 30, GREEDY)
     assert greedy.fed_tokens == greedy.tokens
+
+
+def test_every_row_gets_its_tokens_in_chunks_of_at_most_k_max(toy_confadapt):
+    gens, _ = toy_confadapt
     for g in gens:
-        assert len(g.tokens) == 30 and g.boundaries[-1] == 30 and sum(g.chunk_sizes) == 30
+        assert len(g.tokens) == 30
+        assert g.boundaries[-1] == 30
+        assert sum(g.chunk_sizes) == 30
         assert max(g.chunk_sizes) <= 8
 
 
-def test_generation_stops_at_the_end_of_the_context(random_model):
-    prompt = [1] * 90                                          # max_seq_len is 96
-    for mode in MODES:
-        [gen], _ = generate(random_model, [prompt], 50, mode)
-        assert len(gen.tokens) == 6
-        [(tokens, _)] = confadapt.generate(random_model, [prompt], 50, mode)
-        assert tokens == gen.tokens
+@pytest.mark.parametrize("mode", MODES, ids=describe)
+def test_generation_stops_at_the_end_of_the_context(random_model, mode):
+    # max_seq_len is 96
+    prompt = [1] * 90
+    [gen], _ = generate(random_model, [prompt], 50, mode)
+    assert len(gen.tokens) == 6
+
+
+@pytest.mark.parametrize("mode", MODES, ids=describe)
+def test_the_lesson_stops_where_the_engine_does(random_model, mode):
+    prompt = [1] * 90
+    [gen], _ = generate(random_model, [prompt], 50, mode)
+    [(got, _)] = confadapt.generate(random_model, [prompt], 50, mode)
+    assert got == gen.tokens
 
 
 # ----------------------------------------------------------------------------------------------
 # The command line, and the benchmark (benchmarks/bench_modes.py, run as a script)
 # ----------------------------------------------------------------------------------------------
+
+def cli(*args):
+    """confadapt.main on a prompt, with these arguments -> its exit status."""
+    return confadapt.main(["--prompt", *args])
+
 
 @pytest.mark.parametrize("argv, message", [
     (["--tau", "1.5"], "tau"),
@@ -353,112 +621,195 @@ def test_generation_stops_at_the_end_of_the_context(random_model):
     (["--static-k", "2", "--tau", "0.5"], "ConfAdapt only"),
 ])
 def test_cli_bad_arguments(capsys, argv, message):
-    assert confadapt.main(["--model", "/nonexistent", "--prompt", "x"] + argv) == 2
+    status = cli("x", "--model", "/nonexistent", *argv)
+    assert status == 2
     err = capsys.readouterr().err
-    assert message in err and err.count("\n") == 1
+    assert message in err
+    assert err.count("\n") == 1
 
 
 def test_cli_missing_model(capsys):
-    assert confadapt.main(["--model", "/nonexistent", "--prompt", "x"]) == 2
+    status = cli("x", "--model", "/nonexistent")
+    assert status == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: --model /nonexistent: no such folder") and err.count("\n") == 1
+    assert err.startswith("error: --model /nonexistent: no such folder")
+    assert err.count("\n") == 1
+
+
+def saved_model(path, with_mask):
+    """A tiny random model with the toy tokenizer, saved in `path`."""
+    tok = toy_tokenizer()
+    ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
+    model = tiny_model(tok.n_vocab, **ONE_LAYER, max_seq_len=48, **ids)
+    if with_mask:
+        add_mask_token(model, tok)
+    save_pretrained(model, path)
+    tok.save_pretrained(path)
+    return str(path)
 
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     """A tiny random model with the toy tokenizer, saved with and without a <mask> token."""
-    from tasks.toy import toy_tokenizer
-    from model import add_mask_token
-
-    dirs = {}
-    for name in ("plain", "mtp"):
-        tok = toy_tokenizer()
-        torch.manual_seed(0)
-        model = Transformer(ModelConfig(vocab_size=tok.n_vocab, dim=16, n_layers=1, n_heads=2, n_kv_heads=1,
-                                        ffn_dim=32, max_seq_len=48, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id))
-        if name == "mtp":
-            add_mask_token(model, tok)
-        path = tmp_path_factory.mktemp(name)
-        save_pretrained(model, path)
-        tok.save_pretrained(path)
-        dirs[name] = str(path)
-    return dirs
+    plain = saved_model(tmp_path_factory.mktemp("plain"), with_mask=False)
+    mtp = saved_model(tmp_path_factory.mktemp("mtp"), with_mask=True)
+    return {"plain": plain, "mtp": mtp}
 
 
-def test_cli_json_matches_generate(model_dirs, capsys):
-    from mtp.tokenizer import Tokenizer
-
+@pytest.mark.parametrize("flags, mode", [
+    ([], DecodeConfig("confadapt", tau=0.9, k_max=16)),
+    (["--static-k", "3"], DecodeConfig("static", k=3)),
+    (["--lossless", "--k-max", "4"], DecodeConfig("lossless", k=4)),
+    (["--greedy"], GREEDY),
+], ids=["confadapt", "static", "lossless", "greedy"])
+def test_cli_json_matches_generate(model_dirs, capsys, flags, mode):
     path = model_dirs["mtp"]
-    for flags, mode in [([], DecodeConfig("confadapt", tau=0.9, k_max=16)),
-                        (["--static-k", "3"], DecodeConfig("static", k=3)),
-                        (["--lossless", "--k-max", "4"], DecodeConfig("lossless", k=4)),
-                        (["--greedy"], DecodeConfig("greedy"))]:
-        assert confadapt.main(["--model", path, "--prompt", "1 2 3", "--max-new-tokens", "9", "--json"] + flags) == 0
-        out = json.loads(capsys.readouterr().out)
-        assert {"text", "tokens", "forward_passes", "effective_k", "seconds"} <= set(out)
-        model, tok = from_pretrained(path), Tokenizer.from_pretrained(path)
-        prompt = [tok.bos_id] + tok.encode("1 2 3")
-        [gen], _ = generate(model, [prompt], 9, mode, stop_ids=tok.stop_ids)
-        assert out["tokens"] == gen.tokens and out["text"] == tok.decode(gen.tokens)
-        assert out["forward_passes"] == gen.forward_passes and out["mode"] == mode.describe()
+    args = ["--max-new-tokens", "9", "--json", *flags]
+    status = cli("1 2 3", "--model", path, *args)
+    assert status == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"text", "tokens", "forward_passes", "effective_k", "seconds"} <= set(out)
+    model = from_pretrained(path)
+    tok = Tokenizer.from_pretrained(path)
+    prompt = [tok.bos_id] + tok.encode("1 2 3")
+    [gen], _ = generate(model, [prompt], 9, mode, stop_ids=tok.stop_ids)
+    assert out["tokens"] == gen.tokens
+    assert out["text"] == tok.decode(gen.tokens)
+    assert out["forward_passes"] == gen.forward_passes
+    assert out["mode"] == mode.describe()
 
 
-def test_cli_text_output_and_png(model_dirs, capsys, tmp_path):
-    png = tmp_path / "chunks.png"
-    assert confadapt.main(["--model", model_dirs["mtp"], "--prompt", "1 2", "--max-new-tokens", "5",
-                           "--static-k", "2", "--color", "never", "--png", str(png)]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith("1 2[") and "effective k" in out and "forward passes  3" in out
+@pytest.fixture(scope="module")
+def cli_text_run(model_dirs, tmp_path_factory):
+    """Static k=2 on "1 2", shown as text and drawn as a PNG -> (printed text, the PNG's path)."""
+    png = tmp_path_factory.mktemp("png") / "chunks.png"
+    args = ["--max-new-tokens", "5", "--static-k", "2", "--color", "never", "--png", str(png)]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        status = cli("1 2", "--model", model_dirs["mtp"], *args)
+    assert status == 0
+    return printed.getvalue(), png
+
+
+def test_cli_prints_the_chunks_and_their_statistics(cli_text_run):
+    out, _ = cli_text_run
+    assert out.startswith("1 2[")
+    assert "effective k" in out
+    assert "forward passes  3" in out
+
+
+def test_cli_draws_the_chunks_as_a_png(cli_text_run):
+    _, png = cli_text_run
     assert png.stat().st_size > 1000
 
 
-def test_cli_errors_from_the_model(model_dirs, capsys):
-    assert confadapt.main(["--model", model_dirs["plain"], "--prompt", "1 2"]) == 2
+def test_cli_needs_a_mask_token_for_mtp_decoding(model_dirs, capsys):
+    status = cli("1 2", "--model", model_dirs["plain"])
+    assert status == 2
     assert "no mask token" in capsys.readouterr().err
-    assert confadapt.main(["--model", model_dirs["plain"], "--prompt", "1 2", "--greedy", "--json",
-                           "--max-new-tokens", "3"]) == 0                     # greedy needs no mask
+
+
+def test_cli_greedy_needs_no_mask_token(model_dirs, capsys):
+    args = ["--greedy", "--json", "--max-new-tokens", "3"]
+    status = cli("1 2", "--model", model_dirs["plain"], *args)
+    assert status == 0
     out = json.loads(capsys.readouterr().out)
+    n = len(out["tokens"])
+    assert out["mode"] == "greedy"
     # one token a pass
-    assert out["mode"] == "greedy" and out["forward_passes"] == len(out["tokens"]) > 0
-    assert out["chunk_sizes"] == [1] * len(out["tokens"])
-    assert confadapt.main(["--model", model_dirs["mtp"], "--prompt", " ".join(["7"] * 60)]) == 2
+    assert out["forward_passes"] == n > 0
+    assert out["chunk_sizes"] == [1] * n
+
+
+def test_cli_prompt_longer_than_the_context(model_dirs, capsys):
+    prompt = " ".join(["7"] * 60)
+    status = cli(prompt, "--model", model_dirs["mtp"])
+    assert status == 2
     err = capsys.readouterr().err
-    assert "does not fit the context" in err and err.count("\n") == 1
+    assert "does not fit the context" in err
+    assert err.count("\n") == 1
 
 
 def bench_modes(*args) -> str:
     """benchmarks/bench_modes.py run as a script -> its output."""
     script = os.path.join(ROOT, "benchmarks", "bench_modes.py")
-    run = subprocess.run([sys.executable, script, *args], capture_output=True, text=True,
-                         timeout=300)
+    command = [sys.executable, script, *args]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     return run.stdout
 
 
-def test_bench_json(model_dirs):
-    """Every mode at every batch size decodes the same rows; greedy is the speed-up's base, and
-    lossless prints greedy's tokens."""
-    out = bench_modes("--model", model_dirs["mtp"], "--prompt", "1 2 3", "--prompt", "4",
-                      "--max-new-tokens", "6", "--batch-sizes", "1", "2", "--taus", "0.5", "0.9",
-                      "--repeats", "1", "--latency-max", "3", "--json", "--threads", "1")
-    report = json.loads(out)
-    rows = report["results"]
+@pytest.fixture(scope="module")
+def bench_report(model_dirs):
+    """The benchmark's JSON: two prompts, batch sizes 1 and 2, two taus."""
+    out = bench_modes(
+        "--model", model_dirs["mtp"],
+        "--prompt", "1 2 3",
+        "--prompt", "4",
+        "--max-new-tokens", "6",
+        "--batch-sizes", "1", "2",
+        "--taus", "0.5", "0.9",
+        "--repeats", "1",
+        "--latency-max", "3",
+        "--json",
+        "--threads", "1",
+    )
+    return json.loads(out)
+
+
+def test_bench_json_has_every_mode_at_every_batch_size(bench_report):
+    rows = bench_report["results"]
     modes = {r["mode"] for r in rows}
-    assert modes == {"greedy", "static k=4", "confadapt tau=0.5 k_max=16", "confadapt tau=0.9 k_max=16",
-                     "lossless k=16"}
-    assert len(rows) == 10 and {r["batch_size"] for r in rows} == {1, 2}
-    assert set(report["latency_seconds"]) == {"1", "2"}
-    assert set(report["latency_seconds"]["2"]) == {"1", "2", "3"}
+    assert modes == {
+        "greedy",
+        "static k=4",
+        "confadapt tau=0.5 k_max=16",
+        "confadapt tau=0.9 k_max=16",
+        "lossless k=16",
+    }
+    assert len(rows) == 10
+    assert {r["batch_size"] for r in rows} == {1, 2}
+
+
+def test_bench_json_has_a_latency_curve_per_batch_size(bench_report):
+    latency = bench_report["latency_seconds"]
+    assert set(latency) == {"1", "2"}
+    assert set(latency["2"]) == {"1", "2", "3"}
+
+
+def test_bench_json_measures_speed_ups_against_greedy(bench_report):
+    rows = bench_report["results"]
     assert all(r["speedup"] == 1.0 for r in rows if r["kind"] == "greedy")
-    tokens = {(r["batch_size"], r["kind"]): r["tokens"] for r in rows}
-    assert tokens[1, "greedy"] == tokens[2, "greedy"] == tokens[1, "lossless"] == tokens[2, "lossless"]
+
+
+def test_bench_json_lossless_prints_greedys_tokens(bench_report):
+    """Every batch size decodes the same rows, and lossless prints greedy's tokens."""
+    rows = bench_report["results"]
+    got = {(r["batch_size"], r["kind"]): r["tokens"] for r in rows}
+    assert got[1, "greedy"] == got[2, "greedy"] == got[1, "lossless"] == got[2, "lossless"]
     assert all(r["equals_greedy"] for r in rows if r["kind"] in ("greedy", "lossless"))
 
 
-def test_bench_table(model_dirs):
-    out = bench_modes("--model", model_dirs["mtp"], "--prompt", "1 2 3", "--max-new-tokens", "4",
-                      "--batch-sizes", "1", "--taus", "0.9", "--repeats", "1", "--latency-max", "2",
-                      "--threads", "1")
-    assert "speed-up" in out and "forward-pass latency" in out
+@pytest.fixture(scope="module")
+def bench_table(model_dirs):
+    """The benchmark's table: one prompt, batch size 1, one tau."""
+    return bench_modes(
+        "--model", model_dirs["mtp"],
+        "--prompt", "1 2 3",
+        "--max-new-tokens", "4",
+        "--batch-sizes", "1",
+        "--taus", "0.9",
+        "--repeats", "1",
+        "--latency-max", "2",
+        "--threads", "1",
+    )
+
+
+def test_bench_table_shows_speed_ups_and_latency(bench_table):
+    assert "speed-up" in bench_table
+    assert "forward-pass latency" in bench_table
+
+
+def test_bench_table_has_a_line_per_mode(bench_table):
     # a header, one line per mode (greedy, static, ConfAdapt, lossless), the latency curve
-    assert len(out.splitlines()) == 1 + 4 + 3
+    assert len(bench_table.splitlines()) == 1 + 4 + 3

@@ -8,15 +8,41 @@ rules it serves, in tests/test_confadapt.py.
 import pytest
 import torch
 
-from model import ModelConfig, Transformer
+from conftest import tiny_model
 from mtp.engine import HostSyncs, RaggedPass, cached_forward, new_cache, ragged_cells
 
+VOCAB = 97
 
-def small_random_model() -> Transformer:
-    torch.manual_seed(0)
-    return Transformer(ModelConfig(vocab_size=97, dim=48, n_layers=2,
-                                   n_heads=4, n_kv_heads=2,
-                                   ffn_dim=96)).eval()
+# The tokens each of three rows feeds, pass after pass: rows of different lengths, and a row
+# that feeds none.
+FEEDS = [[5, 1, 9], [3, 7, 0], [1, 12, 4], [9, 2, 2]]
+
+# The token that pads the shorter rows of a pass.
+PAD = 96
+
+
+def small_random_model():
+    return tiny_model(VOCAB, dim=48, ffn_dim=96, max_seq_len=2048).eval()
+
+
+def random_tokens(B, T, device="cpu"):
+    seq = torch.randint(0, VOCAB, (B, T))
+    return seq.to(device)
+
+
+def ragged_tokens(seq, done, feed, pad=0):
+    """Row b's next feed[b] tokens of `seq`, after its first done[b], padded -> (B, max(feed))."""
+    tokens = torch.full((len(feed), max(feed)), pad, device=seq.device)
+    for b, n in enumerate(feed):
+        tokens[b, :n] = seq[b, done[b]:done[b] + n]
+    return tokens
+
+
+def padding_repeats_the_last_real_output(feed, device):
+    """The output_index that reads the padding's outputs from the row's last real token."""
+    T = max(feed)
+    index = [list(range(n)) + [max(n - 1, 0)] * (T - n) for n in feed]
+    return torch.tensor(index, device=device)
 
 
 @pytest.mark.gpu
@@ -24,103 +50,126 @@ def test_a_pass_of_every_row_is_the_models_own_cached_pass(device):
     """Without n_tokens every row feeds all T tokens: the engine's pass (a
     benchmark's latency curve) computes what model.KVCache's does."""
     model = small_random_model().to(device)
-    seq = torch.randint(0, 97, (2, 30)).to(device)
+    seq = random_tokens(2, 30, device)
     plain = model.new_cache(2, 64)
     ours = new_cache(model, 2, 64)
     with torch.no_grad():
         for start, end in [(0, 9), (9, 10), (10, 30)]:
-            want = model(seq[:, start:end], cache=plain)
-            got = cached_forward(model, seq[:, start:end], ours)
+            tokens = seq[:, start:end]
+            want = model(tokens, cache=plain)
+            got = cached_forward(model, tokens, ours)
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-        assert ours.lengths.tolist() == plain.lengths.tolist() == [30, 30]
+    assert ours.lengths.tolist() == plain.lengths.tolist() == [30, 30]
+
+
+@torch.no_grad()
+def ragged_passes(device):
+    """Three rows fed FEEDS' tokens of 40 random ones, padded with PAD, each pass reading the
+    padding's outputs from the last real token.
+
+    -> (the model, the tokens, a full forward of them, the cache, and per pass:
+        (tokens fed per row, tokens done per row before it, its logits, the cache's lengths))"""
+    model = small_random_model().to(device)
+    seq = random_tokens(3, 40, device)
+    full = model(seq)
+    cache = new_cache(model, 3, 64)
+    done = [0, 0, 0]
+    passes = []
+    for feed in FEEDS:
+        tokens = ragged_tokens(seq, done, feed, pad=PAD)
+        index = padding_repeats_the_last_real_output(feed, device)
+        got = cached_forward(model, tokens, cache, n_tokens=feed, output_index=index)
+        lengths = cache.lengths.tolist()
+        passes.append((feed, list(done), got, lengths))
+        done = [d + n for d, n in zip(done, feed)]
+    return model, seq, full, cache, passes
 
 
 @pytest.mark.gpu
-def test_ragged_pass_matches_full_recompute_and_caches_only_real_tokens(device):
-    """n_tokens: each row feeds its own number of tokens; the padding is
-    neither computed nor cached."""
-    model = small_random_model().to(device)
-    seq = torch.randint(0, 97, (3, 40)).to(device)
+def test_ragged_pass_matches_full_recompute(device):
+    """n_tokens: each row feeds its own number of tokens; the padding is never computed."""
+    _, _, full, _, passes = ragged_passes(device)
+    for feed, done, got, _ in passes:
+        for b, n in enumerate(feed):
+            want = full[b, done[b]:done[b] + n]
+            assert torch.allclose(got[b, :n], want, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_ragged_pass_caches_only_real_tokens(device):
+    """The cache advances by the real tokens only: the padding is never cached."""
+    _, _, _, _, passes = ragged_passes(device)
+    for feed, done, _, lengths in passes:
+        advanced = [d + n for d, n in zip(done, feed)]
+        assert lengths == advanced
+
+
+@pytest.mark.gpu
+def test_ragged_pass_without_output_index_and_with_a_tensor_n_tokens(device):
+    """Without output_index a pass returns (B, T, V), real positions right (the padding's
+    logits are meaningless); a tensor n_tokens works too."""
+    model, seq, full, cache, _ = ragged_passes(device)
+    done = cache.lengths.tolist()
+    tokens = torch.stack([seq[b, n:n + 2] for b, n in enumerate(done)])
+    feed = [2, 1, 2]
+    n_tokens = torch.tensor(feed, device=device)
     with torch.no_grad():
-        full = model(seq)
-        cache = new_cache(model, 3, 64)
-        done = [0, 0, 0]
-        for feed in ([5, 1, 9], [3, 7, 0], [1, 12, 4], [9, 2, 2]):
-            T = max(feed)
-            # 96: padding
-            tokens = torch.full((3, T), 96, device=device)
-            for b, n in enumerate(feed):
-                tokens[b, :n] = seq[b, done[b]:done[b] + n]
-            # the padding's outputs repeat the last real one
-            want = [list(range(n)) + [max(n - 1, 0)] * (T - n)
-                    for n in feed]
-            got = cached_forward(model, tokens, cache, n_tokens=feed,
-                                 output_index=torch.tensor(want, device=device))
-            for b, n in enumerate(feed):
-                assert torch.allclose(got[b, :n], full[b, done[b]:done[b] + n],
-                                      atol=1e-5)
-                done[b] += n
-            # advanced by the real tokens only
-            assert cache.lengths.tolist() == done
-
-        # Without output_index: (B, T, V), real positions right (the padding's
-        # logits are meaningless). A tensor n_tokens works too.
-        tokens = torch.stack([seq[b, n:n + 2]
-                              for b, n in enumerate(done)])
-        got = cached_forward(model, tokens, cache,
-                             n_tokens=torch.tensor([2, 1, 2], device=device))
-        for b, n in enumerate([2, 1, 2]):
-            assert torch.allclose(got[b, :n], full[b, done[b]:done[b] + n],
-                                  atol=1e-5)
+        got = cached_forward(model, tokens, cache, n_tokens=n_tokens)
+    for b, n in enumerate(feed):
+        want = full[b, done[b]:done[b] + n]
+        assert torch.allclose(got[b, :n], want, atol=1e-5)
 
 
+def test_a_pass_reads_the_key_slots_in_whole_blocks():
+    model = small_random_model()
+    cache = new_cache(model, 3, 100)
+    cache.key_block = 64
+    assert RaggedPass(cache, 5).S == 64
+    assert RaggedPass(cache, 99).S == 100
+
+
+@torch.no_grad()
 def test_cached_passes_reading_whole_key_blocks_match_full_recompute():
     """On a GPU a cached pass reads the key slots in blocks of 64
     (DecodeCache.key_block), so the attention shapes change once per block:
     the unwritten slots it reads must change nothing."""
     model = small_random_model()
-    seq = torch.randint(0, 97, (3, 40))
-    with torch.no_grad():
-        full = model(seq)
-        cache = new_cache(model, 3, 100)
-        cache.key_block = 64
-        assert RaggedPass(cache, 5).S == 64
-        assert RaggedPass(cache, 99).S == 100
-        done = [0, 0, 0]
-        for feed in ([5, 1, 9], [3, 7, 0], [1, 12, 4], [9, 2, 2]):
-            T = max(feed)
-            tokens = torch.zeros(3, T, dtype=torch.long)
-            for b, n in enumerate(feed):
-                tokens[b, :n] = seq[b, done[b]:done[b] + n]
-            got = cached_forward(model, tokens, cache, n_tokens=feed)
-            for b, n in enumerate(feed):
-                want = full[b, done[b]:done[b] + n]
-                torch.testing.assert_close(got[b, :n], want,
-                                           atol=1e-5, rtol=1e-5)
-                done[b] += n
-        assert cache.lengths.tolist() == done
+    seq = random_tokens(3, 40)
+    full = model(seq)
+    cache = new_cache(model, 3, 100)
+    cache.key_block = 64
+    done = [0, 0, 0]
+    for feed in FEEDS:
+        tokens = ragged_tokens(seq, done, feed)
+        got = cached_forward(model, tokens, cache, n_tokens=feed)
+        for b, n in enumerate(feed):
+            want = full[b, done[b]:done[b] + n]
+            torch.testing.assert_close(got[b, :n], want, atol=1e-5, rtol=1e-5)
+            done[b] += n
+    assert cache.lengths.tolist() == done
+
+
+@torch.no_grad()
+def host_syncs_of_a_pass(n_layers):
+    """How often a ragged pass of a model `n_layers` deep makes the host wait for the device."""
+    model = tiny_model(50, n_layers=n_layers).eval()
+    cache = new_cache(model, 3, 64)
+    prompt = torch.randint(0, 50, (3, 10))
+    cached_forward(model, prompt, cache, n_tokens=[10, 4, 7])
+    tokens = torch.randint(0, 50, (3, 6))
+    with HostSyncs() as syncs:
+        cached_forward(model, tokens, cache, n_tokens=[6, 0, 2])
+    return syncs.total
 
 
 def test_a_ragged_pass_reads_the_device_once_whatever_the_depth():
     """Ragged decoding builds its index tensors once per pass from
     host-side lengths: the host waits for the device a fixed number of
     times per pass, not several times per layer."""
-    counts = []
-    for n_layers in (1, 6):
-        torch.manual_seed(0)
-        model = Transformer(ModelConfig(vocab_size=50, dim=32,
-                                        n_layers=n_layers, n_heads=4,
-                                        n_kv_heads=2, ffn_dim=64)).eval()
-        cache = new_cache(model, 3, 64)
-        with torch.no_grad():
-            cached_forward(model, torch.randint(0, 50, (3, 10)), cache,
-                           n_tokens=[10, 4, 7])
-            with HostSyncs() as syncs:
-                cached_forward(model, torch.randint(0, 50, (3, 6)), cache,
-                               n_tokens=[6, 0, 2])
-        counts.append(syncs.total)
+    shallow = host_syncs_of_a_pass(1)
+    deep = host_syncs_of_a_pass(6)
     # cache.lengths, read once
-    assert counts[0] == counts[1] == 1, counts
+    assert shallow == deep == 1, (shallow, deep)
 
 
 def test_ragged_cells_is_its_worked_example():
@@ -131,20 +180,34 @@ def test_ragged_cells_is_its_worked_example():
 def test_engine_cache_overflow_is_an_error():
     model = small_random_model()
     cache = new_cache(model, 2, 8)
-    with pytest.raises(ValueError, match="KV cache overflow: 9 slots needed"):
-        cached_forward(model, torch.zeros(2, 9, dtype=torch.long), cache,
-                       n_tokens=[9, 3])
+    tokens = torch.zeros(2, 9, dtype=torch.long)
+    message = "KV cache overflow: 9 slots needed"
+    with pytest.raises(ValueError, match=message):
+        cached_forward(model, tokens, cache, n_tokens=[9, 3])
     assert cache.lengths.tolist() == [0, 0]
 
 
-def test_rows_leave_the_cache_in_the_order_given():
-    """Continuous batching: finished rows leave, the others keep their keys,
-    values and lengths."""
+@pytest.fixture
+def three_rows_cached():
+    """A cache of three rows holding 5, 2 and 4 tokens."""
     model = small_random_model()
     cache = new_cache(model, 3, 16)
+    tokens = random_tokens(3, 5)
     with torch.no_grad():
-        cached_forward(model, torch.randint(0, 97, (3, 5)), cache, n_tokens=[5, 2, 4])
-    k = cache.k.clone()
+        cached_forward(model, tokens, cache, n_tokens=[5, 2, 4])
+    return cache
+
+
+def test_rows_leave_the_cache_in_the_order_given(three_rows_cached):
+    """Continuous batching: finished rows leave, the others keep their lengths."""
+    cache = three_rows_cached
     cache.keep_rows([2, 0])
     assert cache.lengths.tolist() == [4, 5]
+
+
+def test_rows_that_stay_keep_their_keys(three_rows_cached):
+    """Continuous batching: the rows that stay keep their keys, in the order given."""
+    cache = three_rows_cached
+    k = cache.k.clone()
+    cache.keep_rows([2, 0])
     assert torch.equal(cache.k, k[:, [2, 0]])
