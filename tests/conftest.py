@@ -1,4 +1,5 @@
-"""Shared test setup: the top-level modules on the path, the CPU by default, one tiny model.
+"""Shared test setup: the top-level modules on the path, the CPU by default, one tiny model, and
+the scripts run as a user runs them.
 
 Two suites that never mix. By default every test runs on the CPU: CUDA is hidden before torch
 starts (from the subprocesses the tests start, too), so no test can follow `auto` onto a GPU the
@@ -10,9 +11,14 @@ tests marked `gpu` run, on CUDA (their `device` fixture), in the dtype each name
 
 Every test file may build its model with `tiny_model` (`from conftest import tiny_model`):
 the same random weights for the same seed, small enough for hundreds of forwards a second.
+No test imports a script (benchmarks/, scripts/): `run_script` runs its command lines as
+`python SCRIPT ARGS` would, in a process of its own.
 """
+import json
 import os
+import subprocess
 import sys
+from types import SimpleNamespace
 
 GPU = os.environ.get("MTP_GPU_TESTS") == "1"
 if not GPU:
@@ -124,3 +130,43 @@ def tiny_hf(tmp_path_factory):
     tok.save_pretrained(root / "base")
     write_word_problems(root / "wp", n_train=64, n_test=6, seed=1)
     return root
+
+
+# `python -c SCRIPT_RUNNER SCRIPT LINES` runs each command line of LINES (a JSON list of argument
+# lists) as `python SCRIPT ARGS` runs it, one after the other in this one process: the modules a
+# script imports (torch: seconds) are imported for the first line only. It prints, last, a JSON
+# list of [exit status, stdout, stderr] per line. A warning shows in every line that raises it,
+# as in a process of its own.
+SCRIPT_RUNNER = r"""
+import contextlib, io, json, os, runpy, sys, traceback, warnings
+script, lines = sys.argv[1], json.loads(sys.argv[2])
+# as for `python SCRIPT`: the script's folder first on the path, not the current one
+sys.path[0] = os.path.dirname(os.path.abspath(script))
+results = []
+for argv in lines:
+    sys.argv = [script, *argv]
+    out, err = io.StringIO(), io.StringIO()
+    status = 0
+    with warnings.catch_warnings(), contextlib.redirect_stdout(out):
+        with contextlib.redirect_stderr(err):
+            try:
+                runpy.run_path(script, run_name="__main__")
+            except SystemExit as e:
+                status = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+            except BaseException:
+                traceback.print_exc()
+                status = 1
+    results.append([status, out.getvalue(), err.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def run_script(script, *lines, cwd=None, prelude=""):
+    """Each command line (a list of arguments) of `script` run as `python SCRIPT ARGS` runs it,
+    one after the other in one process of its own (SCRIPT_RUNNER), after the Python code
+    `prelude` -> a SimpleNamespace(returncode, stdout, stderr) per line."""
+    command = [sys.executable, "-c", prelude + SCRIPT_RUNNER, str(script), json.dumps(lines)]
+    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.splitlines()[-1])
+    return [SimpleNamespace(returncode=s, stdout=out, stderr=err) for s, out, err in results]
