@@ -1,14 +1,21 @@
-"""The toy experiment's figures, support code a learner can skip: train_toy.py calls each once
-at the end of a run.
+"""The figures of the toy experiment and of the packed layout, support code a learner can skip.
+
+train_toy.py calls each toy figure once at the end of a run:
 
     pareto.png           accuracy and degeneration against tokens per forward pass
     training_curves.png  each phase's loss, step by step
     chunks.png           one answer of the distilled student, a colour per forward pass
 
+scripts/show_layout.py shows one packed row of data.mtp_layout as a text table (layout_table)
+and draws its attention mask (plot_attention_mask, the figure in the docs).
+
 matplotlib is imported inside each function, so a run that draws nothing never loads it."""
 import os
 
+import torch
+
 from confadapt import DecodeConfig
+from data import MASK, PAD, MTPBatch
 from mtp.chunks import chunk_texts, save_chunks_png
 from mtp.engine import generate
 from tasks.toy import BRANCHING_TASKS, TOY_TASKS, encode_example, heldout_examples
@@ -116,3 +123,65 @@ def plot_chunks(model, tokenizer, cfg, out: str):
     save_chunks_png(os.path.join(out, "chunks.png"), example.prompt,
                     chunk_texts(tokenizer, g.tokens, g.chunk_sizes), g.chunk_sizes,
                     title=title)
+
+
+# ------- the packed layout of one row (scripts/show_layout.py) -------
+
+def token_labels(batch: MTPBatch, row: int, token_str) -> list[str]:
+    """A label per packed token of one row: the token, or "M" for a mask slot, "P" for
+    padding."""
+    tokens, kinds = batch.input_ids[row].tolist(), batch.kind[row].tolist()
+    return ["M" if c == MASK else "P" if c == PAD else token_str(t)
+            for t, c in zip(tokens, kinds)]
+
+
+def layout_table(batch: MTPBatch, row: int = 0, token_str=str) -> str:
+    """One packed row as a text table: token, position, kind, the prediction read there,
+    its target."""
+    L = batch.input_ids.shape[1]
+    pred, target = [""] * L, [""] * L
+    regions = zip(batch.pred_index[row].tolist(), batch.targets[row].tolist(),
+                  batch.valid[row].tolist())
+    for r, (idx_r, tgt_r, ok_r) in enumerate(regions):
+        for j, (i, t, ok) in enumerate(zip(idx_r, tgt_r, ok_r)):
+            pred[i], target[i] = f"{r}.{j}", token_str(t) if ok else "-"
+    cells = {"idx": [str(i) for i in range(L)],
+             "token": token_labels(batch, row, token_str),
+             "pos": [str(p) for p in batch.positions[row].tolist()],
+             "kind": ["GMCP"[c] for c in batch.kind[row].tolist()],
+             "pred": pred,
+             "target": target}
+    width = max(len(c) for col in cells.values() for c in col) + 1
+    return "\n".join(f"{name:<7}" + "".join(c.rjust(width) for c in col)
+                     for name, col in cells.items())
+
+
+def plot_attention_mask(batch: MTPBatch, path, row: int = 0, token_str=str):
+    """Save the (L, L) attention mask of one row as a PNG, cells coloured by the key's
+    kind."""
+    from matplotlib.colors import ListedColormap
+    from matplotlib.figure import Figure          # no pyplot: no global backend state
+    from matplotlib.patches import Patch
+    # in kind order
+    names = ("ground truth", "mask slot", "copy", "padding")
+    colours = ["#3b75af", "#ef8636", "#519e3e", "#b0b0b0"]
+    mask, kind = batch.attn_mask[row].cpu(), batch.kind[row].cpu()
+    L = mask.shape[0]
+    # a cell not attended stays blank
+    image = torch.where(mask, kind[None, :].expand(L, L).float(), float("nan"))    # (L, L)
+    fig = Figure(figsize=(2 + 0.28 * L, 1.5 + 0.28 * L))
+    title = (f"MTP attention mask: k={batch.k}, offset={batch.offset}, "
+             f"{len(batch.prefix_end)} regions")
+    ax = fig.add_subplot(xlabel="key (token @ position)", ylabel="query", title=title)
+    ax.imshow(image.numpy(), cmap=ListedColormap(colours), vmin=-0.5, vmax=3.5,
+              interpolation="nearest")
+    labels = [f"{label} @{p}" for label, p in zip(token_labels(batch, row, token_str),
+                                                  batch.positions[row].tolist())]
+    ax.set_xticks(range(L), labels, rotation=90, fontsize=7)
+    ax.set_yticks(range(L), labels, fontsize=7)
+    for tick, c in zip(ax.get_xticklabels() + ax.get_yticklabels(), kind.tolist() * 2):
+        tick.set_color(colours[c])
+    legend = [Patch(color=c, label=n) for n, c in zip(names, colours)]
+    ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")

@@ -20,12 +20,10 @@ from matplotlib.image import imread
 from conftest import tiny_model
 from data import (COPY, GT, MASK, PAD, default_n_regions, mtp_layout, random_mtp_layout,
                   sample_k_and_offset)
+from mtp.plots import layout_table, plot_attention_mask
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-sys.path.insert(0, str(SCRIPTS))
-from show_layout import layout_table, plot_attention_mask  # noqa: E402
-
-SHOW_LAYOUT = SCRIPTS / "show_layout.py"
+# The script that shows the layout, run as a user runs it
+SHOW_LAYOUT = Path(__file__).resolve().parents[1] / "scripts" / "show_layout.py"
 
 VOCAB, MASK_ID, EOS_ID, PAD_ID = 50, 49, 1, 0
 
