@@ -1,24 +1,26 @@
-"""benchmarks/memory.py: its figures are computed on the meta device, so they are checked on a tiny
-model against real tensors: the activation count against the same count on CPU tensors under
-torch.autocast, the training state against the bytes of a student built by finetune_hf itself."""
+"""mtp/memory.py, the figures of benchmarks/memory.py: they are computed on the meta device, so
+they are checked on a tiny model against real tensors: the activation count against the same count
+on CPU tensors under torch.autocast, the training state against the bytes of a student built by
+finetune_hf itself. The benchmark's command lines run as a user runs them (conftest.run_script)."""
 import argparse
-import os
-import sys
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-import finetune_hf  # noqa: E402
-import memory  # noqa: E402
+import finetune_hf
+from adapter import ADAPTER_TARGETS, gated_mtp_loss
+from conftest import run_script
 from data import mtp_layout
+from distill import mtp_loss
+from model import ModelConfig, Transformer
+from mtp import memory
+from mtp.distributed import Dist
+from mtp.hf import save_pretrained
 from tasks.word_problems import word_problem_tokenizer
-from adapter import ADAPTER_TARGETS, gated_mtp_loss  # noqa: E402
-from distill import mtp_loss  # noqa: E402
-from model import ModelConfig, Transformer  # noqa: E402
-from mtp.hf import save_pretrained  # noqa: E402
-from mtp.distributed import Dist  # noqa: E402
+
+MEMORY_PY = Path(__file__).resolve().parents[1] / "benchmarks" / "memory.py"
 
 pytestmark = pytest.mark.usefixtures("one_thread")            # conftest.py
 
@@ -85,19 +87,26 @@ def test_the_training_state_is_the_bytes_of_a_student_built_by_finetune_hf(mode,
     assert (real["teacher"] > 0) == (mode == "full")
 
 
-def test_command_line(tmp_path, capsys):
-    out = tmp_path / "memory"
-    assert memory.main(["--models", "smollm2-135m", "--out", str(out)]) == 0
-    table = capsys.readouterr().out
-    assert "| smollm2-135m | adapter |" in table
+def test_command_line(tmp_path):
+    out, notes = tmp_path / "memory", tmp_path / "notes"
+    smollm2 = ["--models", "smollm2-135m", "--out", str(out)]
+    lines = [smollm2, ["--models", "gpt-5"], ["--k", "1"]]
+    done, unknown_model, k_of_one = run_script(MEMORY_PY, *lines, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "| smollm2-135m | adapter |" in done.stdout
     assert "not measured on a GPU" in (out / "memory.md").read_text()
-    assert memory.main(["--models", "smollm2-135m", "--out", str(out)]) == 2     # needs --overwrite
-    assert memory.main(["--models", "smollm2-135m", "--out", str(out), "--overwrite"]) == 0
-    (out / "memory.md").write_text("someone else's notes\n")
-    assert memory.main(["--models", "smollm2-135m", "--out", str(out), "--overwrite"]) == 2
-    assert (out / "memory.md").read_text() == "someone else's notes\n"
-    assert memory.main(["--models", "gpt-5"]) == 2
-    capsys.readouterr()
-    assert memory.main(["--k", "1"]) == 2
-    errors = capsys.readouterr().err.splitlines()
+    assert unknown_model.returncode == 2
+    errors = k_of_one.stderr.splitlines()
+    assert k_of_one.returncode == 2
     assert len(errors) == 1 and errors[0].startswith("error: argument --k")
+    # a copy of the output, its table replaced by someone else's notes
+    shutil.copytree(out, notes)
+    (notes / "memory.md").write_text("someone else's notes\n")
+    onto_notes = ["--models", "smollm2-135m", "--out", str(notes), "--overwrite"]
+    lines = [smollm2, [*smollm2, "--overwrite"], onto_notes]
+    again, overwritten, over_notes = run_script(MEMORY_PY, *lines, cwd=tmp_path)
+    # needs --overwrite
+    assert again.returncode == 2
+    assert overwritten.returncode == 0, overwritten.stderr
+    assert over_notes.returncode == 2
+    assert (notes / "memory.md").read_text() == "someone else's notes\n"
