@@ -493,3 +493,59 @@ def hf_tokenizer_json(tok: Tokenizer) -> dict:
                       "end_of_word_suffix": None, "fuse_unk": False,
                       "byte_fallback": False, "ignore_merges": True,
                       "vocab": vocab, "merges": merges}}
+
+
+# ------ plumbing: SmolLM2's tokenizer from a GGUF file (scripts/get_smollm2.py) ------
+
+# llama.cpp's token type of special tokens
+GGUF_CONTROL = 3
+
+
+def write_gguf_tokenizer(field, out: Path):
+    """tokenizer.json + tokenizer_config.json in `out` from the tokenizer fields of a GGUF file
+    (llama.cpp's format); `field(name)` reads one field's contents.
+
+    The pre-tokenizer is SmolLM2's own, which llama.cpp records as "smollm": every digit is its
+    own piece, then GPT-2's byte-level split. transformers' GGUF converter drops the digit step.
+    """
+    if (field("tokenizer.ggml.model") != "gpt2"
+            or field("tokenizer.ggml.pre") != "smollm"):
+        raise ValueError("expected a byte-level BPE tokenizer with the 'smollm' "
+                         "pre-tokenizer in the GGUF file")
+    tokens = field("tokenizer.ggml.tokens")
+    types = field("tokenizer.ggml.token_type")
+    merges = field("tokenizer.ggml.merges")
+    specials = [(i, t) for i, (t, kind) in enumerate(zip(tokens, types))
+                if kind == GGUF_CONTROL]
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                  "use_regex": True}
+    flags = dict.fromkeys(["single_word", "lstrip", "rstrip", "normalized"], False)
+    digits = {"type": "Digits", "individual_digits": True}
+    spec = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [{"id": i, "content": t, **flags, "special": True}
+                         for i, t in specials],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [digits, byte_level]},
+        "post_processor": None,
+        "decoder": byte_level,
+        "model": {"type": "BPE", "dropout": None, "unk_token": None,
+                  "continuing_subword_prefix": None, "end_of_word_suffix": None,
+                  "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": {t: i for i, t in enumerate(tokens)},
+                  "merges": [m.split(" ") for m in merges]},
+    }
+    text = json.dumps(spec, ensure_ascii=False)
+    (out / "tokenizer.json").write_text(text, encoding="utf-8")
+    # each role's token: tokenizer_config.json's name -> the GGUF field of its id
+    roles = {"bos": "bos", "eos": "eos", "pad": "padding", "unk": "unknown"}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast",
+              "clean_up_tokenization_spaces": False,
+              "model_max_length": int(field("llama.context_length")),
+              **{f"{role}_token": tokens[int(field(f"tokenizer.ggml.{gguf}_token_id"))]
+                 for role, gguf in roles.items()},
+              "chat_template": field("tokenizer.chat_template")}
+    text = json.dumps(config, indent=2, ensure_ascii=False)
+    (out / "tokenizer_config.json").write_text(text, encoding="utf-8")

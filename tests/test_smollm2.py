@@ -2,19 +2,19 @@
 
 These tests run when the converted folder is at models/smollm2 (`.ci/run` makes it) and are
 skipped otherwise. They check that our model, tokenizer and chat format reproduce transformers
-on it, and that the converter writes SmolLM2's own tokenizer: its pre-tokenizer is checked on
-StarCoder's vocabulary (the same digits-then-GPT-2 split) against the reference tokenizations
-llama.cpp ships, when those files are present (LLAMA_CPP_VOCABS, see .ci/run).
+on it, and that the converter writes SmolLM2's own tokenizer (mtp.tokenizer.write_gguf_tokenizer):
+its pre-tokenizer is checked on StarCoder's vocabulary (the same digits-then-GPT-2 split) against
+the reference tokenizations llama.cpp ships, when those files are present (LLAMA_CPP_VOCABS, see
+.ci/run).
 """
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from confadapt import DecodeConfig
-from mtp.tokenizer import CHATML_SYSTEM, prompt_tokens, Tokenizer
+from mtp.tokenizer import CHATML_SYSTEM, Tokenizer, prompt_tokens, write_gguf_tokenizer
 from tasks.word_problems import domain_prompts
 from mtp.engine import generate
 from mtp.hf import from_pretrained, save_pretrained
@@ -70,19 +70,16 @@ def test_converter_tokenizer_matches_llama_cpp_references(tmp_path):
         pytest.skip("set LLAMA_CPP_VOCABS to llama.cpp's models/ folder (llama-cpp-python's sdist has it)")
     from gguf import GGUFReader
     from tokenizers import Tokenizer as HFTokenizer
-    sys.path.insert(0, str(REPO / "scripts"))
-    import get_smollm2
 
     reader = GGUFReader(vocabs / "ggml-vocab-starcoder.gguf")   # a vocab-only file: fill in what it lacks
     extra = {"tokenizer.ggml.pre": "smollm", "llama.context_length": 8192, "tokenizer.chat_template": "",
              "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.eos_token_id": 0, "tokenizer.ggml.padding_token_id": 0,
              "tokenizer.ggml.unknown_token_id": 0}
-    field = get_smollm2.field
-    get_smollm2.field = lambda r, name: extra[name] if name in extra else field(r, name)
-    try:
-        get_smollm2.write_tokenizer(reader, tmp_path)
-    finally:
-        get_smollm2.field = field
+
+    def field(name):
+        return extra[name] if name in extra else reader.fields[name].contents()
+
+    write_gguf_tokenizer(field, tmp_path)
     hf, ours = HFTokenizer.from_file(str(tmp_path / "tokenizer.json")), Tokenizer.from_pretrained(tmp_path)
     texts = (vocabs / "ggml-vocab-starcoder.gguf.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
     wants = (vocabs / "ggml-vocab-starcoder.gguf.out").read_text(encoding="utf-8").strip("\n").split("\n")
