@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 import finetune_hf
+from conftest import run_script
 from mtp.cli import read_rows
 from mtp.finetune_cli import MODEL_CARD_TAGS, build_parser
 from mtp.tokenizer import (QWEN2_PATTERN, Tokenizer, prompt_tokens, response_tokens,
@@ -311,11 +312,15 @@ def test_qwen3_tied_checkpoint_reuses_a_spare_row_and_uses_the_qwen_recipe(tmp_p
 def test_word_problem_base_model_trains_on_the_plain_format(tmp_path):
     """scripts/word_problem_base.py writes the data and a base model that `train` can tune;
     its training sequences are finetune_hf's "plain" format token for token."""
-    import runpy
-    script = runpy.run_path(str(REPO / "scripts" / "word_problem_base.py"))
-    out = script["main"](["--out", str(tmp_path / "wp"), "--quick"])
-    with pytest.raises(script["CliError"], match="base exists: .* add --restart"):
-        script["main"](["--out", str(tmp_path / "wp"), "--quick"])
+    wp = ["--out", str(tmp_path / "wp"), "--quick"]
+    # a run, then a second one into the same folder
+    done, again = run_script(REPO / "scripts" / "word_problem_base.py", wp, wp)
+    assert done.returncode == 0, done.stderr
+    assert again.returncode == 2
+    assert re.search("base exists: .* add --restart", again.stderr)
+    # the folders its docstring names
+    base, train = tmp_path / "wp" / "base", tmp_path / "wp" / "data" / "train.json"
+    out = {"base": str(base), "train": str(train)}
     cfg = json.loads((Path(out["base"]) / "config.json").read_text())
     assert cfg["mask_token_id"] is None and cfg["architectures"] == ["LlamaForCausalLM"]
     tok = Tokenizer.from_pretrained(out["base"])
