@@ -1,21 +1,53 @@
 """benchmarks/decode_real.py end to end on a tiny random Llama in the Hugging Face layout, and the
-check that makes its lossless columns worth reading: output that is not greedy's is caught."""
+check that makes its lossless columns worth reading: output that is not greedy's is caught. The
+benchmark runs as a user runs it (conftest.run_script)."""
 import json
-import os
-import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-import decode_real  # noqa: E402
-from bench_modes import bench  # noqa: E402
-from confadapt import DecodeConfig  # noqa: E402
+from adapter import add_mask_adapter, save_mask_adapter
+from conftest import run_script
+from model import add_mask_token
+from mtp.cli import load_tokenizer
+from mtp.hf import from_pretrained
 from tasks.word_problems import word_problem_tokenizer
-from mtp.engine import generate  # noqa: E402
-from mtp.hf import from_pretrained  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")            # conftest.py
+
+DECODE_REAL = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_real.py"
+
+# A prelude for run_script: transformers' generate made to get one token wrong. In the rows of
+# the fourth prompt it is given (the last of the benchmark's four, one row of the six that
+# --rows 6 cycles them to), the last token a row keeps (up to its first stop token) is off by
+# one. Each call's row count goes to stderr as "generate: N rows".
+WRONG_TRANSFORMERS = r"""
+import sys
+from transformers import GenerationMixin
+
+honest = GenerationMixin.generate
+prompts = []                              # each prompt generate is given, once, in order
+
+
+def generate(self, input_ids, attention_mask, **kwargs):
+    out = honest(self, input_ids, attention_mask=attention_mask, **kwargs)
+    T = input_ids.shape[1]
+    print(f"generate: {len(input_ids)} rows", file=sys.stderr)
+    for row, (ids, keep) in enumerate(zip(input_ids.tolist(), attention_mask.tolist())):
+        prompt = [t for t, k in zip(ids, keep) if k]                  # padding left out
+        if prompt not in prompts:
+            prompts.append(prompt)
+        if prompts.index(prompt) == 3:
+            new = out[row, T:].tolist()
+            stop = [i for i, t in enumerate(new) if t in kwargs["eos_token_id"]]
+            out[row, T + (stop[0] if stop else len(new) - 1)] += 1
+    return out
+
+
+GenerationMixin.generate = generate
+"""
 
 
 @pytest.fixture(scope="module")
@@ -34,10 +66,74 @@ def tiny_dir(tmp_path_factory):
     return str(path)
 
 
-def test_benchmark_runs_end_to_end(tiny_dir, tmp_path, capsys):
-    out = tmp_path / "out"
-    assert decode_real.main(["--model", tiny_dir, "--out", str(out), "--quick", "--max-new-tokens", "12",
-                             "--latency-sizes", "1", "3", "--latency-repeats", "1", "--k-max", "4", "2"]) == 0
+@pytest.fixture(scope="module")
+def adapter_dir(tiny_dir, tmp_path_factory):
+    """A gated mask adapter on the tiny model, its weights drawn at random, in its own folder."""
+    model = from_pretrained(tiny_dir)
+    add_mask_token(model, load_tokenizer(tiny_dir))
+    add_mask_adapter(model, rank=2, alpha=4.0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.5)
+    path = tmp_path_factory.mktemp("adapter")
+    save_mask_adapter(model, path, tiny_dir)
+    return str(path)
+
+
+# Bad input: (what a test adds to a command line that would run, what its one error line says)
+BAD_INPUT = [
+    ("--batch-sizes 0", "--batch-sizes must be at least 1"),
+    ("--repeats 0", "--repeats must be at least 1"),
+    ("--rows 0", "--rows must be at least 1"),
+    ("--rows 3", "fewer than the 4 prompts"),
+    ("--latency-sizes 0", "--latency-sizes must be at least 1"),
+    ("--taus 1.5", "tau"),
+    ("--dtype float64", "invalid choice"),
+]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_dir, adapter_dir, tmp_path_factory):
+    """Every run of the benchmark the tests below check, by name: (its --out folder, the finished
+    run). They run one after the other in one process (conftest.run_script: torch and
+    transformers are imported once), the run with a wrong transformers in a second one beside
+    it."""
+    tmp = tmp_path_factory.mktemp("runs")
+    (tmp / "file").write_text("x")
+    quick = ["--model", tiny_dir, "--quick"]
+    one_thread = ["--threads", "1"]
+    # name: (its --out, the rest of its command line)
+    honest = {
+        "end to end": (tmp / "end_to_end",
+                       [*quick, "--max-new-tokens", "12", "--latency-sizes", "1", "3",
+                        "--latency-repeats", "1", "--k-max", "4", "2", *one_thread]),
+        "adapter": (tmp / "adapter",
+                    ["--model", adapter_dir, "--parts", "decoding",
+                     "--modes", "greedy", "hf-greedy", "lossless", "confadapt",
+                     "--quick", "--max-new-tokens", "12", "--k-max", "4", "--dtype", "float32",
+                     "--reference", tiny_dir, *one_thread]),
+        **{extra: (tmp / "o", [*quick, *extra.split()]) for extra, _ in BAD_INPUT},
+        "missing model": (tmp / "o", ["--model", str(tmp / "nothing")]),
+        "file as out": (tmp / "file", ["--model", str(tmp)]),
+    }
+    if not torch.cuda.is_available():
+        honest["cuda"] = (tmp / "o", ["--model", tiny_dir, "--device", "cuda"])
+    wrong = tmp / "wrong_token"
+    wrong_argv = ["--out", str(wrong), *quick, "--max-new-tokens", "4", "--parts", "decoding",
+                  "--modes", "greedy", "hf-greedy", "hf-lookup", "--rows", "6", *one_thread]
+    with ThreadPoolExecutor(1) as beside:
+        wrong_run = beside.submit(run_script, DECODE_REAL, wrong_argv, prelude=WRONG_TRANSFORMERS)
+        lines = [["--out", str(out), *argv] for out, argv in honest.values()]
+        done = run_script(DECODE_REAL, *lines)
+    runs = {name: (out, run) for (name, (out, _)), run in zip(honest.items(), done)}
+    runs["wrong token"] = (wrong, wrong_run.result()[0])
+    return runs
+
+
+def test_benchmark_runs_end_to_end(runs):
+    out, done = runs["end to end"]
+    assert done.returncode == 0, done.stderr
     report = json.loads((out / "results.json").read_text())
     rows = {(r["batch_size"], r["mode"]): r for r in report["decoding"]}
     lookup = "transformers prompt lookup n=10"
@@ -62,7 +158,7 @@ def test_benchmark_runs_end_to_end(tiny_dir, tmp_path, capsys):
     md = (out / "results.md").read_text()
     assert "| 1 | lossless k=4 |" in md and "batch 1 only" in md and "| 16 | bfloat16 |" in md
     assert (out / "decoding.png").stat().st_size > 1000 and (out / "latency.png").stat().st_size > 1000
-    assert "has no <mask> token" in capsys.readouterr().err
+    assert "has no <mask> token" in done.stderr
     # tokens per pass by domain: a domain's tokens over its passes (static k = 4: at most 4, less
     # where a row's last pass is cut short by a stop token)
     by_domain = rows[1, "static k=4"]["effective_k_by_domain"]
@@ -74,92 +170,54 @@ def test_benchmark_runs_end_to_end(tiny_dir, tmp_path, capsys):
     assert samples.count("## ") == 4 and samples.count("**static k=4** (") == 4 and "|" in samples
 
 
-def test_equals_greedy_catches_a_wrong_token(tiny_dir, tmp_path, monkeypatch):
-    """Output that differs from greedy's in one token is reported as such, in bench and in the table."""
-    model = from_pretrained(tiny_dir)
-
-    def corrupted(rows, n, bs):
-        gens, stats = generate(model, rows, n, DecodeConfig("greedy"), batch_size=bs)
-        gens[-1].tokens[-1] += 1
-        return gens, stats
-
-    report = bench(model, [[1, 2, 3], [4, 5, 6, 7]], 6, [DecodeConfig("greedy")], batch_sizes=(1, 2), repeats=1,
-                   latency_sizes=(), others={"corrupted greedy": corrupted})
-    same = {(r["batch_size"], r["mode"]): r["equals_greedy"] for r in report["results"]}
-    assert same == {(1, "greedy"): True, (1, "corrupted greedy"): False,
-                    (2, "greedy"): True, (2, "corrupted greedy"): False}
-
-    honest, workloads = decode_real.hf_decode, []
-
-    def wrong_transformers(*args):
-        workloads.append(len(args[1]))                                     # the rows it was given
-        result = honest(*args)
-        if result is not None:
-            result[0][0].tokens[0] += 1
-        return result
-
-    monkeypatch.setattr(decode_real, "hf_decode", wrong_transformers)
-    out = tmp_path / "out"
-    assert decode_real.main(["--model", tiny_dir, "--out", str(out), "--quick", "--max-new-tokens", "4",
-                             "--parts", "decoding", "--modes", "greedy", "hf-greedy", "hf-lookup", "--rows", "6"]) == 0
+def test_equals_greedy_catches_a_wrong_token(runs):
+    """Output that differs from greedy's in one token, the last of one row, is reported as such at
+    every batch size, in results.json and in the table."""
+    out, done = runs["wrong token"]
+    assert done.returncode == 0, done.stderr
     report = json.loads((out / "results.json").read_text())
     rows = report["decoding"]
-    assert report["meta"]["rows"] == 6 and 6 in workloads                  # the 4 prompts cycled to 6 rows
+    calls = [int(line.split()[1]) for line in done.stderr.splitlines()
+             if line.startswith("generate: ")]
+    # the 4 prompts cycled to 6 rows reach transformers: at batch 4, four rows, then two
+    assert report["meta"]["rows"] == 6 and calls[-2:] == [4, 2]
     assert [(r["mode"], r["equals_greedy"]) for r in rows if r["batch_size"] == 1] == [
         ("greedy", True), ("transformers greedy", False), ("transformers prompt lookup n=10", False)]
+    assert [(r["mode"], r["equals_greedy"]) for r in rows if r["batch_size"] == 4] == [
+        ("greedy", True), ("transformers greedy", False)]
     assert "| 1 | transformers greedy |" in (out / "results.md").read_text()
     assert (out / "results.md").read_text().count("**no**") == 3              # batch 1: both; batch 4: greedy
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--batch-sizes", "0"], "--batch-sizes must be at least 1"),
-    (["--repeats", "0"], "--repeats must be at least 1"),
-    (["--rows", "0"], "--rows must be at least 1"),
-    (["--rows", "3"], "fewer than the 4 prompts"),
-    (["--latency-sizes", "0"], "--latency-sizes must be at least 1"),
-    (["--taus", "1.5"], "tau"),
-    (["--dtype", "float64"], "invalid choice"),
-])
-def test_bad_input_gives_one_error_line(tiny_dir, tmp_path, capsys, argv, message):
-    assert decode_real.main(["--model", tiny_dir, "--out", str(tmp_path / "o"), "--quick", *argv]) == 2
-    err = capsys.readouterr().err
+@pytest.mark.parametrize("extra, message", BAD_INPUT)
+def test_bad_input_gives_one_error_line(runs, extra, message):
+    _, done = runs[extra]
+    assert done.returncode == 2
+    err = done.stderr
     assert err.startswith("decode_real.py: error:") and message in err and err.count("\n") == 1
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
-def test_cuda_without_cuda(tiny_dir, tmp_path, capsys):
-    assert decode_real.main(["--model", tiny_dir, "--out", str(tmp_path / "o"), "--device", "cuda"]) == 2
-    assert "CUDA is not available" in capsys.readouterr().err
+def test_cuda_without_cuda(runs):
+    _, done = runs["cuda"]
+    assert done.returncode == 2
+    assert "CUDA is not available" in done.stderr
 
 
-def test_missing_model_and_file_as_out(tmp_path, capsys):
-    assert decode_real.main(["--model", str(tmp_path / "nothing"), "--out", str(tmp_path / "o")]) == 2
-    assert "nothing" in capsys.readouterr().err
-    (tmp_path / "file").write_text("x")
-    assert decode_real.main(["--model", str(tmp_path), "--out", str(tmp_path / "file")]) == 2
-    assert "is a file" in capsys.readouterr().err
+def test_missing_model_and_file_as_out(runs):
+    _, done = runs["missing model"]
+    assert done.returncode == 2
+    assert "nothing" in done.stderr
+    _, done = runs["file as out"]
+    assert done.returncode == 2
+    assert "is a file" in done.stderr
 
 
-def test_benchmark_reads_a_gated_adapter_and_compares_with_the_untuned_base(tiny_dir, tmp_path):
+def test_benchmark_reads_a_gated_adapter_and_compares_with_the_untuned_base(runs):
     """On an adapter folder, transformers decodes the untuned base, and our greedy and lossless
     modes (base + adapter) print exactly its greedy text."""
-    from mtp.cli import load_tokenizer
-    from adapter import add_mask_adapter, save_mask_adapter
-    from model import add_mask_token
-
-    model = from_pretrained(tiny_dir)
-    add_mask_token(model, load_tokenizer(tiny_dir))
-    add_mask_adapter(model, rank=2, alpha=4.0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.normal_(0, 0.5)
-    save_mask_adapter(model, tmp_path / "adapter", tiny_dir)
-    out = tmp_path / "out"
-    assert decode_real.main(["--model", str(tmp_path / "adapter"), "--out", str(out), "--parts", "decoding",
-                             "--modes", "greedy", "hf-greedy", "lossless", "confadapt", "--quick",
-                             "--max-new-tokens", "12", "--k-max", "4", "--dtype", "float32",
-                             "--reference", tiny_dir]) == 0
+    out, done = runs["adapter"]
+    assert done.returncode == 0, done.stderr
     rows = {r["mode"]: r for r in json.loads((out / "results.json").read_text())["decoding"] if r["batch_size"] == 4}
     assert set(rows) >= {"greedy", "transformers greedy", "lossless k=4"}
     assert rows["transformers greedy"]["equals_greedy"] and rows["lossless k=4"]["equals_greedy"]
