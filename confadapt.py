@@ -45,7 +45,7 @@ RULES = ("static", "confadapt", "lossless")
 @dataclass
 class DecodeConfig:
     """Which decoding rule to use (`kind`, one of RULES) and how many predictions
-    one pass may make. Greedy is static k = 1: DecodeConfig("greedy") is that."""
+    one pass may make. Greedy is static k = 1: DecodeConfig("static", k=1)."""
 
     kind: str = "confadapt"
     # static: tokens per pass; lossless: most per pass (1 + k-1 drafts)
@@ -54,11 +54,6 @@ class DecodeConfig:
     tau: float = 0.9
     # confadapt: most tokens per pass
     k_max: int = 16
-
-    def __post_init__(self):
-        if self.kind == "greedy":
-            self.kind = "static"
-            self.k = 1
 
     @property
     def block(self) -> int:

@@ -156,7 +156,7 @@ def bench_main(argv):
     args = p.parse_args(argv)
 
     # decode_modes validates each
-    modes = [DecodeConfig("greedy"), *decode_modes([args.static_k])]
+    modes = [DecodeConfig("static", k=1), *decode_modes([args.static_k])]
     modes += [m for k in args.k_max for m in decode_modes(taus=args.taus, k_max=k)]
     modes += decode_modes(lossless_k=args.lossless_k or max(args.k_max))
     model, tokenizer, mask_id, stop_ids = load(args, modes[1])

@@ -262,7 +262,7 @@ def same_as_reference(result, outputs, prompts, n_rows, stop_ids, args, device, 
     (--reference: the untuned model, say), decoded at the same batch size: r["same_as_reference"]."""
     model = load_model(args.reference, device, dtype)[0]
     rows = [prompts[i % len(prompts)] for i in range(n_rows)]
-    theirs = {bs: generate(model, rows, args.max_new_tokens, DecodeConfig("greedy"), stop_ids=stop_ids,
+    theirs = {bs: generate(model, rows, args.max_new_tokens, DecodeConfig("static", k=1), stop_ids=stop_ids,
                            batch_size=bs)[0] for bs in args.batch_sizes}
     for r in result:
         gens, ref = outputs[r["batch_size"], r["mode"]], theirs[r["batch_size"]]

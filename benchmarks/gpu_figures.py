@@ -227,7 +227,7 @@ def decode(device, dtype, small) -> dict:
     ]
     n_new = 32 if small else 128
     modes = [
-        DecodeConfig("greedy"),
+        DecodeConfig("static", k=1),
         DecodeConfig("confadapt", tau=0.9, k_max=4),
         DecodeConfig("lossless", k=4),
     ]
@@ -344,8 +344,8 @@ def bf16(device, dtype, small) -> dict:
         torch.randint(0, 62, (n,), generator=torch.Generator().manual_seed(n)).tolist()
         for n in range(1, 33)
     ]
-    greedy = [g.tokens for g in generate(model, prompts, 40, DecodeConfig("greedy"))[0]]
-    alone = [generate(model, [p], 40, DecodeConfig("greedy"))[0][0].tokens for p in prompts]
+    greedy = [g.tokens for g in generate(model, prompts, 40, DecodeConfig("static", k=1))[0]]
+    alone = [generate(model, [p], 40, DecodeConfig("static", k=1))[0][0].tokens for p in prompts]
     lossless = [g.tokens for g in generate(model, prompts, 40, DecodeConfig("lossless", k=8))[0]]
 
     def same(a, b):

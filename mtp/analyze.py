@@ -61,7 +61,7 @@ def analyze(args) -> dict:
     reports = {}
     for name, questions in groups.items():
         prompts = [prompt_tokens(tok, fmt, q) for q in questions]
-        gens, _ = generate(model, prompts, args.max_new_tokens, DecodeConfig("greedy"),
+        gens, _ = generate(model, prompts, args.max_new_tokens, DecodeConfig("static", k=1),
                            stop_ids=stop_ids, batch_size=args.batch_size)
         # Per answer: the top-1 probability at each of its tokens, one
         # teacher-forced pass over prompt + answer.

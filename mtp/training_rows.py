@@ -31,7 +31,7 @@ def make_data(args):
         questions = domain_prompts(domain, args.per_domain, args.split)
         prompts = [prompt_tokens(tok, fmt, q) for q in questions]
         try:
-            gens, stats = generate(model, prompts, args.max_new_tokens, DecodeConfig("greedy"),
+            gens, stats = generate(model, prompts, args.max_new_tokens, DecodeConfig("static", k=1),
                                    stop_ids=stop_ids, batch_size=args.batch_size)
         except KeyboardInterrupt:
             kept = f"{out} not written"

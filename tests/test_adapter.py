@@ -241,9 +241,9 @@ def test_greedy_and_lossless_print_the_untuned_models_greedy_tokens(batch_size):
     # prompts of different lengths
     prompts = [torch.randint(1, MASK_ID, (n,), generator=g).tolist()
                for n in (3, 9, 5, 12)]
-    reference, _ = generate(untuned, prompts, 24, DecodeConfig("greedy"),
+    reference, _ = generate(untuned, prompts, 24, DecodeConfig("static", k=1),
                             batch_size=batch_size)
-    for mode in (DecodeConfig("greedy"), DecodeConfig("lossless", k=4)):
+    for mode in (DecodeConfig("static", k=1), DecodeConfig("lossless", k=4)):
         gens, _ = generate(adapted, prompts, 24, mode, batch_size=batch_size)
         assert [x.tokens for x in gens] == [x.tokens for x in reference]
     static, _ = generate(adapted, prompts, 24, DecodeConfig("static", k=4),

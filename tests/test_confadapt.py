@@ -39,7 +39,7 @@ TOY_V = 16
 TOY_MASK = 16
 TOY_PROMPTS = [[3, 4, 5], [9], [0, 3, 6, 9], [5, 6], [7, 10, 13, 0, 3, 6, 9, 12, 15]]
 
-GREEDY = DecodeConfig("greedy")
+GREEDY = DecodeConfig("static", k=1)
 
 # The modes the definition test decodes with: each kind, at small and large blocks.
 EVERY_MODE = [
@@ -190,9 +190,14 @@ def test_bad_settings(random_model, bad):
         generate(random_model, [[1, 2]], 4, bad)
 
 
-def test_greedy_is_static_k_one():
-    assert GREEDY == DecodeConfig("static", k=1)
+def test_greedy_makes_one_prediction_a_pass():
     assert GREEDY.block == 1
+
+
+def test_greedy_is_no_rule_of_its_own():
+    # greedy is static k = 1; "greedy" names no rule
+    with pytest.raises(ValueError, match="unknown decoding rule 'greedy'"):
+        DecodeConfig("greedy").validate()
 
 
 def test_static_k_one_is_described_as_greedy():

@@ -56,7 +56,7 @@ def test_logits_and_greedy_continuations_match_transformers(ours, hf):
         ids = torch.tensor([p])
         diff = (model(ids) - hf_model(ids).logits).abs().max().item()
         assert diff <= 1e-3, diff
-    gens, _ = generate(model, prompts, 64, DecodeConfig("greedy"), stop_ids=set(), batch_size=3)
+    gens, _ = generate(model, prompts, 64, DecodeConfig("static", k=1), stop_ids=set(), batch_size=3)
     for p, g in zip(prompts, gens):
         want = hf_model.generate(torch.tensor([p]), max_new_tokens=64, min_new_tokens=64, do_sample=False,
                                  eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
