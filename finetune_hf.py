@@ -110,8 +110,8 @@ def train(args) -> Path:
     if dist.device.type == "cpu" and sequences >= 1_000_000:
         dist.log(f"note: that is {sequences:,} sequences, the scale of the paper's multi-GPU "
                  "recipe (the defaults); the first progress line, after step 1, says how "
-                 "long a step takes here and what the run will cost. A CPU-sized run: the "
-                 "README's walkthrough")
+                 "long a step takes here and what the run will cost. A CPU-sized run: the CPU "
+                 "walk-through in docs/finetuning.md")
 
     # 4. The loop: batch -> train_step (layout, loss, backward, step) -> log.
     region_len = args.seq_len // args.regions

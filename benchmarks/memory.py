@@ -104,7 +104,7 @@ def memory_main(argv):
     s.add_argument("--micro-batch", type=positive_int, default=8, help="sequences per forward pass")
     s.add_argument("--k", type=number(int, 2), default=16,
                    help="predictions per region; k = k_max gives a run's longest layout "
-                   "(the README's SmolLM2 run: --k 4 --regions 80)")
+                   "(the SmolLM2 runs of results/smollm2/README.md: --k 4 --regions 80)")
     s.add_argument("--regions", type=positive_int,
                    help="MTP problems per sequence (default seq_len / (2 k))")
     p.add_argument("--adapter-rank", type=positive_int, default=32,
