@@ -93,7 +93,7 @@ section decode 60 - "${FIG[@]}" decode --json "$W/decode.json"
 section train_step 90 - "${FIG[@]}" train_step --json "$W/train_step.json"
 # 3. finetune_hf.py on a grouped-query smoke model: train, interrupted + resumed, export, eval,
 #    FSDP2 under torchrun (NCCL on a GPU, gloo on the CPU).
-WRITE_WP="import data, sys; data.write_word_problems(sys.argv[1], n_train=512, n_test=32)"
+WRITE_WP="import sys; from tasks.word_problems import write_word_problems; write_word_problems(sys.argv[1], n_train=512, n_test=32)"
 section smoke_model 30 - bash -c '"$1" benchmarks/gpu_figures.py smoke_model "$2" &&
   "$1" -c "$3" "$4"' \
   _ "$PY" "$SMOKE" "$WRITE_WP" "$W/wp"
