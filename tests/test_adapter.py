@@ -214,6 +214,36 @@ def test_gated_mtp_loss_runs_only_the_mask_slots_with_gradient(monkeypatch):
     assert passes == [(40, False, False), (6 * 3, True, True), (6 * 3, False, False)]
 
 
+def rows_without_a_mask():
+    """Rows that end (EOS, token 0) before the first region does: every slot is padding, so the
+    micro-batch holds no <mask> at all."""
+    seqs = torch.randint(1, MASK_ID, (3, 40), generator=torch.Generator().manual_seed(2))
+    seqs[:, 1] = 0
+    return mtp_layout(seqs, k=4, offset=3, n_regions=6, mask_id=MASK_ID, eos_id=0)
+
+
+@pytest.mark.parametrize("adapter", [True, False])
+def test_a_micro_batch_without_a_mask_gives_every_trained_tensor_a_zero_gradient(adapter):
+    """Under FSDP2 (or any gradient reduction) a process whose micro-batch leaves a trained
+    tensor without .grad skips that tensor's reduction while the others wait for it: a hang.
+    So a micro-batch with no <mask> must still give every trained tensor a gradient, zeros."""
+    untuned, adapted = untuned_and_adapted()
+    b = rows_without_a_mask()
+    assert not (b.input_ids == MASK_ID).any()
+    if adapter:
+        student = adapted
+        loss, _ = gated_mtp_loss(student, b)
+    else:
+        student = untuned.train()
+        loss, _ = mtp_loss(student, frozen_teacher(untuned), b)
+    loss.backward()
+    trained = {n: p for n, p in student.named_parameters() if p.requires_grad}
+    assert trained
+    missing = [n for n, p in trained.items() if p.grad is None]
+    assert missing == []
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in trained.values())
+
+
 def test_gated_mtp_loss_under_fsdp2_mixed_precision(monkeypatch):
     """FSDP2's mixed precision, emulated on one CPU process: every weight
     computes in bfloat16 (so bfloat16 keys), while new_cache sees the float32
