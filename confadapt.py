@@ -144,13 +144,14 @@ def accept(mode: DecodeConfig, preds: list[int], confs: list[float],
     return tokens, n_verified, next_drafts
 
 
-def top1(logits, mask_id=None) -> tuple[list, list]:
-    """The top prediction at each place, and its probability. <mask> is an input,
-    never an output: fed back, it would read as a mask slot."""
+def top1(logits, mask_id=None, confidences=True) -> tuple[list, list | None]:
+    """The top prediction at each place, and its probability (None unless asked
+    for: reading it waits for the device once more). <mask> is an input, never an
+    output: fed back, it would read as a mask slot."""
     if mask_id is not None:
         logits[..., mask_id] = float("-inf")
     confs, preds = logits.softmax(-1).max(-1)
-    return preds.tolist(), confs.tolist()
+    return preds.tolist(), confs.tolist() if confidences else None
 
 
 def drafts_and_masks(mode, drafts, wanted, mask_id):

@@ -119,25 +119,36 @@ def apply_rope(x, cos, sin):
 
 def attend(q, k, v, mask):
     """softmax(q k^T / sqrt(hd) + mask) v for q (B, H, T, hd), k and v (B, n_kv, S, hd);
-    mask None (causal) or bool (..., T, S). Masked kernels may lack GQA (torch falls
-    back to float32 (B, H, T, S) scores), so the g query heads of a K/V head become
-    g * T query rows of it."""
+    mask None (causal), bool (..., T, S), or kernel_mask's (a pass builds it once for
+    all its layers). Masked kernels may lack GQA (torch falls back to float32
+    (B, H, T, S) scores), so the g query heads of a K/V head become g * T query rows
+    of it."""
     B, H, T, hd = q.shape
     n_kv = k.shape[1]
-    S = k.shape[2]
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != n_kv)
 
     g = H // n_kv
     # query head h = kv * g + j becomes row j * T + t of K/V head kv
     q = q.reshape(B, n_kv, g * T, hd)
-    mask = mask.unsqueeze(-3).expand(*mask.shape[:-2], g, T, S)
-    mask = mask.flatten(-3, -2)                                    # (..., g * T, S)
+    if mask.dtype == torch.bool:
+        mask = kernel_mask(mask, g, q.dtype)
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)    # (B, n_kv, g * T, hd)
     # reshape, not view: CUDA's memory-efficient kernel returns y transposed, laid
     # out as (B, g * T, n_kv, hd), and that layout cannot be split into
     # (B, H, T, hd) without a copy.
     return y.reshape(B, H, T, hd)
+
+
+def kernel_mask(mask, g: int, dtype):
+    """A bool mask (..., T, S) as attend hands it to the kernel: repeated for the g
+    query heads of a K/V head, and in q's dtype, 0 where attending, -inf elsewhere
+    (what the kernel makes of a bool mask)."""
+    T, S = mask.shape[-2:]
+    mask = mask.unsqueeze(-3).expand(*mask.shape[:-2], g, T, S)
+    mask = mask.flatten(-3, -2)                                    # (..., g * T, S)
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return bias.masked_fill_(~mask, float("-inf"))
 
 
 class Linear(nn.Linear):
@@ -405,14 +416,18 @@ class KVCache(nn.Module):
         lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.register_buffer("lengths", lengths, persistent=False)
         self.max_len = max_len
+        # at least every row's length, kept on the host: the overflow check reads the
+        # device only when a pass might not fit
+        self.longest = 0
 
     def attend(self, layer: int, q, k, v):
         """Store k, v (B, n_kv, T, hd) at each row's next T slots, then attend with
         q (B, n_heads, T, hd) over the slots up to each query's own."""
         T = q.shape[2]
         slots = self.lengths[:, None] + torch.arange(T, device=q.device)   # (B, T)
-        # checked at the first layer: one read of the device a pass
-        if layer == 0 and slots.max() >= self.max_len:
+        # checked at the first layer, reading the device only near the end
+        near_end = self.longest + T > self.max_len
+        if layer == 0 and near_end and slots.max() >= self.max_len:
             raise ValueError(f"KV cache overflow: {int(slots.max()) + 1} slots needed, "
                              f"cache holds {self.max_len}")
         rows = torch.arange(len(slots), device=q.device)[:, None]          # (B, 1)
@@ -428,6 +443,7 @@ class KVCache(nn.Module):
     def advance(self, T: int):
         """Transformer.forward's call after its layers: the pass's T tokens are stored."""
         self.lengths += T
+        self.longest += T
 
     def rollback(self, lengths):
         """Forget every slot at or after `lengths` (an int, or one length per row)."""

@@ -13,15 +13,18 @@ What it adds for throughput:
   back onto their rows for attention.
 - Continuous batching. A finished row's cache row goes to the next waiting prompt, and with none
   left the batch shrinks (`DecodeCache.keep_rows`).
-- Few waits for the device. A pass reads the device once (the cache lengths), builds every index
-  from that host copy, and sets the new lengths without waiting for the layers.
+- Few waits for the device. The cache keeps its lengths on the host as well, so a pass builds
+  every index, and its attention mask, from host lists, sends them to the device in one copy,
+  and sets the new lengths without waiting for the layers. The mask is made once a pass, in the
+  pass's dtype, for every layer. A decoding pass waits for the device at most 4 times (the
+  copy, the predictions and, ConfAdapt alone, their confidences, the rollback's lengths), 5
+  with the gated adapter (the rows that hold <mask>).
 - Whole blocks of key slots on a GPU (`DecodeCache.key_block`), so an attention library that
   plans per shape (cuDNN) plans once per block, not once per pass.
 
 A row's output is the one it gets alone, up to float rounding.
 """
 
-import functools
 import itertools
 import time
 from collections import Counter
@@ -31,7 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from confadapt import DecodeConfig, accept, drafts_and_masks, top1
-from model import KVCache, Transformer, attend
+from model import KVCache, Transformer, attend, kernel_mask
 
 aten = torch.ops.aten
 
@@ -45,6 +48,8 @@ class DecodeCache(KVCache):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.key_block = 64 if self.k.is_cuda else 1
+        # each row's length, on the host too: a pass plans from it without reading the device
+        self.host_lengths = [0] * len(self.lengths)
 
     def keep_rows(self, rows):
         """Keep only these batch rows, in this order (finished sequences leave)."""
@@ -52,6 +57,24 @@ class DecodeCache(KVCache):
         self.k = self.k.index_select(1, idx)
         self.v = self.v.index_select(1, idx)
         self.lengths = self.lengths.index_select(0, idx)
+        self.host_lengths = [self.host_lengths[r] for r in rows]
+
+    def advance(self, T: int):
+        """A pass of model.KVCache's own (Transformer.forward with this cache)."""
+        super().advance(T)
+        self.host_lengths = [n + T for n in self.host_lengths]
+
+    def rollback(self, lengths):
+        """KVCache.rollback, checked on the host: `lengths` an int or a list (a tensor is read
+        from the device)."""
+        if torch.is_tensor(lengths):
+            lengths = lengths.tolist()
+        if isinstance(lengths, int):
+            lengths = [lengths] * len(self.host_lengths)
+        if any(n > old or n < 0 for n, old in zip(lengths, self.host_lengths)):
+            raise ValueError("rollback can only shorten the cache")
+        self.lengths.copy_(torch.tensor(lengths, dtype=torch.long, device=self.lengths.device))
+        self.host_lengths = list(lengths)
 
 
 def new_cache(model: Transformer, batch_size: int, max_len: int) -> DecodeCache:
@@ -92,18 +115,16 @@ def ragged_cells(lengths: list[int], fed: list[int], T: int):
 class RaggedPass:
     """One cached pass of T tokens a row, of which row b feeds its first fed[b] (all T if fed is
     None), as the `cache` Transformer.forward attends through. A ragged pass (some row feeds
-    fewer than T) runs on its N real tokens packed into one row: `pack` the tokens, give
-    `positions`, and read the logits at `packed_places`.
+    fewer than T) runs on its N real tokens packed into one row: `upload` the indices, `pack`
+    the tokens, give `positions`, and read the logits at `packed_places`.
 
-    Its index tensors are built once, from the lengths read once from the device, so no layer
-    waits for the device."""
+    Its index tensors and mask are built once, from the lengths the cache keeps on the host,
+    and reach the device in one copy (`upload`), so no layer waits for the device."""
 
     def __init__(self, cache: DecodeCache, T: int, fed=None):
         self.cache = cache
         self.T = T
-        device = cache.lengths.device
-        # the pass's one read of the device
-        lengths = cache.lengths.tolist()
+        lengths = cache.host_lengths
         if fed is None:
             fed = [T] * len(lengths)
         if torch.is_tensor(fed):
@@ -120,27 +141,33 @@ class RaggedPass:
         # not once per pass as the keys grow.
         block = cache.key_block
         self.S = min(cache.max_len, -(-S // block) * block)
-
-        tensor = functools.partial(torch.tensor, dtype=torch.long, device=device)
-        live, rows, slots, grid, index = ragged_cells(lengths, fed, T)
-        self.rows = tensor(rows)
-        self.slots = tensor(slots)
-        self.grid = tensor(grid)
-        self.index = tensor(index)
-        # each token's RoPE position is its slot: (1, N) packed, else (B, T)
-        self.positions = self.slots.view(1, -1) if self.ragged else self.slots.view(-1, T)
+        self.new_lengths = new_lengths
+        self.cells = ragged_cells(lengths, fed, T)
         # where row b's packed tokens start
         self.starts = list(itertools.accumulate(fed, initial=0))
-        # only the rows that feed tokens attend (all: a view, not a copy)
-        self.live = slice(None)
-        if len(live) < len(lengths):
-            self.live = tensor(live)
-        self.new_lengths = tensor(new_lengths)
+        # the mask in the dtype of the first layer's queries, made there (kernel_mask)
+        self.layer_mask = None
+
+    def upload(self, *more):
+        """The pass's indices on the device, with `more` lists of ints, in one copy (each
+        torch.tensor(list) is a copy the device's queue waits for) -> `more` as tensors."""
+        live, rows, slots, grid, index = self.cells
+        T = self.T
         # causal by slot: grid cell (i, t) sees the slots up to its own position
-        start = tensor([lengths[b] for b in live])
-        positions = start[:, None] + torch.arange(T, device=device)       # (B', T)
-        mask = torch.arange(self.S, device=device) <= positions[:, :, None]
+        starts = [self.cache.host_lengths[b] for b in live]
+        lists = [rows, slots, grid, index, live, self.new_lengths, starts, *more]
+        flat = torch.tensor(list(itertools.chain(*lists)), dtype=torch.long,
+                            device=self.cache.lengths.device)
+        tensors = flat.split([len(x) for x in lists])
+        self.rows, self.slots, self.grid, self.index, live, self.lengths, starts = tensors[:7]
+        # each token's RoPE position is its slot: (1, N) packed, else (B, T)
+        self.positions = self.slots.view(1, -1) if self.ragged else self.slots.view(-1, T)
+        # only the rows that feed tokens attend (all: a view, not a copy)
+        self.live = slice(None) if len(live) == len(self.fed) else live
+        positions = starts[:, None] + torch.arange(T, device=flat.device)   # (B', T)
+        mask = torch.arange(self.S, device=flat.device) <= positions[:, :, None]
         self.mask = mask[:, None]                                    # (B', 1, T, S)
+        return tensors[7:]
 
     def pack(self, x):
         """(B, T) -> (1, N): a ragged pass's real tokens in one row."""
@@ -180,12 +207,14 @@ class RaggedPass:
         # from FSDP2's float32 shards holds float32; the pass computes in bfloat16)
         k = keys[self.live, :, : self.S].to(q.dtype)             # (B', n_kv, S, hd)
         v = values[self.live, :, : self.S].to(q.dtype)
+        if self.layer_mask is None:
+            self.layer_mask = kernel_mask(self.mask, q.shape[1] // k.shape[1], q.dtype)
         if not self.ragged:
-            return attend(q, k, v, self.mask)
+            return attend(q, k, v, self.layer_mask)
 
         # spread the packed queries out to the (B', T) grid of their rows, and back
         q = self.spread(q[0].transpose(0, 1), self.grid, len(self.mask))
-        y = attend(q.transpose(1, 2), k, v, self.mask)           # (B', n_heads, T, hd)
+        y = attend(q.transpose(1, 2), k, v, self.layer_mask)     # (B', n_heads, T, hd)
         y = y.transpose(1, 2).flatten(0, 1).index_select(0, self.grid)
         return y[None].transpose(1, 2)                            # (1, n_heads, N, hd)
 
@@ -193,28 +222,44 @@ class RaggedPass:
         """Transformer.forward's call after the last layer: every row's new length, built
         with the plan, so the host need not wait for the layers (T, the packed row's
         length, is not any row's)."""
-        self.cache.lengths.copy_(self.new_lengths)
+        self.cache.lengths.copy_(self.lengths)
+        self.cache.host_lengths = self.new_lengths
+        self.cache.longest = max(self.new_lengths)
 
 
 def cached_forward(model: Transformer, tokens, cache: DecodeCache, n_tokens=None,
                    output_index=None):
     """model(tokens, cache=cache, output_index=output_index) as one ragged pass: row b feeds
     its first n_tokens[b] tokens (default all T; best a list) at its next slots, and the
-    right-padding is never computed (its logits are meaningless). output_index: (B, N), a
-    tensor or, to spare a ragged pass a read of the device, lists -> logits (B, N, V); without
-    it (B, T, V)."""
-    B, T = tokens.shape
+    right-padding is never computed (its logits are meaningless). tokens (B, T) and
+    output_index (B, N): tensors or, best, lists, which reach the device in the pass's one
+    copy (a ragged pass given a tensor output_index reads it from the device) -> logits
+    (B, N, V); without output_index (B, T, V)."""
+    on_host = not torch.is_tensor(tokens)
+    B, T = (len(tokens), len(tokens[0])) if on_host else tokens.shape
     p = RaggedPass(cache, T, n_tokens)
-    if output_index is not None and not p.ragged:
-        output_index = torch.as_tensor(output_index, dtype=torch.long, device=tokens.device)
     if p.ragged:
-        # the wanted places on the host (given as a tensor: one more read of the device)
+        # the wanted places on the host, then in the packed row (1, N)
         places = [list(range(T))] * B if output_index is None else output_index
         if torch.is_tensor(places):
             places = places.tolist()
-        packed = p.packed_places(places)
-        output_index = torch.tensor(packed, dtype=torch.long, device=tokens.device).view(1, -1)
+        output_index = [list(itertools.chain(*p.packed_places(places)))]
+    index_on_host = output_index is not None and not torch.is_tensor(output_index)
+
+    # what the host holds goes with the pass's indices; a ragged pass's tokens packed
+    lists = []
+    if on_host:
+        rows = [row[:n] for row, n in zip(tokens, p.fed)] if p.ragged else tokens
+        lists.append(list(itertools.chain(*rows)))
+    if index_on_host:
+        lists.append(list(itertools.chain(*output_index)))
+    uploaded = list(p.upload(*lists))
+    if on_host:
+        tokens = uploaded.pop(0).view(1 if p.ragged else B, -1)
+    elif p.ragged:
         tokens = p.pack(tokens)                                      # (1, N)
+    if index_on_host:
+        output_index = uploaded.pop(0).view(len(output_index), -1)
     logits = model(tokens, positions=p.positions, cache=p, output_index=output_index)
     return logits.view(B, -1, logits.shape[-1])                      # (B, N or T, V)
 
@@ -305,7 +350,7 @@ def prefill(model, cache, prompts, pad_id) -> float:
     """Cache row b starts afresh with prompts[b] (a dict: cache row -> prompt) but
     its last token, its first pending one -> seconds."""
     start = time.perf_counter()
-    lengths = cache.lengths.clone()
+    lengths = list(cache.host_lengths)
     # what each cache row feeds: all of its prompt but the last token (the others: nothing)
     all_but_last = [[] for _ in range(len(cache.lengths))]
     for b, prompt in prompts.items():
@@ -326,11 +371,10 @@ def decode_pass(model, cache, inputs, firsts, n_preds, pad_id):
     firsts[b] + n_preds[b] - 1 of row b (fewer repeat the last, up to
     N = max(n_preds)). Row b feeds inputs[b] at its own cache slots, right-padded;
     cached_forward skips the padding given the lengths (kept on the host)."""
-    device = cache.lengths.device
     T = max(len(x) for x in inputs)
     N = max(n_preds)
     # (B, T): every row right-padded to the longest
-    tokens = torch.tensor([x + [pad_id] * (T - len(x)) for x in inputs], device=device)
+    tokens = [x + [pad_id] * (T - len(x)) for x in inputs]
     places = [[f + min(j, n - 1) for j in range(N)] for f, n in zip(firsts, n_preds)]
     n_tokens = [len(x) for x in inputs]
     return cached_forward(model, tokens, cache, n_tokens, output_index=places)   # (B, N, V)
@@ -351,12 +395,13 @@ def decode_step(model, cache, batch, mode, mask_id, pad_id, stop_ids):
     # each row's first prediction is at its last pending token
     firsts = [len(r.pending) - 1 for r in batch]
     logits = decode_pass(model, cache, inputs, firsts=firsts, n_preds=n_preds, pad_id=pad_id)
-    preds, confs = top1(logits.float(), mask_id)   # (B, N, V) -> (B, N) each
+    # (B, N, V) -> (B, N) each; confidences only for the rule that reads them
+    preds, confs = top1(logits.float(), mask_id, confidences=mode.kind == "confadapt")
 
     # 2) each row keeps what the accept rule allows. Verified drafts were fed as
     # themselves, so their K/V stays; the other kept tokens become pending.
     for b, (r, n) in enumerate(zip(batch, n_preds)):
-        tokens, n_verified, r.drafts = accept(mode, preds[b][:n], confs[b][:n],
+        tokens, n_verified, r.drafts = accept(mode, preds[b][:n], confs and confs[b][:n],
                                               r.drafts, stop_ids)
         r.tokens += tokens
         r.chunk_sizes.append(len(tokens))
@@ -365,7 +410,7 @@ def decode_step(model, cache, batch, mode, mask_id, pad_id, stop_ids):
 
     # 3) the cache forgets the masks and the rejected drafts
     cached = [len(r.prompt) + len(r.tokens) - len(r.pending) for r in batch]
-    cache.rollback(torch.tensor(cached, device=cache.lengths.device))
+    cache.rollback(cached)
     return sum(len(x) for x in inputs)
 
 
@@ -462,9 +507,11 @@ class HostSyncs(TorchDispatchMode):
 
     On a GPU each of them waits until all queued work is done: reading a value (.item(), int(),
     bool(), `if tensor:`), .tolist(), and every operation whose output size depends on the data
-    (nonzero, masked_select, indexing with a boolean mask). They are counted on any device, so a
-    CPU run shows what a GPU run would wait for. (.tolist() is counted by name: code that keeps
-    host data in Python lists never calls it on a host tensor.)
+    (nonzero, masked_select, indexing with a boolean mask). So does a tensor made from Python
+    data (torch.tensor(list), torch.as_tensor(list): "upload"), a copy from pageable host memory
+    that the device's queue waits for. They are counted on any device, so a CPU run shows what a
+    GPU run would wait for. (.tolist() is counted by name: code that keeps host data in Python
+    lists never calls it on a host tensor.)
     """
 
     def __enter__(self):
@@ -480,6 +527,9 @@ class HostSyncs(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in (aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default):
             self.counts["item"] += 1
+        elif func is aten.lift_fresh.default and args[0].dim() > 0:
+            # (a Python number, 0-dimensional, reaches a kernel as its argument: no copy)
+            self.counts["upload"] += 1
         elif func in (aten.nonzero.default, aten.masked_select.default):
             self.counts[func.__name__.split(".")[0]] += 1
         elif func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default) and any(

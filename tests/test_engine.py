@@ -8,8 +8,12 @@ rules it serves, in tests/test_confadapt.py.
 import pytest
 import torch
 
+from adapter import add_mask_adapter
+from confadapt import DecodeConfig
 from conftest import tiny_model
-from mtp.engine import HostSyncs, RaggedPass, cached_forward, new_cache, ragged_cells
+from mtp import engine
+from mtp.engine import (HostSyncs, RaggedPass, cached_forward, generate, new_cache,
+                        ragged_cells)
 
 VOCAB = 97
 
@@ -162,14 +166,62 @@ def host_syncs_of_a_pass(n_layers):
     return syncs.total
 
 
-def test_a_ragged_pass_reads_the_device_once_whatever_the_depth():
-    """Ragged decoding builds its index tensors once per pass from
-    host-side lengths: the host waits for the device a fixed number of
-    times per pass, not several times per layer."""
+def test_a_ragged_pass_waits_for_the_device_once_whatever_the_depth():
+    """Ragged decoding builds its index tensors once per pass from the
+    lengths the cache keeps on the host: the host waits for the device a
+    fixed number of times per pass, not several times per layer."""
     shallow = host_syncs_of_a_pass(1)
     deep = host_syncs_of_a_pass(6)
-    # cache.lengths, read once
+    # the indices' one copy to the device
     assert shallow == deep == 1, (shallow, deep)
+
+
+MODES = [DecodeConfig("static", k=1), DecodeConfig("static", k=3),
+         DecodeConfig("confadapt", tau=0.5, k_max=4), DecodeConfig("lossless", k=4)]
+
+
+@pytest.mark.parametrize("adapter", [False, True], ids=["base", "adapter"])
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.describe())
+def test_a_decoding_pass_waits_for_the_device_at_most_4_times(monkeypatch, mode, adapter):
+    """Each decoding pass of `generate` (continuous batching: five prompts on three cache rows),
+    counted with HostSyncs: the one copy of the pass's indices and tokens, the predictions,
+    ConfAdapt's confidences, the rollback's lengths; and with the gated adapter, the rows that
+    hold <mask>."""
+    model = tiny_model(50, mask_token_id=49).eval()
+    if adapter:
+        add_mask_adapter(model, rank=4, alpha=8.0)
+    per_pass = []
+    step = engine.decode_step
+
+    def counted(*args, **kwargs):
+        with HostSyncs() as syncs:
+            fed = step(*args, **kwargs)
+        per_pass.append(syncs.total)
+        return fed
+
+    monkeypatch.setattr(engine, "decode_step", counted)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10], [11] * 7, [12, 13]]
+    _, stats = generate(model, prompts, 12, mode, batch_size=3)
+    assert len(per_pass) == stats.forward_passes > 4
+    assert max(per_pass) <= 4 + adapter, per_pass
+
+
+@torch.no_grad()
+def test_a_pass_makes_its_attention_mask_once_in_the_queries_dtype(monkeypatch):
+    """Every layer of a pass attends under the same mask: it is made once, at the first layer,
+    in the dtype the layers compute in (a bool mask is converted by the kernel in every call)."""
+    made = []
+    make = engine.kernel_mask
+
+    def spy(mask, g, dtype):
+        made.append(dtype)
+        return make(mask, g, dtype)
+
+    monkeypatch.setattr(engine, "kernel_mask", spy)
+    model = tiny_model(50, n_layers=4).to(torch.bfloat16).eval()
+    cache = new_cache(model, 2, 32)
+    cached_forward(model, torch.randint(0, 50, (2, 6)), cache, n_tokens=[6, 3])
+    assert made == [torch.bfloat16]
 
 
 def test_ragged_cells_is_its_worked_example():
