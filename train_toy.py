@@ -34,8 +34,9 @@ import data
 from confadapt import DecodeConfig, decode_modes
 from distill import frozen_teacher, mtp_loss
 from model import ModelConfig, Transformer, add_mask_token
-from mtp.cli import (Parser, Progress, count, format_seconds, output_folder, parse_device,
-                     positive_int, provenance, run_cli)
+from mtp.cli import (CUDNN_ATTENTION, Parser, Progress, add_flags, apply_attention_backend,
+                     count, format_seconds, output_folder, parse_device, positive_int,
+                     provenance, run_cli)
 from mtp.chunks import chunk_texts
 from mtp.engine import generate
 from mtp.hf import write_json
@@ -402,6 +403,7 @@ def main(argv=None) -> dict:
     preset = QUICK if args.quick else {}
     cfg = RunConfig(seed=args.seed, **{**preset, **given})
     device = parse_device(args.device)
+    apply_attention_backend(args.cudnn_attention, device)
     torch.set_num_threads(args.threads)
     out = output_folder(args.out or default_out(args, cfg), "--out")
     try:
@@ -431,6 +433,7 @@ def parse_args(argv=None):
     run.add_argument("--threads", type=positive_int, default=1,
                      help="torch CPU threads: the toy's matrices are small; a 2nd slows "
                           "steps 4-15x if another job uses a core")
+    add_flags(run, CUDNN_ATTENTION)
 
     budget = p.add_argument_group("budget (override the defaults)")
     flags = (("--teacher-steps", "teacher_steps", "next-token training steps of the teacher"),

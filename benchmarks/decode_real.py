@@ -34,8 +34,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_modes import bench, forward_latency  # noqa: E402
-from mtp.cli import (CliError, Parser, add_flags, base_folder, cpu_name, load_model, parse_device,  # noqa: E402
-                 parse_dtype, positive_int, provenance, stop_ids_of)
+from mtp.cli import (CUDNN_ATTENTION, CliError, Parser, add_flags, apply_attention_backend,  # noqa: E402
+                     base_folder, cpu_name, load_model, parse_device, parse_dtype, positive_int,
+                     provenance, stop_ids_of)
 from confadapt import DecodeConfig, decode_modes  # noqa: E402
 from mtp.chunks import chunk_texts  # noqa: E402
 from mtp.engine import DecodeStats, Generation, generate, synchronize  # noqa: E402
@@ -182,6 +183,7 @@ def load(args, device, dtype, need_mask: bool):
 
 def run(args) -> dict:
     device = parse_device(args.device)
+    apply_attention_backend(args.cudnn_attention, device)
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -414,6 +416,7 @@ def parse(argv):
                    "computes it natively (a GPU from Ampere on, a CPU with AVX-512 BF16 or AMX), else float32")
     add_flags(g,
               ("--threads", positive_int, None, "CPU threads for torch (default: torch's choice)"),
+              CUDNN_ATTENTION,
               ("--format", None, "auto",
                "prompt format (auto: the one finetune_hf.py picks for this tokenizer)",
                {"choices": ("auto",) + FORMATS}))

@@ -8,7 +8,8 @@ Sections
   env         torch, CUDA, cuDNN, the GPU, and whether it computes in bfloat16 natively
   kernels     which scaled-dot-product kernel serves each call shape of model.attend (training
               layout, causal, prefill, decoding passes, a one-token prompt), in float32 and
-              bfloat16, with the layout of the kernel's output and its time
+              bfloat16, under --cudnn-attention off and auto, with the layout of the kernel's
+              output and its time; a case that fails is recorded with its error, the others run
   latency     one cached forward pass of T = 1..32 new positions per row, batch 1 and 16, on
               SmolLM2-135M-shaped and Llama-3.1-8B-shaped random weights (as many 8B layers as
               memory allows)
@@ -17,7 +18,8 @@ Sections
               ConfAdapt pass keeps k_max tokens, so the passes have the shapes of a tuned model's
   train_step  one distillation step (student + frozen teacher, AdamW) at the paper's shapes, on 2
               and 4 Llama-3.1-8B-shaped layers: time and peak memory, extrapolated to 32 layers
-  syncs       host-device synchronisations in one ragged ConfAdapt pass and per generated pass
+  syncs       host-device synchronisations in one ragged ConfAdapt pass, and the most in any
+              decoding pass of `generate` (ConfAdapt, with and without the gated adapter)
   bf16        what holds in --dtype: lossless == greedy, batched == one at a time (share of rows)
   smoke_model DIR: write a tiny random grouped-query model (4 heads, 2 KV heads) with a tokenizer
   compare     A B: the largest weight difference between two exported model folders
@@ -35,9 +37,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import model as M  # noqa: E402
-from mtp.cli import native_bfloat16_gpu, parse_device, parse_dtype  # noqa: E402
+from mtp import engine  # noqa: E402
+from mtp.cli import (CUDNN_ATTENTION, add_flags, apply_attention_backend,  # noqa: E402
+                     native_bfloat16_gpu, parse_device, parse_dtype)
 from mtp.engine import (HostSyncs, decode_pass, generate, new_cache, prefill,  # noqa: E402
                         synchronize)
+from adapter import add_mask_adapter  # noqa: E402
 from mtp.hf import read_safetensors, save_pretrained  # noqa: E402
 from confadapt import DecodeConfig  # noqa: E402
 from data import mtp_layout
@@ -131,9 +136,9 @@ def attention_calls(shape: dict, small: bool) -> dict:
     }
 
 
-def kernels(device, dtype, small) -> dict:
-    """For each call shape: the kernel the profiler saw, the layout of the raw kernel output
-    (contiguous, or transposed as the memory-efficient kernel returns it), and the time."""
+def kernel_case(device, dt, shape, B, T, S, mask, backward) -> dict:
+    """One call shape in one dtype: the kernel the profiler saw, the layout of the raw kernel
+    output (contiguous, or transposed as the memory-efficient kernel returns it), the time."""
     layouts = []
     sdpa = F.scaled_dot_product_attention
 
@@ -142,46 +147,64 @@ def kernels(device, dtype, small) -> dict:
         layouts.append("contiguous" if y.is_contiguous() else f"strides {tuple(y.stride())}")
         return y
 
+    H, n_kv, hd = shape["n_heads"], shape["n_kv_heads"], shape["dim"] // shape["n_heads"]
+    q = torch.randn(B, H, T, hd, device=device, dtype=dt, requires_grad=backward)
+    k, v = (
+        torch.randn(B, n_kv, S, hd, device=device, dtype=dt, requires_grad=backward)
+        for _ in "kv"
+    )
+    m = None if mask is None else mask.to(device)
+
+    def run():
+        y = M.attend(q, k, v, m)
+        if backward:
+            y.backward(torch.ones_like(y))
+
+    F.scaled_dot_product_attention = recording
+    try:
+        with torch.profiler.profile() as prof:
+            run()
+            synchronize(device)
+    finally:
+        F.scaled_dot_product_attention = sdpa
+    ops = {e.name for e in prof.events() if e.name.startswith("aten::_")}
+    return {
+        "B": B,
+        "T": T,
+        "S": S,
+        "heads": H,
+        "kv_heads": n_kv,
+        "head_dim": hd,
+        "kernels": sorted(name for name in ops if "attention" in name),
+        "output": layouts[0],
+        "ms": 1e3 * median_seconds(run, device, 5),
+    }
+
+
+def kernels(device, dtype, small) -> dict:
+    """kernel_case for each call shape, dtype and --cudnn-attention setting (on CUDA: off and
+    auto; the CPU has its own kernels). A case that fails keeps its error; the others run."""
+    cuda = device.type == "cuda"
+    settings = ["off", "auto"] if cuda else ["off"]
     out = {}
-    for shape_name, shape in shapes(small).items():
-        H, n_kv, hd = shape["n_heads"], shape["n_kv_heads"], shape["dim"] // shape["n_heads"]
-        for call, (B, T, S, mask, backward) in attention_calls(shape, small).items():
-            for dt in ([torch.float32, torch.bfloat16] if device.type == "cuda" else [dtype]):
-                q = torch.randn(B, H, T, hd, device=device, dtype=dt, requires_grad=backward)
-                k, v = (
-                    torch.randn(B, n_kv, S, hd, device=device, dtype=dt, requires_grad=backward)
-                    for _ in "kv"
-                )
-                m = None if mask is None else mask.to(device)
-
-                def run():
-                    y = M.attend(q, k, v, m)
-                    if backward:
-                        y.backward(torch.ones_like(y))
-
-                F.scaled_dot_product_attention = recording
-                try:
-                    layouts.clear()
-                    with torch.profiler.profile() as prof:
-                        run()
-                        synchronize(device)
-                    layout = layouts[0]
-                finally:
-                    F.scaled_dot_product_attention = sdpa
-                ops = {e.name for e in prof.events() if e.name.startswith("aten::_")}
-                names = sorted(name for name in ops if "attention" in name)
-                out[f"{shape_name} | {call} | {str(dt).removeprefix('torch.')}"] = {
-                    "B": B,
-                    "T": T,
-                    "S": S,
-                    "heads": H,
-                    "kv_heads": n_kv,
-                    "head_dim": hd,
-                    "kernels": names,
-                    "output": layout,
-                    "ms": 1e3 * median_seconds(run, device, 5),
-                }
-    return out
+    for setting in settings:
+        apply_attention_backend(setting, device)
+        for shape_name, shape in shapes(small).items():
+            for call, (B, T, S, mask, backward) in attention_calls(shape, small).items():
+                for dt in ([torch.float32, torch.bfloat16] if cuda else [dtype]):
+                    name = f"{shape_name} | {call} | {str(dt).removeprefix('torch.')}"
+                    if cuda:
+                        name += f" | cudnn-attention {setting}"
+                    try:
+                        out[name] = kernel_case(device, dt, shape, B, T, S, mask, backward)
+                    except Exception as e:  # any failure of this case, recorded
+                        line = " ".join(str(e).split())[:300]
+                        out[name] = {"error": f"{type(e).__name__}: {line}"}
+                    if cuda:
+                        torch.cuda.empty_cache()
+    apply_attention_backend("off", device)
+    failed = [name for name, case in out.items() if "error" in case]
+    return {"failed": failed, "cases": out}
 
 
 def latency(device, dtype, small) -> dict:
@@ -319,7 +342,12 @@ def syncs(device, dtype, small) -> dict:
     prompts = [list(range(1, n)) for n in (9, 17, 30, 12)]
     with HostSyncs() as whole:
         _, stats = generate(model, prompts, 24, DecodeConfig("confadapt", tau=0.5, k_max=8))
+    most = {"base": most_syncs_of_a_pass(model, prompts)}
+    add_mask_adapter(model, rank=8, alpha=16.0)
+    model.to(device)
+    most["gated adapter"] = most_syncs_of_a_pass(model, prompts)
     return {
+        "most_in_a_decoding_pass": most,
         "layers": model.config.n_layers,
         "one_ragged_pass": dict(one.counts),
         "one_ragged_pass_total": one.total,
@@ -328,6 +356,25 @@ def syncs(device, dtype, small) -> dict:
         "generate_per_pass": whole.total / stats.forward_passes,
         "generate": dict(whole.counts),
     }
+
+
+def most_syncs_of_a_pass(model, prompts) -> int:
+    """The most host syncs any decoding pass of a ConfAdapt `generate` makes."""
+    per_pass = []
+    step = engine.decode_step
+
+    def counted(*args, **kwargs):
+        with HostSyncs() as syncs:
+            fed = step(*args, **kwargs)
+        per_pass.append(syncs.total)
+        return fed
+
+    engine.decode_step = counted
+    try:
+        generate(model, prompts, 24, DecodeConfig("confadapt", tau=0.5, k_max=8), batch_size=3)
+    finally:
+        engine.decode_step = step
+    return max(per_pass)
 
 
 @torch.inference_mode()
@@ -412,6 +459,7 @@ def main(argv=None) -> int:
         "--small", action="store_true", help="small shapes: a dry run of the script on a CPU"
     )
     p.add_argument("--threads", type=int, default=None)
+    add_flags(p, CUDNN_ATTENTION)
     p.add_argument("--json", default=None, help="also write the figures to this file")
     args = p.parse_args(argv)
     if args.threads:
@@ -424,6 +472,7 @@ def main(argv=None) -> int:
             figures = (smoke_model if args.section == "smoke_model" else compare)(*args.folders)
         else:
             device = parse_device(args.device)
+            apply_attention_backend(args.cudnn_attention, device)
             figures = SECTIONS[args.section](device, parse_dtype(args.dtype, device), args.small)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -208,6 +208,36 @@ def parse_dtype(name, device) -> torch.dtype:
     return torch.bfloat16 if native else torch.float32
 
 
+# --- attention kernels ---
+
+# The flag of every command that decodes, trains or serves (add_flags takes it as a row).
+CUDNN_ATTENTION = (
+    "--cudnn-attention", None, "off",
+    "CUDA only. off (the default): scaled-dot-product attention uses only its "
+    "memory-efficient and math kernels, not cuDNN (which plans each new shape again and "
+    "has open defects with masks) nor flash; auto: torch chooses among all of them. "
+    "A CPU keeps its own kernels either way", {"choices": ("auto", "off")})
+
+# torch.backends.cuda's switch of each kernel (all in torch 2.6 and later)
+SDPA_KERNELS = {"cudnn": "cudnn", "flash": "flash", "memory-efficient": "mem_efficient",
+                "math": "math"}
+
+
+def apply_attention_backend(choice: str, device: torch.device) -> list[str]:
+    """Apply --cudnn-attention for a command on `device` -> the kernels CUDA's
+    scaled_dot_product_attention may choose from. The switches are process-wide and
+    CUDA's: on a CPU nothing is switched (its own choice of kernel holds)."""
+    if device.type == "cuda":
+        on = choice == "auto"
+        torch.backends.cuda.enable_cudnn_sdp(on)
+        torch.backends.cuda.enable_flash_sdp(on)
+        torch.backends.cuda.enable_mem_efficient_sdp(True)
+        torch.backends.cuda.enable_math_sdp(True)
+    backends = torch.backends.cuda
+    return [name for name, key in SDPA_KERNELS.items()
+            if getattr(backends, f"{key}_sdp_enabled")()]
+
+
 # --- a model and its tokenizer for a command ---
 
 def add_model_args(p):
@@ -233,6 +263,7 @@ def add_model_args(p):
     g.add_argument("--threads", type=positive_int, default=None,
                    help="CPU threads for torch (default: torch's choice; small models "
                    "on a busy machine: 1 is fastest and steadiest)")
+    add_flags(g, CUDNN_ATTENTION)
 
 
 def load_tokenizer(path):
@@ -286,13 +317,14 @@ def stop_ids_of(model, tokenizer) -> set:
 
 def load(args, mode):
     """Model, tokenizer, mask id and stop ids for a decoding command (--model,
-    --device, --dtype, --threads); a model without <mask> is refused where `mode`
+    --device, --dtype, --threads, --cudnn-attention); a model without <mask> is refused where `mode`
     (a DecodeConfig) needs one."""
     input_path(args.model, "--model", folder=True)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = parse_device(args.device)
     dtype = parse_dtype(args.dtype, device)
+    apply_attention_backend(args.cudnn_attention, device)
     model, tokenizer, mask_id, stop_ids = load_model(args.model, device, dtype)
     if mode.block > 1 and mask_id is None:
         raise ValueError(f"model {args.model} has no mask token (no mask_token_id in "

@@ -20,9 +20,9 @@ from tasks.word_problems import DOMAINS
 from distill import LOSSES
 from adapter import ADAPTER_TARGETS
 from mtp.hf import read_model_config
-from mtp.cli import (CliError, Parser, add_flags, base_folder, count, input_path, load_model,
-                     number, output_folder, parse_device, parse_dtype, positive_float,
-                     positive_int, probability)
+from mtp.cli import (CUDNN_ATTENTION, CliError, Parser, add_flags, apply_attention_backend,
+                     base_folder, count, input_path, load_model, number, output_folder,
+                     parse_device, parse_dtype, positive_float, positive_int, probability)
 
 DESCRIPTION = ("Fine-tune a Hugging Face Llama/Qwen/SmolLM2 checkpoint into a multi-token "
                "predictor; measure it.")
@@ -47,6 +47,8 @@ def run_command(commands: dict, argv):
         torch.set_num_threads(args.threads)
     try:
         check_args(args)
+        if args.command != "export":
+            apply_attention_backend(args.cudnn_attention, parse_device(args.device))
         commands[args.command](args)
     finally:
         if "WORLD_SIZE" in os.environ and torch.distributed.is_initialized():
@@ -77,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "AMX), else float32")
         c.add_argument("--threads", type=positive_int,
                        help="CPU threads (default: one per core)")
+        add_flags(c, CUDNN_ATTENTION)
 
     t = sub.add_parser("train",
                        help="MTP fine-tuning by self-distillation (torchrun: multi-GPU)")

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mtp.cli import (CliError, Parser, count, format_seconds, output_folder,  # noqa: E402
+from mtp.cli import (CUDNN_ATTENTION, CliError, Parser, add_flags,  # noqa: E402
+                     apply_attention_backend, count, format_seconds, output_folder,
                      parse_device, positive_int, read_rows, run_cli)
 from model import ModelConfig, Transformer  # noqa: E402
 from tasks.word_problems import (word_problem_batch, word_problem_tokenizer,  # noqa: E402
@@ -111,11 +112,13 @@ def main(argv=None) -> dict:
     p.add_argument("--device", default="auto",
                    help="auto (cuda if available), cpu, cuda or cuda:N; float32 on each")
     p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads")
+    add_flags(p, CUDNN_ATTENTION)
     args = p.parse_args(argv)
 
     preset = QUICK if args.quick else {}
     cfg = BaseConfig(seed=args.seed, **preset)
     device = parse_device(args.device)
+    apply_attention_backend(args.cudnn_attention, device)
     torch.set_num_threads(args.threads)
     output_folder(args.out, "--out")
     return word_problem_base(args, cfg, device)

@@ -29,7 +29,7 @@ from matplotlib.image import imread
 import confadapt
 import finetune_hf
 import train_toy
-from conftest import ONE_LAYER, tiny_model
+from conftest import ONE_LAYER, run_script, tiny_model
 from mtp import cli, finetune_cli, training_rows
 from mtp.cli import parse_device, parse_dtype, provenance, run_cli
 from tasks import gsm8k
@@ -976,6 +976,60 @@ def test_help_says_what_max_new_tokens_does(command, capsys):
 @pytest.mark.parametrize("command", ["eval", "analyze", "data"])
 def test_help_says_what_dtype_auto_picks(command, capsys):
     assert "auto (the default): bfloat16" in help_text(command, capsys)
+
+
+def test_cudnn_attention_off_leaves_cuda_the_memory_efficient_and_math_kernels():
+    """The kernel list --cudnn-attention sets, read back from torch.backends.cuda (the switches
+    exist, and are read back, without a GPU). On a CPU nothing is switched."""
+    switches = [f"{key}_sdp" for key in cli.SDPA_KERNELS.values()]
+    before = [getattr(torch.backends.cuda, f"{s}_enabled")() for s in switches]
+    try:
+        cuda = torch.device("cuda")
+        assert cli.apply_attention_backend("off", cuda) == ["memory-efficient", "math"]
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        everything = ["cudnn", "flash", "memory-efficient", "math"]
+        assert cli.apply_attention_backend("auto", cuda) == everything
+        assert cli.apply_attention_backend("off", torch.device("cpu")) == everything
+    finally:
+        for switch, on in zip(switches, before):
+            getattr(torch.backends.cuda, f"enable_{switch}")(on)
+
+
+class Applied(Exception):
+    """Raised by the stand-in for apply_attention_backend: the command got that far."""
+
+
+@pytest.mark.parametrize("module, command", [
+    (cli, f"confadapt {GREEDY} --cudnn-attention auto"),
+    (finetune_cli, f"finetune_hf {train_with()} --cudnn-attention auto"),
+    (finetune_cli, "finetune_hf eval --model ft/final --data wp/test.jsonl --cudnn-attention auto"),
+    (train_toy, "train_toy --quick --out new --cudnn-attention auto"),
+])
+def test_commands_that_decode_or_train_apply_cudnn_attention(at_root, monkeypatch, module,
+                                                             command):
+    """Each applies the flag on its device before any model work."""
+    calls = []
+
+    def applied(choice, device):
+        calls.append((choice, device.type))
+        raise Applied
+
+    monkeypatch.setattr(module, "apply_attention_backend", applied)
+    name, *words = argv(command)
+    with pytest.raises(Applied):
+        MAINS[name](words + ["--device", "cpu"])
+    assert calls == [("auto", "cpu")]
+
+
+def test_the_scripts_that_decode_or_train_take_cudnn_attention():
+    """bench_modes (through mtp.cli.load), decode_real and word_problem_base: the flag, its
+    default and its choices in --help."""
+    scripts = [*SCRIPTS.values(), REPO / "benchmarks" / "decode_real.py"]
+    for script in scripts:
+        [done] = run_script(script, ["--help"])
+        help = " ".join(done.stdout.split())
+        assert "--cudnn-attention {auto,off}" in help, script
+        assert "off (the default)" in help, script
 
 
 def analyze(model, out):
