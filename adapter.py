@@ -115,10 +115,10 @@ class ContextCache:
         """Nothing to store: the context is only read."""
 
 
-def gated_mtp_loss(student, batch: MTPBatch,
-                   mode: str = "hard") -> tuple[torch.Tensor, dict]:
-    """distill.mtp_loss(student, adapter_off_teacher(student), batch, mode)
-    for a student with a gated mask adapter, in less work.
+def gated_mtp_loss(student, batch: MTPBatch, mode: str = "hard",
+                   host: bool = True) -> tuple[torch.Tensor, dict]:
+    """distill.mtp_loss(student, adapter_off_teacher(student), batch, mode,
+    host=host) for a student with a gated mask adapter, in less work.
 
     The adapter acts only at <mask> rows, and ground-truth rows never see a
     slot, so every ground-truth row of the packed input is the base model's,
@@ -194,7 +194,7 @@ def gated_mtp_loss(student, batch: MTPBatch,
     # 6. The mean over valid predictions.
     loss = masked_mean(per_pred, valid)
     stats = {"mtp_loss": loss, "n_pred": valid.sum(), "k": k, "loss": loss}
-    return loss, host_stats(stats, proposals == targets, valid)
+    return loss, host_stats(stats, proposals == targets, valid, read=host)
 
 
 # ---- saving and loading: a small folder that names its base model --------

@@ -32,6 +32,7 @@ student == teacher it is 0 at step 0 (in "hard" mode the gradient is not
 zero there: cross-entropy against the argmax sharpens).
 """
 import copy
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -76,7 +77,7 @@ def masked_mean(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 
 def mtp_loss(student, teacher, batch: MTPBatch, mode: str = "hard",
-             prefix_ntp_weight: float = 0.0) -> tuple[torch.Tensor, dict]:
+             prefix_ntp_weight: float = 0.0, host: bool = True) -> tuple[torch.Tensor, dict]:
     """The MTP loss for one packed batch -> (scalar loss with gradient into
     the student, stats).
 
@@ -86,7 +87,8 @@ def mtp_loss(student, teacher, batch: MTPBatch, mode: str = "hard",
     tokens (an ablation; 0 in the paper's main setting). stats: loss,
     mtp_loss, k, n_pred, acc (per prediction j: how often the student's
     argmax equals the target; NaN where j has no valid prediction) and,
-    with the prefix loss, ntp_loss."""
+    with the prefix loss, ntp_loss. host=False: the stats are left on the
+    device, unread (host_stats with read=False)."""
     if mode not in LOSSES:
         raise ValueError(f"mode must be one of {LOSSES}, got {mode!r}")
     B, M, k = batch.pred_index.shape
@@ -137,26 +139,44 @@ def mtp_loss(student, teacher, batch: MTPBatch, mode: str = "hard",
         loss = loss + prefix_ntp_weight * ntp
         stats["ntp_loss"] = ntp
     stats["loss"] = loss
-    return loss, host_stats(stats, proposals == targets, valid)
+    return loss, host_stats(stats, proposals == targets, valid, read=host)
 
 
-def host_stats(stats: dict, agree: torch.Tensor, valid: torch.Tensor) -> dict:
+def host_stats(stats: dict, agree: torch.Tensor, valid: torch.Tensor,
+               read: bool = True):
     """`stats` with its tensors as Python numbers, plus acc: per prediction
     j, the share of its valid predictions where the student agrees with the
     target (NaN where j has none).
 
     agree, valid: (B, M, k) bool. All of it in one device-to-host copy: each
-    float() or .item() would wait for the GPU on its own."""
-    k = valid.shape[-1]
+    float() or .item() would wait for the GPU on its own. read=False: no
+    copy yet; (stats, its values as one tensor) for read_stats, which reads
+    several micro-batches' in one copy."""
     names = [n for n, v in stats.items() if torch.is_tensor(v)]
     # (2, k): per prediction j, its agreements and its valid predictions
     hits = torch.stack([(agree * valid).sum((0, 1)), valid.sum((0, 1))]).float()
     tensors = torch.stack([stats[n].detach().float() for n in names])
-    # the one copy
-    values = torch.cat([tensors, hits.reshape(-1)]).tolist()
-    stats.update(zip(names, values), n_pred=int(values[names.index("n_pred")]))
-    # per prediction j: its agreements, then its valid predictions
-    counts = values[len(names):]
-    stats["acc"] = [a / n if n > 0 else float("nan")
-                    for a, n in zip(counts[:k], counts[k:])]
-    return stats
+    values = torch.cat([tensors, hits.reshape(-1)])
+    if not read:
+        return stats, values
+    return read_stats([(stats, values)])[0]
+
+
+def read_stats(unread: list) -> list[dict]:
+    """host_stats(..., read=False)'s (stats, values) pairs as host_stats
+    returns them, all read from the device in one copy."""
+    sizes = [len(values) for _, values in unread]
+    read = torch.cat([values for _, values in unread]).tolist()
+    out = []
+    for (stats, _), end, size in zip(unread, itertools.accumulate(sizes), sizes):
+        values = read[end - size:end]
+        names = [n for n, v in stats.items() if torch.is_tensor(v)]
+        stats = {**stats, **dict(zip(names, values))}
+        stats["n_pred"] = int(stats["n_pred"])
+        # per prediction j: its agreements, then its valid predictions
+        counts = values[len(names):]
+        k = len(counts) // 2
+        stats["acc"] = [a / n if n > 0 else float("nan")
+                        for a, n in zip(counts[:k], counts[k:])]
+        out.append(stats)
+    return out

@@ -31,13 +31,14 @@ import torch
 
 from adapter import add_mask_adapter, gated_mtp_loss, save_mask_adapter
 from data import default_n_regions, mtp_layout, sample_k_and_offset
-from distill import frozen_teacher, mtp_loss
+from distill import frozen_teacher, mtp_loss, read_stats
 from model import Transformer, add_mask_token
 from mtp.analyze import analyze
 from mtp.cli import (Progress, format_seconds, input_path, load_tokenizer, read_checkpoint,
                      run_cli)
-from mtp.distributed import (Dist, check_same_run, latest_checkpoint, load_shards,
-                             setup_processes, shard_from_rank0, training_state_bytes)
+from mtp.distributed import (Dist, average_gradients, check_same_run, latest_checkpoint,
+                             load_shards, replicate_from_rank0, setup_processes, shard_base,
+                             shard_from_rank0, training_state_bytes)
 from mtp.finetune_cli import MODEL_CARD_TAGS, run_command
 from mtp.hf import atomic_save, from_pretrained, read_json, save_pretrained, write_json
 from mtp.tokenizer import Tokenizer, default_format, padding_token, training_sequences
@@ -99,7 +100,8 @@ def train(args) -> Path:
     state = training_state_bytes(
         student, dist.dtype, teacher_copy=teacher is not None)
     parts = ", ".join(f"{name} {size / 2**30:.2f}" for name, size in state.items())
-    dist.log(f"training state: {sum(state.values()) / 2**30:.2f} GB over {dist.world} "
+    where = f"over {dist.world}" if dist.sharded else f"on each of {dist.world}"
+    dist.log(f"training state: {sum(state.values()) / 2**30:.2f} GB {where} "
              f"process(es) ({parts})")
     dist.log(f"{args.mode} training: {len(pairs):,} rows, format {args.format}, "
              f"{args.steps:,} steps of {args.batch_size} sequences of {args.seq_len} "
@@ -189,7 +191,7 @@ def load_student_and_teacher(args, dist: Dist, with_teacher: bool = True):
         full = from_pretrained(args.model, dtype=torch.float32)
         meta = [(full.config, add_mask_token(full, tok))]
     # Rank 0's config and mask id on every rank (its tokenizer has <mask>).
-    if dist.sharded:
+    if dist.group:
         torch.distributed.broadcast_object_list(meta, src=0)
     cfg, mask_id = meta[0]
     tok.add_special_token("<mask>", mask_id)
@@ -198,10 +200,17 @@ def load_student_and_teacher(args, dist: Dist, with_teacher: bool = True):
     if adapter:
         settings = (args.adapter_rank, args.adapter_alpha, args.adapter_targets)
 
-    # Sharded: rank 0's weights broadcast into every process's shards.
+    # Under torchrun: rank 0's weights broadcast into every process's shards or,
+    # for the gated adapter where its base fits (--shard-base), into a whole copy
+    # on each.
+    if dist.group and adapter:
+        dist.sharded = shard_base(getattr(args, "shard_base", "auto"), cfg, args, dist)
     if dist.sharded:
         student, teacher = shard_from_rank0(full, cfg, dist, settings, with_teacher)
         return student.train(), teacher, tok, mask_id
+    if dist.group:
+        student = replicate_from_rank0(full, cfg, dist, settings)
+        return student.train(), None, tok, mask_id
     # One process. With the adapter, the frozen base is in the compute dtype,
     # like a teacher copy, and the adapter in float32.
     if adapter:
@@ -241,24 +250,33 @@ def train_step(student, teacher, optimizer, scheduler, micro, k: int, offset: in
     batches = [b.to(dist.device) for b in batches]
     n_global = max(1.0, dist.all_sum(sum(counts)))
 
-    # 3. Loss and backward, per micro-batch. Each backward reduce-scatters at
-    # once: no full gradient is held. Sharded, FSDP2's MixedPrecisionPolicy
-    # casts; else autocast does.
+    # 3. Loss and backward, per micro-batch, the statistics left on the device
+    # until all have run. Sharded, each backward reduce-scatters at once (no
+    # full gradient is held) and FSDP2's MixedPrecisionPolicy casts; else
+    # autocast does.
     autocast = torch.autocast(dist.device.type, dtype=dist.dtype,
                               enabled=dist.dtype != torch.float32 and not dist.sharded)
-    loss_sum = 0.0
-    agree = 0.0
+    unread = []
     for batch, n in zip(batches, counts):
         with autocast:
             if uses_adapter(args):
                 # mtp_loss with the student's adapter switched off as teacher,
                 # computing the base model's ground-truth rows once, without
                 # gradient
-                loss, stats = gated_mtp_loss(student, batch, mode=args.mode)
+                loss, stats = gated_mtp_loss(student, batch, mode=args.mode, host=False)
             else:
                 loss, stats = mtp_loss(student, teacher, batch, mode=args.mode,
-                                       prefix_ntp_weight=args.prefix_ntp_weight)
+                                       prefix_ntp_weight=args.prefix_ntp_weight, host=False)
         (loss * (n / n_global) * dist.world).backward()
+        unread.append(stats)
+    # A replicated model (the gated adapter's, unsharded): its gradients
+    # averaged over the processes, in one all-reduce.
+    if dist.group and not dist.sharded:
+        average_gradients(student, dist)
+
+    loss_sum = 0.0
+    agree = 0.0
+    for stats, n in zip(read_stats(unread), counts):
         loss_sum += stats["loss"] * n
         # Per prediction j: the share of argmax == target (NaN: no target there).
         accs = [a for a in stats["acc"] if a == a]

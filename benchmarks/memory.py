@@ -61,18 +61,26 @@ def markdown(report: dict) -> str:
              f"One micro-batch: {step['micro_batch']} rows of {step['seq_len']} tokens, "
              f"k = {step['k']}, {step['regions']} regions, so packed rows of "
              f"{step['packed_len']} tokens. GiB = 2^30 bytes.", "",
-             "| model | mode | " + " | ".join(COLUMNS.values()) + " | fits on one 80 GB GPU |",
-             "|---|---|" + "---:|" * len(COLUMNS) + "---|"]
+             "| model | mode | " + " | ".join(COLUMNS.values()) + " | fits on one 80 GB GPU "
+             "| frozen base under torchrun (--shard-base auto, 80 GB GPUs) |",
+             "|---|---|" + "---:|" * len(COLUMNS) + "---|---|"]
     for r in report["rows"]:
         cells = [r["model"], r["mode"], *(f"{r[c] / 2**30:.2f}" for c in COLUMNS)]
-        lines.append("| " + " | ".join(cells) + f" | {'yes' if r['fits_80gb'] else 'no'} |")
+        base = "whole on each" if r["base_whole_on_80gb"] else "sharded"
+        if r["mode"] == "full":
+            base = "sharded (all of it trains)"
+        lines.append("| " + " | ".join(cells) + f" | {'yes' if r['fits_80gb'] else 'no'} "
+                     f"| {base} |")
     lines.append("")
     for name, ratio in report["adapter_over_full"].items():
         adapter = next(r for r in report["rows"] if r["model"] == name and r["mode"] == "adapter")
         lines.append(f"- {name}: the adapter trains {adapter['trained'] / 1e6:,.1f}M of "
                      f"{adapter['parameters'] / 1e6:,.1f}M parameters; its training state is "
                      f"{ratio:.3f} of the full fine-tune's.")
-    lines += ["", report["computed"]]
+    lines += ["", "Under torchrun the adapter's row is also what each process holds when its "
+              "frozen base is whole on every process (only the adapter's gradients are "
+              "averaged); --shard-base auto chooses that where the sum is under 80% of the "
+              "GPU's memory.", "", report["computed"]]
     return "\n".join(lines) + "\n"
 
 

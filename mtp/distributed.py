@@ -1,12 +1,15 @@
 """Processes, dtypes, FSDP2 sharding and distributed checkpoints for finetune_hf.py's
 `train`: the plumbing that lets one training loop run on one process or, under
-torchrun, sharded over many. Not part of the method: a learner can skip it.
+torchrun, over many. Not part of the method: a learner can skip it.
 
 One process computes in --dtype under torch.autocast. Under torchrun every process
 holds a shard of each model (FSDP2, one all-gather unit per block, then the root)
 and computes in --dtype through FSDP2's MixedPrecisionPolicy; rank 0 alone reads
 files, logs and writes, and a checkpoint holds each process's shards
-(torch.distributed.checkpoint).
+(torch.distributed.checkpoint). The gated adapter's frozen base is kept in the
+compute dtype, and where it fits one device (--shard-base) it is not sharded at
+all: every process holds it whole, as one process does, and only the adapter's
+gradients are averaged, in one all-reduce a step.
 """
 
 import os
@@ -30,7 +33,10 @@ class Dist:
     device: torch.device = torch.device("cpu")
     # What the matrix multiplications compute in.
     dtype: torch.dtype = torch.float32
-    # Under torchrun: FSDP2, at any world size.
+    # Under torchrun: one of a process group, at any world size.
+    group: bool = False
+    # The models FSDP2-sharded over the group; else each process holds them whole
+    # (the gated adapter on a replicated base).
     sharded: bool = False
     # Rank 0 alone reads, logs and writes files.
     main = property(lambda self: self.rank == 0)
@@ -41,18 +47,20 @@ class Dist:
 
     def all_sum(self, x: float) -> float:
         t = torch.tensor([float(x)], dtype=torch.float64, device=self.device)
-        if self.sharded:
+        if self.group:
             torch.distributed.all_reduce(t)
         return float(t)
 
     def barrier(self):
-        if self.sharded:
+        if self.group:
             torch.distributed.barrier()
 
 
-def setup_processes(device: str, dtype: str = "auto") -> Dist:
+def setup_processes(device: str, dtype: str = "auto",
+                    timeout: timedelta = timedelta(hours=1)) -> Dist:
     """This process's Dist from --device and --dtype: one process, or under
-    torchrun (WORLD_SIZE set) one of a process group it joins."""
+    torchrun (WORLD_SIZE set) one of a process group it joins, whose collectives
+    fail after `timeout` rather than wait for ever."""
     device = parse_device(device)
     torchrun = "WORLD_SIZE" in os.environ
     compute = parse_dtype(dtype, device)
@@ -67,12 +75,70 @@ def setup_processes(device: str, dtype: str = "auto") -> Dist:
     # Rank 0 alone loads and exports while the others wait: on a slow disk,
     # longer than NCCL's default 10 minutes.
     backend = "nccl" if device.type == "cuda" else "gloo"
-    torch.distributed.init_process_group(backend, timeout=timedelta(hours=1))
+    torch.distributed.init_process_group(backend, timeout=timeout)
     # gloo computes in float32.
     if device.type == "cpu" and dtype == "auto":
         compute = torch.float32
     return Dist(rank=torch.distributed.get_rank(), world=torch.distributed.get_world_size(),
-                device=device, dtype=compute, sharded=True)
+                device=device, dtype=compute, group=True, sharded=True)
+
+
+def shard_base(choice: str, cfg, args, dist: Dist) -> bool:
+    """--shard-base for the gated adapter under torchrun: whether its frozen base
+    is FSDP2-sharded (yes) or whole on every process (no). auto shards only where
+    a whole copy would not fit: what one process then holds (mtp.memory.figures:
+    its training state and one micro-batch's activations) over 80% of the GPU's
+    memory. On a CPU auto keeps it whole: the processes share the machine's
+    memory, which nothing here measures."""
+    if choice != "auto":
+        return choice == "yes"
+    if dist.device.type != "cuda":
+        return False
+    from data import default_n_regions
+    from mtp.memory import WHOLE_BASE_SHARE, Step, figures
+    regions = args.regions or default_n_regions(args.seq_len, args.k_max)
+    step = Step(args.seq_len, args.micro_batch, args.k_max, regions)
+    need = figures(cfg, "adapter", step, args.adapter_rank)
+    # figures counts a bfloat16 base; a float32 one is twice its weights
+    total = need["sum"] + need["weights"] * (dist.dtype.itemsize // 2 - 1)
+    have = torch.cuda.get_device_properties(dist.device).total_memory
+    shard = total > WHOLE_BASE_SHARE * have
+    dist.log(f"--shard-base auto: one process would hold {total / 2**30:.1f} GB of the "
+             f"GPU's {have / 2**30:.1f} GB: the frozen base "
+             f"{'sharded' if shard else 'whole on every process'}")
+    return shard
+
+
+def replicate_from_rank0(full, cfg, dist: Dist, adapter) -> Transformer:
+    """The gated adapter's student whole on every process: rank 0's `full` model
+    (None on the other ranks), its frozen base in the compute dtype and the
+    adapter (rank, alpha, targets) in float32, broadcast to every process."""
+    if dist.main:
+        student = full.to(dist.dtype)
+    else:
+        with torch.device("meta"):
+            student = Transformer(cfg).to(dist.dtype)
+    add_mask_adapter(student, *adapter)
+    if dist.main:
+        student.to(dist.device)
+    else:
+        # RoPE frequencies are computed again.
+        student.to_empty(device=dist.device)
+    for t in student.state_dict().values():
+        torch.distributed.broadcast(t, src=0)
+    return student
+
+
+def average_gradients(model, dist: Dist):
+    """Each trained tensor's gradient averaged over the processes, in one
+    all-reduce: for a model every process holds whole. Every trained tensor has
+    one, zeros where a micro-batch held no <mask> (model.Linear)."""
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    flat = torch.cat([g.flatten() for g in grads])
+    torch.distributed.all_reduce(flat)
+    flat /= dist.world
+    for g, mean in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(mean.view_as(g))
 
 
 def training_state_bytes(model, compute_dtype: torch.dtype, teacher_copy: bool) -> dict:
@@ -100,9 +166,12 @@ def shard_from_rank0(full, cfg, dist: Dist, adapter=None, with_teacher: bool = T
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     with torch.device("meta"):
         student = Transformer(cfg)
+    # The adapter's frozen base in the compute dtype; the adapter float32.
     if adapter:
+        student.to(dist.dtype)
         add_mask_adapter(student, *adapter)
         if dist.main:
+            full.to(dist.dtype)
             add_mask_adapter(full, *adapter)
     models = [student]
     teacher = None

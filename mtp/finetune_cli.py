@@ -124,7 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
                "gated-lora: the update is scaled by alpha / rank"),
               ("--adapter-targets", None, list(ADAPTER_TARGETS),
                "gated-lora: the projections that get an update (default: all)",
-               {"nargs": "+", "choices": ADAPTER_TARGETS}))
+               {"nargs": "+", "choices": ADAPTER_TARGETS}),
+              ("--shard-base", None, "auto",
+               "gated-lora under torchrun: yes shards the frozen base over the processes "
+               "(FSDP2); no keeps it whole on each, in the compute dtype, and averages only the "
+               "adapter's gradients (one all-reduce a step); auto (the default): no where it "
+               "fits, its memory as benchmarks/memory.py counts it under 80%% of the GPU's, "
+               "and always on a CPU. A full fine-tune is always sharded",
+               {"choices": ("auto", "yes", "no")}))
     c = t.add_argument_group("checkpoints")
     c.add_argument("--out", required=True,
                    help="output folder: checkpoints/, log.jsonl, final/ (the exported model)")
@@ -249,6 +256,9 @@ def check_args(args):
         raise CliError("--prefix-ntp-weight trains the next-token predictions, which the "
                        "gated adapter cannot change (it acts only at <mask> positions): "
                        "leave it at 0")
+    if args.adapter == "none" and args.shard_base == "no":
+        raise CliError("--shard-base no keeps the gated adapter's frozen base whole on every "
+                       "process; a full fine-tune trains every weight and is always sharded")
     if base_folder(args.model) != args.model:
         raise CliError(f"--model {args.model} is a gated mask adapter: train from its base "
                        f"model ({base_folder(args.model)})")

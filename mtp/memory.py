@@ -25,6 +25,10 @@ backward starts. How the activations are counted:
   equals the same count on real CPU tensors of a tiny model, under torch.autocast.
 - Not counted: tensors that live only inside the forward or the backward (the teacher's logits,
   the logits' gradient), the CUDA context, the allocator's fragmentation.
+
+The adapter's figures are also what each process of a distributed run holds with its frozen base
+whole on every process (finetune_hf's --shard-base; only the adapter's gradients are reduced):
+mtp.distributed.shard_base compares them with WHOLE_BASE_SHARE of the GPU's memory.
 """
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
@@ -45,6 +49,9 @@ aten = torch.ops.aten
 MODES = ("full", "adapter")
 COMPUTE = torch.bfloat16            # finetune_hf's compute dtype on a GPU
 GPU_BYTES = 80 * 2**30              # one 80 GB GPU, nothing kept back for the CUDA context
+# --shard-base auto keeps the adapter's frozen base whole on every process of a distributed run
+# where what one process holds (the adapter's figures) is under this share of the GPU's memory
+WHOLE_BASE_SHARE = 0.8
 ALPHA = 64.0                        # the adapter's scale (finetune_hf's default): no byte changes
 
 
@@ -135,7 +142,10 @@ class FusedAttention(TorchFunctionMode):
             return func(*args, **kwargs)
         q, k, v = args
         # a boolean mask becomes a bias in q's dtype, 0 where attending and -inf elsewhere
-        bias = torch.zeros_like(mask, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
+        # (model.attend hands over that bias already: model.kernel_mask)
+        bias = mask
+        if mask.dtype == torch.bool:
+            bias = torch.zeros_like(mask, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
         return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias)[0]
 
 
@@ -186,4 +196,6 @@ def figures(cfg: ModelConfig, mode: str, step: Step, rank: int) -> dict:
     return {"parameters": student.num_params(),
             "trained": sum(p.numel() for p in student.parameters() if p.requires_grad),
             **state, "training_state": total, "activations": activations,
-            "sum": total + activations, "fits_80gb": total + activations <= GPU_BYTES}
+            "sum": total + activations, "fits_80gb": total + activations <= GPU_BYTES,
+            "base_whole_on_80gb": mode == "adapter"
+            and total + activations <= WHOLE_BASE_SHARE * GPU_BYTES}

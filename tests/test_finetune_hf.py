@@ -463,15 +463,17 @@ def test_gated_adapter_refuses_the_prefix_loss_and_an_adapter_as_base(tiny_hf, t
     assert "\n" not in err
 
 
-def test_gated_adapter_under_fsdp2_on_two_cpu_processes_matches_one_process(tiny_hf, tmp_path):
-    """The adapter sharded over 2 processes x micro-batch 1 trains what 1 process x
-    micro-batch 4 does."""
+@pytest.mark.parametrize("shard_base", ["yes", "no"])
+def test_gated_adapter_under_fsdp2_on_two_cpu_processes_matches_one_process(tiny_hf, tmp_path,
+                                                                            shard_base):
+    """The adapter on 2 processes x micro-batch 1, its base sharded (FSDP2) or whole on each,
+    trains what 1 process x micro-batch 4 does, checkpoints and export included."""
     from adapter import ADAPTER_WEIGHTS
     adapter = ["--adapter", "gated-lora", "--adapter-rank", "4", "--steps", "3"]
     single = tmp_path / "single"
     sharded = tmp_path / "fsdp"
     tune(tiny_hf, single, *adapter, "--micro-batch", "4")
-    two_processes(tiny_hf, sharded, *adapter, "--micro-batch", "1")
+    two_processes(tiny_hf, sharded, *adapter, "--micro-batch", "1", "--shard-base", shard_base)
     a = load_file(str(single / "final" / ADAPTER_WEIGHTS))
     b = load_file(str(sharded / "final" / ADAPTER_WEIGHTS))
     assert a.keys() == b.keys()
@@ -481,11 +483,11 @@ def test_gated_adapter_under_fsdp2_on_two_cpu_processes_matches_one_process(tiny
 
 
 def test_gated_adapter_under_fsdp2_in_bfloat16(tiny_hf, tmp_path):
-    """FSDP2's mixed precision for real: float32 shards, a bfloat16 computation. The
-    adapter's step reads its KV cache (built from the float32 shards) in bfloat16."""
+    """FSDP2's mixed precision for real: bfloat16 shards of the frozen base beside float32
+    ones of the adapter, a bfloat16 computation."""
     out = tmp_path / "fsdp_bf16"
     two_processes(tiny_hf, out, "--adapter", "gated-lora", "--adapter-rank", "4", "--steps", "2",
-                  "--micro-batch", "1", "--dtype", "bfloat16")
+                  "--micro-batch", "1", "--dtype", "bfloat16", "--shard-base", "yes")
     assert (out / "final" / "mask_adapter.safetensors").is_file()
 
 
