@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Every GPU path of the project in one unattended run on one CUDA GPU, in under 8 minutes:
+# Every GPU path of the project in one unattended run on one CUDA GPU, in about 5 minutes:
 #
 #     bash benchmarks/gpu_check.sh OUT_DIR             # on a machine with a CUDA GPU
 #     bash benchmarks/gpu_check.sh OUT_DIR --dry-run   # on the CPU, small shapes: checks the script
 #
 # Each section runs on its own: one that fails is recorded with its last error line and the next
 # one runs; one whose input failed, or that would start after the time budget (GPU_CHECK_BUDGET
-# seconds, default 450) is spent, is recorded as skipped, with the reason. OUT_DIR (new or empty)
-# receives three files:
+# seconds, default 300; 1800 for --dry-run, where every section must run on a slower CPU) is
+# spent, is recorded as skipped, with the reason. The sections that decide most (host syncs,
+# bfloat16, attention kernels) run first. Nothing is downloaded (HF_HUB_OFFLINE,
+# TRANSFORMERS_OFFLINE). OUT_DIR (new or empty) receives three files:
 #   gpu_check.json  each section: ran / skipped (why) / failed (one line), its seconds and figures
 #   gpu_check.log   every command and everything it printed
 #   latency.png     the forward latency curves (the `latency` section)
@@ -25,14 +27,17 @@ mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 W=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
 trap 'rm -rf "$W"' EXIT
 LOG=$OUT/gpu_check.log PY=${PYTHON:-python3}
-BUDGET=${GPU_CHECK_BUDGET:-450} SCALE=${GPU_CHECK_SCALE:-1}
+SCALE=${GPU_CHECK_SCALE:-1}
 if [ "$DRY" = "--dry-run" ]; then
   DEV=cpu SMALL=(--small) TESTS=(-m gpu)       # the gpu-marked tests, on the CPU
+  BUDGET=${GPU_CHECK_BUDGET:-1800}
 else
   DEV=cuda SMALL=() TESTS=()
+  BUDGET=${GPU_CHECK_BUDGET:-300}
   export MTP_GPU_TESTS=1                 # tests/conftest.py: only the gpu-marked tests, on CUDA
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1   # everything it reads is made here
 : > "$LOG"
 : > "$W/sections.jsonl"
 START=$(date +%s)
@@ -82,12 +87,16 @@ SMOKE=$W/smoke
 TRAIN=(--data "$W/wp/train.json" --seq-len 64 --batch-size 16 --micro-batch 8 --lr 3e-4 --warmup 5
        --regions 8 --k-max 4 --save-every 10 --log-every 5 --device "$DEV")
 
-# 1. The machine, then the opt-in GPU tests (no -x: every failure is counted).
+# 1. The machine; what decides most: host syncs per decoding pass, what holds in bfloat16, the
+#    attention kernel of each call shape (each case on its own); then the opt-in GPU tests (no
+#    -x: every failure is counted).
 section env 60 - bash -c 'nvidia-smi || true; "$@"' _ "${FIG[@]}" env --json "$W/env.json"
+section syncs 60 - "${FIG[@]}" syncs --json "$W/syncs.json"
+section bf16 60 - "${FIG[@]}" bf16 --json "$W/bf16.json"
+section kernels 90 - "${FIG[@]}" kernels --json "$W/kernels.json"
 section gpu_tests 150 - "$PY" -m pytest -q tests "${TESTS[@]}" -p no:cacheprovider \
   --junitxml "$W/gpu_tests.xml"
-# 2. Figures: attention kernels per call shape, forward latency, decoding speed, a training step.
-section kernels 60 - "${FIG[@]}" kernels --json "$W/kernels.json"
+# 2. Figures: forward latency, decoding speed, a training step.
 section latency 90 - "${FIG[@]}" latency --json "$W/latency.json"
 section decode 60 - "${FIG[@]}" decode --json "$W/decode.json"
 section train_step 90 - "${FIG[@]}" train_step --json "$W/train_step.json"
@@ -112,19 +121,21 @@ section fsdp_train 120 smoke_model "$PY" -m torch.distributed.run --standalone -
 section fsdp_diff 30 fsdp_train "${FIG[@]}" compare "$W/full/final" "$W/fsdp/final" \
   --json "$W/fsdp_diff.json"
 # the gated mask adapter: its step (ground truth once into a KV cache, then the mask slots) under
-# FSDP2, then its lossless decoding (a float32 adapter on the base in the GPU's dtype)
+# torchrun, its frozen base whole (--shard-base auto on one GPU) and sharded (FSDP2), then its
+# lossless decoding (a float32 adapter on the base in the GPU's dtype)
 section adapter_train 120 smoke_model "$PY" -m torch.distributed.run --standalone \
   --nproc_per_node 1 finetune_hf.py train --model "$SMOKE" "${TRAIN[@]}" --steps 20 \
   --adapter gated-lora --out "$W/adapter"
+section adapter_sharded 120 smoke_model "$PY" -m torch.distributed.run --standalone \
+  --nproc_per_node 1 finetune_hf.py train --model "$SMOKE" "${TRAIN[@]}" --steps 20 \
+  --adapter gated-lora --shard-base yes --out "$W/adapter_sharded"
 section adapter_decode 60 adapter_train "$PY" confadapt.py --model "$W/adapter/final" \
   --device "$DEV" --prompt "Tom has 3 apples." --lossless --k-max 4 --json
-# 4. Decoding through the command lines, then host syncs and what holds in bfloat16.
+# 4. Decoding through the command lines.
 section confadapt 60 ft_train "$PY" confadapt.py --model "$W/full/final" --device "$DEV" \
   --prompt "Tom has 3 apples." --tau 0.9 --k-max 4 --json
 section decode_real 150 ft_train "$PY" benchmarks/decode_real.py --model "$W/full/final" \
   --out "$W/decode_real" --device "$DEV" --quick --k-max 4
-section syncs 60 - "${FIG[@]}" syncs --json "$W/syncs.json"
-section bf16 60 - "${FIG[@]}" bf16 --json "$W/bf16.json"
 # 5. train_toy.py end to end (the laptop users' command, --quick), last: the longest.
 section train_toy 180 - "$PY" train_toy.py --device "$DEV" --quick --out "$W/toy"
 
