@@ -163,9 +163,11 @@ class Linear(nn.Linear):
         in place at mask_rows, rows of x.flatten(0, -2) (y's backward does not need y)."""
         y = super().forward(x)
         a = self.adapter
-        # With no mask row the update still runs, on zero rows: the adapter's tensors get
-        # a gradient (zeros), so every process of a distributed step reduces the same ones.
         if a is None or mask_rows is None:
+            return y
+        # With no mask row a trained adapter still runs, on zero rows: its tensors get a
+        # gradient (zeros), so every process of a distributed step reduces the same ones.
+        if len(mask_rows) == 0 and not a.up.requires_grad:
             return y
         x_mask = x.reshape(-1, x.shape[-1]).index_select(0, mask_rows)   # (n_mask, d_in)
         update = F.linear(F.linear(x_mask.to(a.down.dtype), a.down), a.up)   # (n_mask, d_out)
