@@ -244,8 +244,8 @@ def train_step(student, teacher, optimizer, scheduler, micro, k: int, offset: in
 
     # 2. Weights: mtp_loss averages over its micro-batch's valid predictions;
     # weighted by their share of the global batch's, the gradient is one mean
-    # over it however it is split (FSDP averages over processes: hence * world).
-    # They are counted on the host, before moving.
+    # over it however it is split (the processes average their gradients: hence
+    # * world). They are counted on the host, before moving.
     counts = [int(b.valid.sum()) for b in batches]
     batches = [b.to(dist.device) for b in batches]
     n_global = max(1.0, dist.all_sum(sum(counts)))

@@ -5,16 +5,17 @@
 #     bash benchmarks/gpu_check.sh OUT_DIR --dry-run   # on the CPU, small shapes: checks the script
 #
 # Each section runs on its own: one that fails is recorded with its last error line and the next
-# one runs; one whose input failed, or that would start after the time budget (GPU_CHECK_BUDGET
-# seconds, default 300; 1800 for --dry-run, where every section must run on a slower CPU) is
-# spent, is recorded as skipped, with the reason. The sections that decide most (host syncs,
-# bfloat16, attention kernels) run first. Nothing is downloaded (HF_HUB_OFFLINE,
+# one runs; one whose input failed, or that would start after the time budget is spent, is
+# recorded as skipped, with the reason. The budget (GPU_CHECK_BUDGET seconds) is 300 by default,
+# 1800 for --dry-run, where every section must run on a slower CPU. The sections that decide most
+# (host syncs, bfloat16, attention kernels) run first. Nothing is downloaded (HF_HUB_OFFLINE,
 # TRANSFORMERS_OFFLINE). OUT_DIR (new or empty) receives three files:
 #   gpu_check.json  each section: ran / skipped (why) / failed (one line), its seconds and figures
 #   gpu_check.log   every command and everything it printed
 #   latency.png     the forward latency curves (the `latency` section)
 # Scratch (models, checkpoints) goes to a temporary folder, deleted at the end.
-# GPU_CHECK_SCALE multiplies every section's time limit (a slow or busy machine).
+# GPU_CHECK_SCALE multiplies every section's time limit (a slow or busy machine; default 1, 3 for
+# --dry-run).
 set -u
 OUT=${1:?usage: bash benchmarks/gpu_check.sh OUT_DIR [--dry-run]}
 DRY=${2:-}
@@ -27,13 +28,12 @@ mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 W=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
 trap 'rm -rf "$W"' EXIT
 LOG=$OUT/gpu_check.log PY=${PYTHON:-python3}
-SCALE=${GPU_CHECK_SCALE:-1}
 if [ "$DRY" = "--dry-run" ]; then
   DEV=cpu SMALL=(--small) TESTS=(-m gpu)       # the gpu-marked tests, on the CPU
-  BUDGET=${GPU_CHECK_BUDGET:-1800}
+  BUDGET=${GPU_CHECK_BUDGET:-1800} SCALE=${GPU_CHECK_SCALE:-3}
 else
   DEV=cuda SMALL=() TESTS=()
-  BUDGET=${GPU_CHECK_BUDGET:-300}
+  BUDGET=${GPU_CHECK_BUDGET:-300} SCALE=${GPU_CHECK_SCALE:-1}
   export MTP_GPU_TESTS=1                 # tests/conftest.py: only the gpu-marked tests, on CUDA
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} PYTHONUNBUFFERED=1
@@ -74,7 +74,7 @@ section() {
   local seconds=$(( ($(date +%s%N) - t0) / 1000000 ))e-3
   case $rc in
     0) record "$name" ran "$seconds" "" ;;
-    124|137) record "$name" failed "$seconds" "timed out after ${limit}s" ;;
+    124|137|143) record "$name" failed "$seconds" "timed out after ${limit}s" ;;
     *) local last=$(grep -v '^\s*$' "$W/$name.out" | tail -n 1 | cut -c1-300)
        record "$name" failed "$seconds" "exit $rc: $last" ;;
   esac
