@@ -266,14 +266,16 @@ def base_folder(path, base=None) -> str:
     return path
 
 
-def check_model_folder(args, raw=True, k_max_applies=True):
+def check_model_folder(args, raw=True, k_max_applies=True, defaults=True):
     """What a command that reads --model checks before any weights load: the base an
-    adapter names (or --base) is there and is the one it was trained on; --k-max
-    (None: unset) and --format auto take what the folder was trained with; the
-    format is one the tokenizer encodes (raw: the command takes raw too)."""
+    adapter names (or --base) is there and is the one it was trained on; with
+    `defaults`, --k-max (None: unset) and --format auto take what the folder was
+    trained with; the format is one the tokenizer encodes (raw: the command takes raw
+    too)."""
     input_path(args.model, "--model", folder=True)
     base = base_folder(args.model, getattr(args, "base", None))
-    apply_trained_with(args, k_max_applies)
+    if defaults:
+        apply_trained_with(args, k_max_applies)
     check_format(args.format, load_tokenizer(base), base, raw=raw)
 
 

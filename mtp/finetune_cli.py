@@ -236,7 +236,8 @@ def check_args(args, locks):
     # The model's config says most about a wrong folder.
     cfg = read_model_config(base_folder(args.model, args.base)) if "model" in a else None
     if "model" in a:
-        check_model_folder(args, raw=False, k_max_applies=args.command == "eval")
+        check_model_folder(args, raw=False, k_max_applies=args.command == "eval",
+                           defaults=args.command != "train")
     if args.command == "eval":
         args.k_max = args.k_max or 16
     # One file (eval, analyze) or several (train).
