@@ -95,12 +95,19 @@ def checked_base(adapter, base, named_base) -> str:
 # --- what a folder was trained with ---
 
 def trained_with(folder) -> dict:
-    """k_max and format from the folder's trained_with.json ({} if it has none)."""
+    """k_max and format from the folder's trained_with.json, else, for a run's final/
+    written before that file, from the run's train_args.json ({} if neither)."""
     file = os.path.join(folder, TRAINED_WITH)
-    if not os.path.isfile(file):
+    run_args = os.path.join(folder, os.pardir, "train_args.json")
+    if os.path.isfile(file):
+        record = read_json(file, "training record")
+    elif os.path.basename(os.path.normpath(folder)) == "final" and os.path.isfile(run_args):
+        file = os.path.normpath(run_args)
+        record = read_json(file, "training arguments")
+    else:
         return {}
-    record = read_json(file, "training record")
-    return {k: record[k] for k in ("k_max", "format") if k in record}
+    found = {k: record[k] for k in ("k_max", "format") if k in record}
+    return found | {"file": file}
 
 
 def apply_trained_with(args, k_max_applies=True):
@@ -116,8 +123,8 @@ def apply_trained_with(args, k_max_applies=True):
     vars(args).update(used)
     if used:
         flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in used.items())
-        print(f"defaults from {os.path.join(args.model, TRAINED_WITH)}: {flags} (as it "
-              "was trained; give the flags to override)", file=sys.stderr)
+        print(f"defaults from {record['file']}: {flags} (as it was trained; give the flags "
+              "to override)", file=sys.stderr)
 
 
 # --- prompt formats ---

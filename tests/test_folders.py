@@ -389,3 +389,14 @@ def test_a_tolerance_inside_the_noise_names_no_tau():
     assert spot["best_tau"] is None and "none" in spot["summary"]
     assert "N = 100" in spot["summary"]
     assert sweet_spot(results, correct, base, 3, "k=1")["best_tau"] == 0.9
+
+
+def test_a_runs_final_folder_written_before_trained_with_takes_the_runs_arguments(capsys):
+    """tests/fixtures/dbb8fb7's adapter run: final/ has no trained_with.json; the run's
+    train_args.json says k_max 4 and the plain format."""
+    from mtp.folders import trained_with
+    final = REPO / "tests" / "fixtures" / "dbb8fb7" / "adapter_run" / "final"
+    found = trained_with(final)
+    assert found == {"k_max": 4, "format": "plain",
+                     "file": str(final.parent / "train_args.json")}
+    assert trained_with(REPO / "tests" / "fixtures" / "dbb8fb7" / "hf_base") == {}
