@@ -9,7 +9,6 @@ tokens per pass within an accuracy tolerance, or none.
 """
 import copy
 import json
-import os
 import shutil
 import signal
 import struct

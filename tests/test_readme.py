@@ -4,7 +4,6 @@ The code block is taken from README.md itself, its folder replaced by a tiny mod
 (and by SmolLM2-135M with an added <mask>, when scripts/get_smollm2.py has made it), and run
 in a process of its own, as a user pastes it.
 """
-import copy
 import json
 import re
 import subprocess
