@@ -446,6 +446,7 @@ SCRIPT_CASES = [
     ("bench_modes", "--model base --prompt '1 2' --rows -1"),
     ("bench_modes", "--model base --prompt '1 2' --repeats x"),
     ("bench_modes", "--model base --prompt '1 2' --latency-max nan"),
+    ("bench_modes", "--model base --prompt '1 2' --format chatml"),
     ("bench_modes", "--model base --prompt '1 2' --taus 1.5"),
     ("bench_modes", "--model base"),
     ("word_problem_base", "--out a_file"),
@@ -545,6 +546,7 @@ ERROR_LINES = [
     ("finetune_hf", "analyze --model base --data wp/test.jsonl --format qwen",
      "it supports plain"),
     ("finetune_hf", "data --model base --out r.jsonl --format chatml", "it supports plain"),
+    ("bench_modes", "--model base --prompt '1 2' --format chatml", "it supports plain, raw"),
     ("confadapt", "--model base --prompt 1 --base ft/final",
      "--model base is not a gated mask adapter"),
     # adapter-only flags without the adapter would silently tune every weight
