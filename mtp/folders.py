@@ -116,8 +116,9 @@ def apply_trained_with(args, k_max_applies=True):
     command's decoding rule uses k_max (not with --greedy or --static-k in confadapt)."""
     record = trained_with(args.model)
     used = {}
-    if k_max_applies and getattr(args, "k_max", 0) is None and "k_max" in record:
-        used["k_max"] = record["k_max"]
+    k_max = record.get("k_max")
+    if k_max_applies and getattr(args, "k_max", 0) is None and isinstance(k_max, int):
+        used["k_max"] = max(1, k_max)
     if args.format == "auto" and record.get("format") in FORMATS:
         used["format"] = record["format"]
     vars(args).update(used)
