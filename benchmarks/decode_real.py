@@ -317,7 +317,8 @@ def markdown(report: dict) -> str:
             vs_hf = f"{r['speedup_vs_transformers']:.2f}x" if r["speedup_vs_transformers"] else ""
             promises_greedy = r["kind"] in LOSSLESS_KINDS or r["kind"].startswith(HF_LOOKUP)
             same = ("yes" if r["equals_greedy"] else "**no**") if promises_greedy else ""
-            lines.append(f"| {r['batch_size']} | {r['mode']}{exactness(r['mode'])} | {r['tokens_per_second']:,.1f} | {r['speedup']:.2f}x "
+            mode = r["mode"] + exactness(r["mode"])
+            lines.append(f"| {r['batch_size']} | {mode} | {r['tokens_per_second']:,.1f} | {r['speedup']:.2f}x "
                          f"| {vs_hf} | {r['effective_k']:.2f} | {r['efficiency']:.2f} | {r['fed_per_token']:.2f} "
                          f"| {same} |" + (f" {r['same_as_reference']:.0%} |" if "same_as_reference" in r else ""))
         lookup = any(r["kind"].startswith(HF_LOOKUP) for r in rows)
