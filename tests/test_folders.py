@@ -399,3 +399,14 @@ def test_a_runs_final_folder_written_before_trained_with_takes_the_runs_argument
     assert found == {"k_max": 4, "format": "plain",
                      "file": str(final.parent / "train_args.json")}
     assert trained_with(REPO / "tests" / "fixtures" / "dbb8fb7" / "hf_base") == {}
+
+
+def test_an_adapter_of_a_newer_format_is_refused_in_one_line(root, tmp_path, capsys):
+    shutil.copytree(root / "adapter", tmp_path / "adapter")
+    shutil.copytree(root / "base", tmp_path / "base")
+    file = tmp_path / "adapter" / ADAPTER_CONFIG
+    file.write_text(json.dumps(read_json(file) | {"format_version": 3}))
+    status, _, err = decode(capsys, "--model", tmp_path / "adapter", "--greedy")
+    assert status == 2
+    assert err == [f"error: {file}: format_version 3 is newer than this code reads (2): "
+                   "update the code"]
