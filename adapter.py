@@ -30,6 +30,7 @@ import torch.nn as nn
 from data import PAD, MTPBatch
 from distill import LOSSES, cross_entropy, host_stats, masked_mean
 from model import KVCache, Linear, Transformer, attend
+from mtp.folders import base_record
 from mtp.hf import atomic_save, read_json, write_json
 
 ADAPTER_CONFIG = "mask_adapter.json"
@@ -225,6 +226,8 @@ def save_mask_adapter(model: Transformer, path, base_model,
         "applies_at": "input positions holding mask_token_id only; "
                       "every other position is the base model",
         "base_model": os.path.relpath(base_model, path),
+        # format_version and a fingerprint: loading refuses any other base
+        **base_record(base_model),
         **model.adapter_config,
         "mask_token_id": model.config.mask_token_id,
     }

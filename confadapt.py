@@ -36,8 +36,9 @@ from dataclasses import dataclass
 import torch
 
 from mtp.chunks import chunk_texts, render_chunks, save_chunks_png
-from mtp.cli import (CliError, Parser, add_model_args, chat_stop_ids, encode_prompt, load,
-                     output_folder, positive_int, probability, prompt_format, run_cli)
+from mtp.cli import (CliError, Parser, add_model_args, chat_stop_ids, check_model_folder,
+                     encode_prompt, exactness, load, output_folder, positive_int,
+                     probability, prompt_format, run_cli)
 
 RULES = ("static", "confadapt", "lossless")
 
@@ -276,7 +277,8 @@ def parser() -> Parser:
     d.add_argument("--tau", type=probability,
                    help="ConfAdapt confidence threshold in (0, 1] (default 0.9)")
     d.add_argument("--k-max", type=positive_int,
-                   help="ConfAdapt / lossless: most tokens per pass (default 16)")
+                   help="ConfAdapt / lossless: most tokens per pass (default: the "
+                   "folder's trained k_max, else 16)")
     one = d.add_mutually_exclusive_group()
     one.add_argument("--static-k", type=positive_int,
                      help="static k: keep all k predictions of every pass")
@@ -314,7 +316,7 @@ def decode_config(args) -> DecodeConfig:
 def summary(s, gen) -> str:
     """The figures printed under the text: s, the engine's DecodeStats, and gen, its
     Generation of the prompt."""
-    return (f"mode            {s.mode}\n"
+    return (f"mode            {s.mode}{exactness(s.mode)}\n"
             f"tokens          {s.tokens}\n"
             f"forward passes  {s.forward_passes} (the prefill not counted)\n"
             f"effective k     {s.effective_k:.2f} tokens/pass\n"
@@ -330,6 +332,10 @@ def generate_main(argv):
     from mtp import engine
 
     args = parser().parse_args(argv)
+    # the flags, then the folder before any weights: an adapter's base, the
+    # k_max and format it was trained with, the format against its tokenizer
+    decode_config(args)
+    check_model_folder(args, k_max_applies=not (args.greedy or args.static_k))
     if args.png:
         png_folder = os.path.dirname(args.png) or "."
         output_folder(png_folder, f"--png {args.png}: its folder")

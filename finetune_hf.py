@@ -40,6 +40,7 @@ from mtp.distributed import (Dist, average_gradients, check_same_run, latest_che
                              load_shards, replicate_from_rank0, setup_processes, shard_base,
                              shard_from_rank0, training_state_bytes)
 from mtp.finetune_cli import MODEL_CARD_TAGS, run_command
+from mtp.folders import TRAINED_WITH
 from mtp.hf import atomic_save, from_pretrained, read_json, save_pretrained, write_json
 from mtp.tokenizer import Tokenizer, default_format, padding_token, training_sequences
 from mtp.training_rows import check_targets, make_data, training_pairs
@@ -440,6 +441,8 @@ def export(student, tok: Tokenizer, path: Path, args, dist: Dist) -> Path:
             if generation.is_file():
                 shutil.copyfile(generation, path / generation.name)
         (path / "README.md").write_text(model_card(model.config, args), encoding="utf-8")
+        # what decoding it defaults to (mtp.folders.apply_trained_with)
+        write_json(path / TRAINED_WITH, {"k_max": args.k_max, "format": args.format})
 
     dist.barrier()
     dist.log(f"exported {path}")

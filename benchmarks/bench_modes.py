@@ -17,8 +17,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mtp.cli import (Parser, add_flags, add_model_args, chat_stop_ids, encode_prompt, load,  # noqa: E402
-                 positive_int, probability, prompt_format, run_cli)
+from mtp.cli import (Parser, add_flags, add_model_args, chat_stop_ids, check_model_folder,  # noqa: E402
+                     encode_prompt, load, positive_int, probability, prompt_format, run_cli)
 from confadapt import DecodeConfig, decode_modes  # noqa: E402
 from mtp.engine import cached_forward, generate, new_cache, synchronize  # noqa: E402
 
@@ -154,6 +154,8 @@ def bench_main(argv):
     b.add_argument("--ignore-stop", action="store_true", help="always generate --max-new-tokens tokens")
     b.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     args = p.parse_args(argv)
+    # the format against the tokenizer, before any weights (--k-max stays as given)
+    check_model_folder(args, k_max_applies=False)
 
     # decode_modes validates each
     modes = [DecodeConfig("static", k=1), *decode_modes([args.static_k])]

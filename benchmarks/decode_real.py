@@ -35,8 +35,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_modes import bench, forward_latency  # noqa: E402
 from mtp.cli import (CUDNN_ATTENTION, CliError, Parser, add_flags, apply_attention_backend,  # noqa: E402
-                     base_folder, cpu_name, load_model, parse_device, parse_dtype, positive_int,
-                     provenance, stop_ids_of)
+                     base_folder, check_model_folder, cpu_name, exactness, load_model, parse_device,
+                     parse_dtype, positive_int, provenance, stop_ids_of)
 from confadapt import DecodeConfig, decode_modes  # noqa: E402
 from mtp.chunks import chunk_texts  # noqa: E402
 from mtp.engine import DecodeStats, Generation, generate, synchronize  # noqa: E402
@@ -161,7 +161,7 @@ def load(args, device, dtype, need_mask: bool):
     A gated mask adapter's folder: ours is base + adapter, transformers' the untuned base (which
     is what our greedy and lossless modes print then).
     """
-    ours, tok, _, _ = load_model(args.model, device, dtype)
+    ours, tok, _, _ = load_model(args.model, device, dtype, args.base)
     if ours.config.mask_token_id is None and tok.mask_id is not None:
         ours.config.mask_token_id = tok.mask_id
     grown = need_mask and ours.config.mask_token_id is None
@@ -176,7 +176,7 @@ def load(args, device, dtype, need_mask: bool):
         with tempfile.TemporaryDirectory() as tmp:
             if grown:
                 save_pretrained(ours, tmp)
-            folder = tmp if grown else base_folder(args.model)
+            folder = tmp if grown else base_folder(args.model, args.base)
             hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
     return ours, tok, hf
 
@@ -186,6 +186,9 @@ def run(args) -> dict:
     apply_attention_backend(args.cudnn_attention, device)
     if args.threads:
         torch.set_num_threads(args.threads)
+    check_model_folder(args, raw=False)                # before any weights; may set k_max, format
+    if not isinstance(args.k_max, list):
+        args.k_max = [args.k_max or 16]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     modes = decode_modes(dict.fromkeys([1] + [args.static_k] * ("static" in args.modes)))    # k = 1: greedy
@@ -202,7 +205,7 @@ def run(args) -> dict:
     dtype_name = str(dtype).removeprefix("torch.")
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     meta = {"model": args.model, "reference": args.reference, "machine": machine, "device": str(device),
-            **provenance(dtype), "format": fmt,
+            **provenance(dtype, device), "format": fmt, "k_max": args.k_max,
             "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "requests": requests,
             "rows": args.rows or max(len(prompts), max(args.batch_sizes)),     # bench_modes.bench's workload
             "prompt_tokens": [len(p) for p in prompts]}
@@ -249,7 +252,7 @@ def run(args) -> dict:
         for name in args.latency_dtypes or (["float32", "bfloat16"] if device.type == "cpu" else [dtype_name]):
             model = ours
             if name != dtype_name:
-                model = load_model(args.model, device, getattr(torch, name))[0]
+                model = load_model(args.model, device, getattr(torch, name), args.base)[0]
             report["latency_ms"][name] = {
                 bs: {T: s * 1e3 for T, s in forward_latency(model, bs, context, args.latency_sizes,
                                                             args.latency_repeats).items()}
@@ -316,7 +319,8 @@ def markdown(report: dict) -> str:
             vs_hf = f"{r['speedup_vs_transformers']:.2f}x" if r["speedup_vs_transformers"] else ""
             promises_greedy = r["kind"] in LOSSLESS_KINDS or r["kind"].startswith(HF_LOOKUP)
             same = ("yes" if r["equals_greedy"] else "**no**") if promises_greedy else ""
-            lines.append(f"| {r['batch_size']} | {r['mode']} | {r['tokens_per_second']:,.1f} | {r['speedup']:.2f}x "
+            mode = r["mode"] + exactness(r["mode"])
+            lines.append(f"| {r['batch_size']} | {mode} | {r['tokens_per_second']:,.1f} | {r['speedup']:.2f}x "
                          f"| {vs_hf} | {r['effective_k']:.2f} | {r['efficiency']:.2f} | {r['fed_per_token']:.2f} "
                          f"| {same} |" + (f" {r['same_as_reference']:.0%} |" if "same_as_reference" in r else ""))
         lookup = any(r["kind"].startswith(HF_LOOKUP) for r in rows)
@@ -409,6 +413,7 @@ def parse(argv):
     p = Parser(prog="decode_real.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model and machine")
     g.add_argument("--model", required=True, help="Hugging Face layout folder (the MTP-tuned model for real figures)")
+    g.add_argument("--base", help="a gated mask adapter's base model folder, if not where its mask_adapter.json says")
     g.add_argument("--out", required=True, help="folder for results.json/.md, samples.md, decoding.png, latency.png")
     g.add_argument("--device", default="auto", help="auto (the default: cuda if available), cpu, cuda, cuda:1, ...")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
@@ -418,7 +423,8 @@ def parse(argv):
               ("--threads", positive_int, None, "CPU threads for torch (default: torch's choice)"),
               CUDNN_ATTENTION,
               ("--format", None, "auto",
-               "prompt format (auto: the one finetune_hf.py picks for this tokenizer)",
+               "prompt format (auto: the folder's trained format, else the one finetune_hf.py picks for this "
+               "tokenizer)",
                {"choices": ("auto",) + FORMATS}))
     r = p.add_argument_group("workload (--quick: 4 prompts, 48 tokens, batch 1 and 4, one round, latency at 6 sizes)")
     r.add_argument("--quick", action="store_true", help="a smoke run in minutes, for checking the command")
@@ -439,8 +445,8 @@ def parse(argv):
                {"nargs": "+", "choices": MODE_CHOICES}),
               ("--static-k", int, 4, None),
               ("--taus", float, [0.9, 0.7], "ConfAdapt thresholds", {"nargs": "+"}),
-              ("--k-max", int, [16], "ConfAdapt: most tokens per pass (several: each with every tau)",
-               {"nargs": "+"}),
+              ("--k-max", int, None, "ConfAdapt: most tokens per pass (several: each with every tau; default: "
+               "the folder's trained k_max, else 16)", {"nargs": "+"}),
               ("--lossless-k", int, None, "lossless: most tokens per pass (default: the largest --k-max)"),
               ("--lookup-tokens", int, 10, "transformers' prompt_lookup_num_tokens"),
               ("--reference", None, None, "another model folder (the untuned model, say): report each "

@@ -27,7 +27,7 @@ from mtp.tokenizer import prompt_tokens
 from tasks.word_problems import domain_prompts
 from mtp.engine import generate
 from mtp.hf import write_json, write_text
-from mtp.cli import read_rows
+from mtp.cli import compute_dtype, provenance, read_rows
 from mtp.finetune_cli import load_for_inference, model_name
 
 
@@ -95,7 +95,8 @@ def analyze(args) -> dict:
 
     print("\n".join(md))
     report = {"model": args.model, "format": fmt, "k_max": args.k_max,
-              "max_new_tokens": args.max_new_tokens, "domains": reports}
+              "max_new_tokens": args.max_new_tokens, "domains": reports,
+              **provenance(compute_dtype(model), device)}
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

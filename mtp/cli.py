@@ -21,6 +21,7 @@ import torch
 
 from adapter import is_adapter_folder, load_mask_adapter, read_adapter_config
 from model import add_mask_token
+from mtp.folders import apply_trained_with, check_format, checked_base
 from mtp.hf import from_pretrained
 from mtp.tokenizer import FORMATS, Tokenizer, default_format, end_token, prompt_tokens
 
@@ -244,7 +245,10 @@ def add_model_args(p):
     g = p.add_argument_group("model")
     g.add_argument("--model", required=True,
                    help="Hugging Face layout folder (config.json, safetensors, "
-                   "tokenizer.json)")
+                   "tokenizer.json), or a gated mask adapter's folder")
+    g.add_argument("--base", default=None,
+                   help="an adapter's base model folder, if not where its "
+                   "mask_adapter.json says (checked against its fingerprint)")
     g.add_argument("--device", default="auto",
                    help="auto (the default: cuda when available, else cpu), cpu, cuda or "
                    "cuda:N")
@@ -254,10 +258,13 @@ def add_model_args(p):
                    "hardware computes it natively (a GPU from Ampere on, a CPU with "
                    "AVX-512 BF16 or AMX), else float32")
     g.add_argument("--format", default="auto", choices=["auto", "raw", *FORMATS],
-                   help="how --prompt becomes tokens. auto (the default): the model's "
+                   help="how --prompt becomes tokens. auto (the default): the format "
+                   "the folder was trained in (its trained_with.json), else the model's "
                    "chat format (llama3-chat, chatml or qwen) with --prompt as the "
                    "user's message, when its tokenizer has one, else raw; raw: the "
-                   "text itself after the model's BOS token")
+                   "text itself after the model's BOS token (finetune_hf.py's auto "
+                   "picks plain there, the text and a blank line: the format it trains "
+                   "such a model in)")
     g.add_argument("--no-bos", action="store_true",
                    help="raw: do not put the model's BOS token first")
     g.add_argument("--threads", type=positive_int, default=None,
@@ -277,19 +284,37 @@ def load_tokenizer(path):
                          f"{type(e).__name__}: {e}") from None
 
 
-def base_folder(path) -> str:
-    """The model folder itself, or the base model a gated mask adapter folder
-    names."""
+def base_folder(path, base=None) -> str:
+    """The model folder itself, or the base model of a gated mask adapter folder:
+    `base` (--base) if given, else the one it names; either must be the one it was
+    trained on (mtp.folders.checked_base)."""
     if is_adapter_folder(path):
-        return read_adapter_config(path)["base_model"]
+        named = read_adapter_config(path)["base_model"]
+        return checked_base(os.path.normpath(path), base, named)
+    if base is not None:
+        raise CliError(f"--base {base}: --model {path} is not a gated mask adapter "
+                       "(no mask_adapter.json)")
     return path
 
 
-def load_model(path, device="cpu", dtype=torch.float32):
+def check_model_folder(args, raw=True, k_max_applies=True, defaults=True):
+    """What a command that reads --model checks before any weights load: the base an
+    adapter names (or --base) is there and is the one it was trained on; with
+    `defaults`, --k-max (None: unset) and --format auto take what the folder was
+    trained with; the format is one the tokenizer encodes (raw: the command takes raw
+    too)."""
+    input_path(args.model, "--model", folder=True)
+    base = base_folder(args.model, getattr(args, "base", None))
+    if defaults:
+        apply_trained_with(args, k_max_applies)
+    check_format(args.format, load_tokenizer(base), base, raw=raw)
+
+
+def load_model(path, device="cpu", dtype=torch.float32, base=None):
     """Model (eval mode), tokenizer, mask id (None without one) and stop ids of a
     model folder, or of a gated mask adapter folder: its base model with <mask>
     added, then the adapter."""
-    base = base_folder(path)
+    base = base_folder(path, base)
     model = from_pretrained(base, device=device, dtype=dtype)
     tokenizer = load_tokenizer(base)
     if base != path:
@@ -325,12 +350,20 @@ def load(args, mode):
     device = parse_device(args.device)
     dtype = parse_dtype(args.dtype, device)
     apply_attention_backend(args.cudnn_attention, device)
-    model, tokenizer, mask_id, stop_ids = load_model(args.model, device, dtype)
+    model, tokenizer, mask_id, stop_ids = load_model(args.model, device, dtype, args.base)
     if mode.block > 1 and mask_id is None:
         raise ValueError(f"model {args.model} has no mask token (no mask_token_id in "
                          "config.json, no <mask> in the tokenizer): only --greedy works; "
                          "add one with model.add_mask_token and fine-tune")
     return model, tokenizer, mask_id, stop_ids
+
+
+def exactness(mode: str) -> str:
+    """The lossless mode's caveat, for output that names a decoder: a pass's shape
+    changes bfloat16's rounding, so lossless equals greedy exactly in float32 only."""
+    if not mode.startswith("lossless"):
+        return ""
+    return " (exact in float32; up to rounding in bfloat16)"
 
 
 def prompt_format(name, tokenizer, model) -> str:
@@ -370,7 +403,8 @@ def read_rows(path, choices=None) -> list:
     """The rows (dicts) of a JSON array or JSONL file; with `choices`, their
     first field tuple."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        # utf-8-sig: a byte-order mark (Notepad writes one) is no error
+        text = Path(path).read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
 
@@ -439,11 +473,17 @@ def cpu_name() -> str:
     return f"{name}, {os.cpu_count()} cores" + (f", {flags}" if flags else "")
 
 
-def provenance(dtype: torch.dtype) -> dict:
+def compute_dtype(model) -> torch.dtype:
+    """The dtype a model computes in: its embedding's (an adapter keeps its own
+    small tensors in float32, whatever the model's dtype)."""
+    return model.tok_emb.weight.dtype
+
+
+def provenance(dtype: torch.dtype, device=None) -> dict:
     """What every results.json records, so that its figures are compared only
     with figures of the same code, CPU and dtype: the commit (None outside git),
-    the CPU, the compute dtype, torch, and the CPU threads (in bfloat16 they
-    change the rounding, and so a greedy text, on a CPU)."""
+    the CPU, the device and compute dtype, torch, and the CPU threads (in bfloat16
+    they change the rounding, and so a greedy text, on a CPU)."""
     commit = None
     try:
         here = os.path.dirname(os.path.abspath(__file__))
@@ -455,6 +495,7 @@ def provenance(dtype: torch.dtype) -> dict:
         pass
     return {"commit": commit or None,
             "cpu": cpu_name(),
+            **({"device": str(device)} if device is not None else {}),
             "dtype": str(dtype).removeprefix("torch."),
             "torch": torch.__version__,
             "threads": torch.get_num_threads()}

@@ -21,8 +21,10 @@ from distill import LOSSES
 from adapter import ADAPTER_TARGETS
 from mtp.hf import read_model_config
 from mtp.cli import (CUDNN_ATTENTION, CliError, Parser, add_flags, apply_attention_backend,
-                     base_folder, count, input_path, load_model, number, output_folder,
-                     parse_device, parse_dtype, positive_float, positive_int, probability)
+                     base_folder, check_model_folder, count, input_path, load_model, number,
+                     output_folder, parse_device, parse_dtype, positive_float, positive_int,
+                     probability)
+from mtp.folders import FolderLock
 
 DESCRIPTION = ("Fine-tune a Hugging Face Llama/Qwen/SmolLM2 checkpoint into a multi-token "
                "predictor; measure it.")
@@ -31,6 +33,10 @@ DESCRIPTION = ("Fine-tune a Hugging Face Llama/Qwen/SmolLM2 checkpoint into a mu
 # else is not its own.
 WRITES = {"eval": ("results.json", "results.md", "pareto.png", "samples.jsonl"),
           "analyze": ("analysis.json", "analysis.md")}
+
+# train's adapter-only flags, unset (None) unless given, and their defaults.
+ADAPTER_DEFAULTS = {"adapter_rank": 32, "adapter_alpha": 64.0,
+                    "adapter_targets": list(ADAPTER_TARGETS)}
 
 # In the model card of every export: export writes only over a folder whose
 # card has it.
@@ -45,12 +51,18 @@ def run_command(commands: dict, argv):
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     if args.threads:
         torch.set_num_threads(args.threads)
+    # the --out folder's lock, held from the checks to the command's end
+    locks = []
     try:
-        check_args(args)
+        check_args(args, locks)
+        for held in locks:
+            held.acquire()
         if args.command != "export":
             apply_attention_backend(args.cudnn_attention, parse_device(args.device))
         commands[args.command](args)
     finally:
+        for lock in locks:
+            lock.release()
         if "WORLD_SIZE" in os.environ and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
@@ -64,8 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     def common(c, model_help, max_new_tokens=None):
         c.add_argument("--model", required=True,
                        help=f"Hugging Face layout folder{model_help}")
+        c.add_argument("--base", help="a gated mask adapter's base model folder, if not "
+                       "where its mask_adapter.json says (checked against its fingerprint)")
         c.add_argument("--format", default="auto", choices=("auto", *FORMATS),
-                       help="prompt format (auto: detect)")
+                       help="prompt format (auto: the folder's trained format, else the "
+                       "tokenizer's chat format, else plain)")
         if max_new_tokens:
             add_flags(c,
                       ("--max-new-tokens", positive_int, max_new_tokens,
@@ -119,10 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
                "at <mask> positions (the model's own predictions stay exactly the base "
                "model's; the teacher is the base itself, no copy); final/ then holds the "
                "adapter, not a model", {"choices": ("none", "gated-lora")}),
-              ("--adapter-rank", positive_int, 32, "gated-lora: rank of each update"),
-              ("--adapter-alpha", positive_float, 64.0,
-               "gated-lora: the update is scaled by alpha / rank"),
-              ("--adapter-targets", None, list(ADAPTER_TARGETS),
+              ("--adapter-rank", positive_int, None, "gated-lora: rank of each update "
+               "(default 32)"),
+              ("--adapter-alpha", positive_float, None,
+               "gated-lora: the update is scaled by alpha / rank (default 64)"),
+              ("--adapter-targets", None, None,
                "gated-lora: the projections that get an update (default: all)",
                {"nargs": "+", "choices": ADAPTER_TARGETS}),
               ("--shard-base", None, "auto",
@@ -164,12 +180,20 @@ def build_parser() -> argparse.ArgumentParser:
                {"nargs": "*"}),
               ("--taus", probability, taus, "ConfAdapt thresholds, each in (0, 1]",
                {"nargs": "*"}),
-              ("--k-max", positive_int, 16, "ConfAdapt: most tokens per pass"),
-              ("--lossless-k", count, 0, "also run the lossless mode with this k (0: no)"),
+              ("--k-max", positive_int, None,
+               "ConfAdapt: most tokens per pass (default: the folder's trained k_max, else 16)"),
+              ("--lossless-k", count, 0, "also run the lossless mode with this k (0: no; "
+               "exact in float32, up to rounding in bfloat16)"),
               ("--limit", count, 0, "first N questions only (0: all)"))
     e.add_argument("--reference",
                    help="an earlier eval's --out: report how often each answer equals its "
                    "k=1 answer")
+    e.add_argument("--tolerance", type=number(float, 0), metavar="POINTS",
+                   help="name the tau with the most tokens per pass whose accuracy "
+                   "(flexible-extract) is at most POINTS below k=1's (--reference's, else "
+                   "this model's), question by question: its drop plus two standard errors "
+                   "of the paired difference is within POINTS; none if no tau's is (the "
+                   "tolerance is inside the noise)")
 
     a = sub.add_parser("analyze",
                        help="before tuning: how predictable are the model's answers on this "
@@ -212,16 +236,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_args(args):
+def check_args(args, locks):
     """Before any work: what a command reads exists, what it writes can be made;
-    train's sizes."""
+    train's sizes. Appends to `locks` the lock of the folder it writes into."""
     # export has --checkpoint, no --model or --data.
     a = vars(args)
     for flag in ("model", "checkpoint"):
         if a.get(flag) is not None:
             input_path(a[flag], f"--{flag}", folder=True)
     # The model's config says most about a wrong folder.
-    cfg = read_model_config(base_folder(args.model)) if "model" in a else None
+    cfg = read_model_config(base_folder(args.model, args.base)) if "model" in a else None
+    if "model" in a:
+        check_model_folder(args, raw=False, k_max_applies=args.command == "eval",
+                           defaults=args.command != "train")
+    if args.command == "eval":
+        args.k_max = args.k_max or 16
     # One file (eval, analyze) or several (train).
     data = a.get("data")
     if isinstance(data, str):
@@ -231,18 +260,24 @@ def check_args(args):
     # An earlier eval's --out.
     if a.get("reference") is not None:
         input_path(os.path.join(args.reference, "samples.jsonl"), "--reference")
+    if a.get("tolerance") is not None and not args.reference and 1 not in args.static_k:
+        raise CliError("--tolerance compares with k=1's accuracy: add 1 to --static-k, or "
+                       "give --reference")
     # data's --out is a file.
     if args.command == "data":
         if os.path.isdir(args.out):
             raise CliError(f"--out {args.out}: is a folder, expected a file name")
         output_folder(os.path.dirname(args.out) or ".", f"--out {args.out}: its folder")
+        lock(args, os.path.dirname(args.out) or ".", locks)
         if os.path.exists(args.out) and not args.overwrite:
             raise CliError(f"--out {args.out} exists: add --overwrite to replace it")
     elif a.get("out") is not None:
         output_folder(args.out, "--out")
+        lock(args, args.out, locks)
         check_out_folder(args)
     if args.command != "train":
         return
+    check_adapter_flags(args)
 
     used = [f for f in ("checkpoints", "log.jsonl", "final") if (Path(args.out) / f).exists()]
     if used and not (args.resume or args.overwrite):
@@ -277,6 +312,29 @@ def check_args(args):
             how = f"reaches --lr {args.lr:g} only at step {args.warmup}"
         print(f"warning: --warmup {args.warmup} is over half of --steps {args.steps}: the "
               f"learning rate {how}", flush=True)
+
+
+def lock(args, folder, locks):
+    """`folder`'s lock, into `locks`: held now if the folder exists (a run in it is
+    told before any other check), else once every check has passed (run_command),
+    so that a refused command makes no folder."""
+    name = f"--out {args.out}" + (f": its folder {folder}" if folder != args.out else "")
+    held = FolderLock(folder, name)
+    locks.append(held)
+    if os.path.isdir(folder):
+        held.acquire()
+
+
+def check_adapter_flags(args):
+    """train's adapter-only flags need --adapter gated-lora; unset, their defaults."""
+    given = [k for k in ADAPTER_DEFAULTS if getattr(args, k) is not None]
+    if given and args.adapter == "none":
+        flag = "--" + given[0].replace("_", "-")
+        raise CliError(f"{flag} applies to --adapter gated-lora only; without it train "
+                       "tunes every weight: add --adapter gated-lora, or leave it out")
+    for key, value in ADAPTER_DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
 
 
 def check_out_folder(args):
@@ -317,7 +375,7 @@ def load_for_inference(args):
     for the commands that decode (eval, analyze, data)."""
     device = parse_device(args.device)
     model, tok, mask_id, stop_ids = load_model(args.model, device,
-                                               parse_dtype(args.dtype, device))
+                                               parse_dtype(args.dtype, device), args.base)
     fmt = args.format
     if fmt == "auto":
         fmt = default_format(tok, model.config.model_type)

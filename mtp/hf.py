@@ -217,7 +217,8 @@ def read_json(path, what="file") -> dict:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no {what} at {path}")
     try:
-        with open(path, encoding="utf-8") as f:
+        # utf-8-sig: a byte-order mark (Notepad writes one) is no error
+        with open(path, encoding="utf-8-sig") as f:
             obj = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"malformed JSON in {path}: {e}") from None
@@ -259,28 +260,32 @@ def atomic_save(write, path):
     os.replace(tmp, path)
 
 
+def safetensors_files(path) -> list[str]:
+    """The safetensors files of a single-file or sharded checkpoint folder."""
+    single = os.path.join(path, "model.safetensors")
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(single):
+        return [single]
+    if not os.path.isfile(index):
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json "
+                                f"in {path}")
+    weight_map = read_json(index, "safetensors index").get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index} has no weight_map")
+    files = [os.path.join(path, f) for f in sorted(set(weight_map.values()))]
+    for f in files:
+        if not os.path.isfile(f):
+            raise FileNotFoundError(f"missing checkpoint shard {f}")
+    return files
+
+
 def read_safetensors(path) -> dict:
     """All tensors of a single-file or sharded safetensors checkpoint (never
     unpickles)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
-    single = os.path.join(path, "model.safetensors")
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(single):
-        files = [single]
-    elif os.path.isfile(index):
-        weight_map = read_json(index, "safetensors index").get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{index} has no weight_map")
-        files = [os.path.join(path, f) for f in sorted(set(weight_map.values()))]
-    else:
-        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json "
-                                f"in {path}")
-
     tensors = {}
-    for f in files:
-        if not os.path.isfile(f):
-            raise FileNotFoundError(f"missing checkpoint shard {f}")
+    for f in safetensors_files(path):
         try:
             tensors.update(load_file(f))
         except (SafetensorError, OSError, ValueError) as e:

@@ -154,7 +154,7 @@ class Tokenizer:
         spec = None
         roles = {}
         if json_file.is_file():
-            spec = json.loads(json_file.read_text(encoding="utf-8"))
+            spec = json.loads(json_file.read_text(encoding="utf-8-sig"))
             ranks, specials, pattern, nfc = read_hf_tokenizer_json(spec, json_file)
         elif llama_model.is_file():
             # tiktoken's format: one `base64(token) rank` per line
@@ -173,7 +173,7 @@ class Tokenizer:
 
         names = ("tokenizer_config.json", "config.json", "generation_config.json")
         files = [folder / name for name in names]
-        tok_config, *configs = [json.loads(f.read_text("utf-8")) if f.is_file() else {}
+        tok_config, *configs = [json.loads(f.read_text("utf-8-sig")) if f.is_file() else {}
                                 for f in files]
 
         def config_ids(key):

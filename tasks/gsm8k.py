@@ -29,7 +29,8 @@ from mtp.tokenizer import prompt_tokens, start_tokens, Tokenizer
 from tasks.word_problems import PROMPTS
 from mtp.engine import generate
 from mtp.hf import write_json, write_text
-from mtp.cli import Progress, format_seconds, provenance, read_rows
+from mtp.cli import (Progress, compute_dtype, exactness, format_seconds, provenance,
+                     read_rows)
 from mtp.finetune_cli import load_for_inference, model_name
 
 GSM8K_EXEMPLARS = json.loads((PROMPTS / "gsm8k_cot_exemplars.json").read_text("utf-8"))
@@ -118,6 +119,7 @@ def evaluate(args) -> list[dict]:
 
     # An earlier eval's k=1 completions (the untuned model's).
     reference = None
+    greedy = None
     if args.reference:
         path = Path(args.reference) / "samples.jsonl"
         greedy = [r for r in read_rows(path) if r.get("decoding") == "k=1 (greedy)"]
@@ -131,8 +133,7 @@ def evaluate(args) -> list[dict]:
     meta = {"model": args.model, "data": args.data, "prompt_style": args.prompt_style,
             "format": fmt, "n_shot": args.n_shot if fewshot else 0,
             "max_new_tokens": args.max_new_tokens,
-            "device": str(next(model.parameters()).device),
-            **provenance(next(model.parameters()).dtype)}
+            **provenance(compute_dtype(model), next(model.parameters()).device)}
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -149,6 +150,8 @@ def evaluate(args) -> list[dict]:
     results = []
     table = []
     samples_text = []
+    # per decoder, per question: flexible-extract correct?
+    correct = {}
     try:
         for mode in modes:
             gens, seconds = decode_with_progress(model, ordered, mode, mask_id, stop_ids, args)
@@ -161,6 +164,7 @@ def evaluate(args) -> list[dict]:
                               **score(text, golds[i])}
 
             row = result_row(mode, samples, seconds, args.batch_size)
+            correct[row["decoding"]] = [s["flexible_ok"] for s in samples]
             # How often the answer is the reference's, word for word.
             if same:
                 row["same_as_reference"] = mean_and_stderr(
@@ -178,8 +182,46 @@ def evaluate(args) -> list[dict]:
         if results:
             kept = f"{out} holds the results of the {len(results)} finished decoder(s)"
         raise KeyboardInterrupt(kept) from None
+    if args.tolerance is not None:
+        base = correct.get("k=1 (greedy)")
+        baseline = "this model's k=1"
+        if greedy is not None:
+            base = [r["flexible_ok"] for r in greedy][:len(golds)]
+            baseline = f"k=1 of {args.reference}"
+        spot = sweet_spot(results, correct, base, args.tolerance, baseline)
+        print(spot["summary"])
+        write_eval(out, title, meta, header, table, results, samples_text, spot)
     print(f"wrote {out / 'results.md'}, results.json, pareto.png, samples.jsonl")
     return results
+
+
+def sweet_spot(results, correct, base, tolerance, baseline) -> dict:
+    """The ConfAdapt tau with the most tokens per pass whose flexible-extract accuracy
+    is within `tolerance` points of `base`'s (per question: correct?), compared
+    question by question: its drop, mean(base - tau) over the N questions, plus two
+    standard errors of that mean, is at most the tolerance. None qualifies where the
+    tolerance is inside the noise (under two standard errors of every tau's drop)."""
+    taus = []
+    for row in results:
+        if row["kind"] != "confadapt":
+            continue
+        diffs = [int(b) - int(t) for b, t in zip(base, correct[row["decoding"]])]
+        drop, se = mean_and_stderr(diffs)
+        taus.append({"tau": row["tau"], "k_max": row["k_max"],
+                     "effective_k": row["effective_k_overall"],
+                     "drop_points": 100 * drop, "stderr_points": 100 * se,
+                     "within": 100 * (drop + 2 * se) <= tolerance})
+    inside = [t for t in taus if t["within"]]
+    best = max(inside, key=lambda t: t["effective_k"], default=None)
+    head = (f"tolerance {tolerance:g} points below {baseline} (flexible-extract, "
+            f"paired over N = {len(base)} questions): ")
+    if best is None:
+        summary = head + "none (no tau's drop + 2 standard errors is within it)"
+    else:
+        summary = (head + f"tau {best['tau']:g} ({best['effective_k']:.2f} tokens per "
+                   f"pass; drop {best['drop_points']:.1f} ± {best['stderr_points']:.1f})")
+    return {"tolerance_points": tolerance, "baseline": baseline, "n": len(base),
+            "taus": taus, "best_tau": best and best["tau"], "summary": summary}
 
 
 def result_row(mode: DecodeConfig, samples, seconds, batch_size) -> dict:
@@ -210,7 +252,7 @@ def result_row(mode: DecodeConfig, samples, seconds, batch_size) -> dict:
 
 def table_line(row):
     """results.md's line of one decoder: accuracies in % ± standard error."""
-    line = (f"| {row['decoding']} "
+    line = (f"| {row['decoding']}{exactness(row['decoding'])} "
             f"| {100 * row['flexible_acc']:.1f} ± {100 * row['flexible_se']:.1f} "
             f"| {100 * row['strict_acc']:.1f} ± {100 * row['strict_se']:.1f} "
             f"| {row['effective_k_mean']:.2f} ± {row['effective_k_std']:.2f} "
@@ -241,8 +283,11 @@ def decode_with_progress(model, prompts, mode: DecodeConfig, mask_id, stop_ids, 
     return gens, seconds
 
 
-def write_eval(out, title, meta, header, table, results, samples_text):
-    write_json(out / "results.json", {"meta": meta, "results": results})
+def write_eval(out, title, meta, header, table, results, samples_text, spot=None):
+    report = {"meta": meta, "results": results}
+    if spot is not None:
+        report["sweet_spot"] = spot
+    write_json(out / "results.json", report)
     md = [f"### {title}", "", *header, *table]
     # Every row has the question count, the batch size and, with --reference, the share.
     row = results[0]
@@ -252,6 +297,8 @@ def write_eval(out, title, meta, header, table, results, samples_text):
     if "same_as_reference" in row:
         note += "; same as reference = share of answers identical to the reference's k=1 answer"
     md += ["", note + ".", ""]
+    if spot is not None:
+        md += [spot["summary"] + ".", ""]
     write_text(out / "results.md", "\n".join(md))
     write_text(out / "samples.jsonl", "".join(samples_text))
     pareto_plot(results, out / "pareto.png", title)

@@ -65,7 +65,10 @@ def analysis(one_thread_for_module, tiny_hf, tmp_path_factory):
 
 def test_analyze_writes_the_estimates_of_a_file_of_prompts(analysis):
     """analysis.json holds the file's estimates; analysis.md shows the same figures."""
-    report = json.loads((analysis / "analysis.json").read_text())["domains"]["test.jsonl"]
+    whole = json.loads((analysis / "analysis.json").read_text())
+    # what its figures were computed in
+    assert whole["device"] == "cpu" and whole["dtype"] in ("float32", "bfloat16")
+    report = whole["domains"]["test.jsonl"]
     assert report["answers"] == 2
     assert report["tokens"] > 0
     est = report["estimates"][0]

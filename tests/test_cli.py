@@ -235,6 +235,9 @@ def confadapt_cases():
         f"{run} --static-k 2 --lossless",
         f"{run} --static-k 2 --tau 0.5",
         f"{run} --greedy --k-max 4",
+        f"{run} --format chatml",
+        f"{run} --format llama3-chat",
+        f"{run} --base ft/final",
         f"{run} --png a_file/chunks.png",
         f"{run} --unknown",
         "--model base",
@@ -309,6 +312,10 @@ def train_cases():
     cases += [
         f"{train} --resume --overwrite",
         f"{train} --unknown",
+        f"{train} --format chatml",
+        f"{train} --adapter-rank 8",
+        f"{train} --adapter-alpha 8",
+        f"{train} --adapter-targets wq",
         "train --model base",
     ]
     cases += [train_with(model=m) for m in ["missing", "a_file", *BROKEN_MODELS]]
@@ -335,6 +342,10 @@ BAD_EVAL_SETTINGS = [
     "--model missing",
     "--reference missing",
     "--reference a_file",
+    "--format llama3-chat",
+    "--tolerance -1",
+    "--tolerance x",
+    "--tolerance 2 --static-k 2",
 ]
 
 BAD_ANALYZE_SETTINGS = [
@@ -349,6 +360,7 @@ BAD_ANALYZE_SETTINGS = [
     "--data bad_data/wrong_rows",
     "--data bad_data/latin1",
     "--model broken/mistral",
+    "--format qwen",
 ]
 
 
@@ -380,6 +392,7 @@ def data_and_export_cases():
         f"{rows} --out a_file/rows.jsonl",
         f"{rows} --model missing",
         f"{rows} --device gpu",
+        f"{rows} --format chatml",
     ]
     checkpoints = ("missing", "a_file", "wp", "truncated")
     cases += [f"export --checkpoint {c} --out exp" for c in checkpoints]
@@ -433,6 +446,7 @@ SCRIPT_CASES = [
     ("bench_modes", "--model base --prompt '1 2' --rows -1"),
     ("bench_modes", "--model base --prompt '1 2' --repeats x"),
     ("bench_modes", "--model base --prompt '1 2' --latency-max nan"),
+    ("bench_modes", "--model base --prompt '1 2' --format chatml"),
     ("bench_modes", "--model base --prompt '1 2' --taus 1.5"),
     ("bench_modes", "--model base"),
     ("word_problem_base", "--out a_file"),
@@ -524,6 +538,24 @@ ERROR_LINES = [
      "--steps: must be at least 1, got 0"),
     ("finetune_hf", "export --checkpoint truncated --out exp", "truncated/trainer.pt: truncated"),
     ("finetune_hf", "analyze --model base --data x --taus 0", "--taus: must be in (0, 1]"),
+    # a format the tokenizer has no special tokens for: those it has, before any weights
+    ("confadapt", "--model base --prompt 1 --format chatml",
+     "--format chatml: the tokenizer in base has not its special tokens; it supports plain, raw"),
+    ("finetune_hf", train_with(out="o") + " --format llama3-chat", "it supports plain"),
+    ("finetune_hf", "eval --model base --data wp/test.jsonl --format chatml", "it supports plain"),
+    ("finetune_hf", "analyze --model base --data wp/test.jsonl --format qwen",
+     "it supports plain"),
+    ("finetune_hf", "data --model base --out r.jsonl --format chatml", "it supports plain"),
+    ("bench_modes", "--model base --prompt '1 2' --format chatml", "it supports plain, raw"),
+    ("confadapt", "--model base --prompt 1 --base ft/final",
+     "--model base is not a gated mask adapter"),
+    # adapter-only flags without the adapter would silently tune every weight
+    ("finetune_hf", train_with(out="o") + " --adapter-rank 8",
+     "--adapter-rank applies to --adapter gated-lora only"),
+    ("finetune_hf", train_with(out="o") + " --adapter-targets wq up",
+     "--adapter-targets applies to --adapter gated-lora only"),
+    ("finetune_hf", "eval --model ft/final --data wp/test.jsonl --tolerance 1 --static-k 2",
+     "--tolerance compares with k=1's accuracy"),
 ]
 if not torch.cuda.is_available():
     ERROR_LINES.append(("finetune_hf", "eval --model base --data wp/test.jsonl --device cuda",
@@ -794,7 +826,8 @@ def test_eval_prints_the_table_head_before_decoding(eval_cut_in_its_second_decod
 def test_eval_on_ctrl_c_says_what_it_kept(eval_cut_in_its_second_decoder):
     printed, out = eval_cut_in_its_second_decoder
     kept = f"{out} holds the results of the 1 finished decoder(s)"
-    assert printed.err.strip() == f"interrupted: {kept}"
+    # after the line naming the defaults ft/final was trained with
+    assert printed.err.strip().splitlines()[-1] == f"interrupted: {kept}"
 
 
 def test_eval_on_ctrl_c_keeps_the_finished_decoders_results(eval_cut_in_its_second_decoder):
@@ -933,9 +966,10 @@ GREEDY = f"--model ft/final --prompt '{PROMPT}' --greedy"
 
 
 def prompt_tokens_of(fmt):
-    """The prompt's tokens in this format: raw (no chat tokens, auto picks it) or plain."""
+    """The prompt's tokens in this format: raw or plain (auto: ft/final's trained_with.json
+    says plain, the format it was trained in)."""
     tok = Tokenizer.from_pretrained(Path("ft") / "final")
-    if fmt == "plain":
+    if fmt in ("plain", "auto"):
         return prompt_tokens(tok, "plain", PROMPT)
     return [tok.bos_id, *tok.encode(PROMPT)]
 
@@ -945,6 +979,45 @@ def test_confadapt_formats_the_prompt_as_asked(at_root, capsys, fmt):
     assert confadapt.main(argv(f"{GREEDY} --max-new-tokens 2 --json --format {fmt}")) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["prompt_tokens"] == len(prompt_tokens_of(fmt))
+
+
+def test_export_records_the_k_max_and_format_it_trained_with(at_root):
+    assert json.loads(Path("ft/final/trained_with.json").read_text()) == {"k_max": 4,
+                                                                         "format": "plain"}
+
+
+@pytest.mark.parametrize("flags,k_max,named", [("", 4, "--k-max 4 --format plain"),
+                                               ("--k-max 8", 8, "--format plain"),
+                                               ("--k-max 8 --format raw", 8, None)])
+def test_confadapt_decodes_a_tuned_folder_as_it_was_trained(at_root, capsys, flags, k_max,
+                                                            named):
+    line = f"--model ft/final --prompt '{PROMPT}' --max-new-tokens 2 --json {flags}"
+    assert confadapt.main(argv(line)) == 0
+    printed = capsys.readouterr()
+    assert json.loads(printed.out)["mode"] == f"confadapt tau=0.9 k_max={k_max}"
+    said = [x for x in printed.err.splitlines() if x.startswith("defaults from")]
+    if named is None:
+        assert said == []
+    else:
+        assert said == [f"defaults from {os.path.join('ft', 'final', 'trained_with.json')}: "
+                        f"{named} (as it was trained; give the flags to override)"]
+
+
+def test_eval_decodes_a_tuned_folder_at_its_trained_k_max(at_root, tmp_path):
+    line = (f"eval --model ft/final --data wp/test.jsonl --out {tmp_path / 'ev'} --static-k "
+            "--taus 0.9 --max-new-tokens 2 --prompt-style zeroshot")
+    assert finetune_hf.main(argv(line)) == 0
+    results = json.loads((tmp_path / "ev" / "results.json").read_text())
+    assert [r["k_max"] for r in results["results"]] == [4]
+    assert results["meta"]["format"] == "plain"
+
+
+def test_confadapt_auto_is_raw_on_a_model_that_records_no_format(at_root, capsys):
+    # base/ has no chat tokens and no trained_with.json: the text itself after BOS
+    line = f"--model base --prompt '{PROMPT}' --greedy --max-new-tokens 2 --json"
+    assert confadapt.main(argv(line)) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["prompt_tokens"] == len(prompt_tokens_of("raw"))
 
 
 def test_confadapt_makes_the_folder_of_its_png_after_decoding(at_root, tmp_path):

@@ -122,12 +122,16 @@ def test_exported_folder_loads_with_its_mask_token_tokenizer_and_weights(old_fil
     assert_close(logits_of(model, want["input"]), want["logits"], "logits")
 
 
-def test_adapter_folder_loads_onto_the_base_it_names(old_files, monkeypatch):
+def test_adapter_folder_loads_onto_the_base_it_names(old_files, monkeypatch, capsys):
     """The adapter's folder names its base by a path relative to itself: loaded from another
-    folder, it gives its trained mask rows, and at every other position the base model."""
+    folder, it gives its trained mask rows, and at every other position the base model. It
+    records no fingerprint of its base (format_version 1): one line says so."""
     want = EXPECTED["adapter"]
     monkeypatch.chdir(old_files.parent)
     model, tokenizer, mask_id, _ = load_model(old_files / want["folder"])
+    notice = capsys.readouterr().err.strip().splitlines()
+    assert len(notice) == 1 and notice[0].startswith("note: ")
+    assert "records no fingerprint of its base" in notice[0]
     assert mask_id == model.config.mask_token_id == tokenizer.mask_id == want["mask_id"]
     got = logits_of(model, want["input"])
     assert_close(got, want["logits"], "logits")

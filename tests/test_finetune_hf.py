@@ -373,12 +373,12 @@ def adapter_resumed(one_thread_for_module, tiny_hf, tmp_path_factory):
 
 
 def test_gated_adapter_final_holds_the_trained_adapter_alone(adapter_run):
-    """final/ holds the adapter's config and weights and a card: the low-rank updates and
-    the <mask> embedding, which training changed."""
+    """final/ holds the adapter's config and weights, a card and what it trained with: the
+    low-rank updates and the <mask> embedding, which training changed."""
     from adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
     final = adapter_run[0] / "final"
     files = sorted(p.name for p in final.iterdir())
-    assert files == sorted([ADAPTER_CONFIG, ADAPTER_WEIGHTS, "README.md"])
+    assert files == sorted([ADAPTER_CONFIG, ADAPTER_WEIGHTS, "README.md", "trained_with.json"])
     saved = load_file(str(final / ADAPTER_WEIGHTS))
     assert all(".adapter." in n or n == "mask_embedding" for n in saved)
     ups = [t for n, t in saved.items() if n.endswith(".up")]

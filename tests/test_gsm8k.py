@@ -127,6 +127,7 @@ def test_eval_records_what_its_figures_depend_on(sweep):
     assert meta["commit"] is None or re.fullmatch("[0-9a-f]{40}", meta["commit"])
     assert meta["cpu"]
     assert meta["dtype"] in ("float32", "bfloat16")
+    assert meta["device"] == "cpu"
     assert meta["torch"] == torch.__version__
 
 
@@ -135,7 +136,8 @@ def test_eval_sweeps_every_decoder_into_table_samples_and_plot(sweep):
     lossless is as accurate as greedy."""
     _, out = sweep
     res = json.loads((out / "results.json").read_text())["results"]
-    decoders = ["k=1 (greedy)", "static k=3", "confadapt tau=0.9 k_max=16", "lossless k=4"]
+    # ConfAdapt at the k_max the model was trained with (train --k-max 6)
+    decoders = ["k=1 (greedy)", "static k=3", "confadapt tau=0.9 k_max=6", "lossless k=4"]
     assert [r["decoding"] for r in res] == decoders
     assert res[0]["effective_k_mean"] == 1.0
     assert res[1]["effective_k_mean"] > 1.0
