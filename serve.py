@@ -1,8 +1,8 @@
 """Serving many users at once with a multi-token decoder: an OpenAI-compatible server.
 
-A server takes requests from many users at once. One decoding thread owns the model and its KV
-cache and runs passes over every live request (a row); the HTTP handlers only put requests on a
-bounded queue and read back each request's tokens. Three things make it a server:
+One decoding thread owns the model and its KV cache and runs passes over every live request (a
+row); the HTTP handlers (mtp/openai_api.py: schemas, server-sent events, metrics, API key) only
+queue requests and read back each one's tokens. Three things make it a server:
 
     admission        between two passes, waiting requests take the free rows (continuous
                      batching: mtp/engine.py's ragged passes); a full queue answers 429, and a
@@ -20,8 +20,6 @@ Each pass takes the k that maximises
 that is, tokens served per second. k = 1 is greedy (E = 1), so the rule falls back to greedy's
 cost when extra positions do not pay: few rows leave the processor idle and extra positions
 are nearly free; many rows keep it busy and every position costs.
-
-The OpenAI schemas, server-sent events, metrics and the API key live in mtp/openai_api.py.
 
     python serve.py --model DIR [--port 8000] [--api-key KEY] [--max-rows 16]
 
@@ -91,54 +89,32 @@ class Acceptance:
 
 
 class PassCosts:
-    """C(k, B): seconds of a pass of k positions a row at B rows. Seeded on a grid at start-up
-    (linear in between), then every pass moves its own cell a fifth of the way to its time."""
+    """C(k, B): seconds of a pass of k positions a row at B live rows. Timed at start-up for
+    every k at B = 1, 2, 4, ... max_rows (a B in between takes the next larger one's time);
+    then every pass moves its own cell a fifth of the way to what it took."""
 
-    def __init__(self, grid: dict, k_top: int, max_rows: int):
-        ks = sorted({k for k, _ in grid})
-        bs = sorted({b for _, b in grid})
-        self.seconds = {}
-        for k in range(1, k_top + 1):
-            for b in range(1, max_rows + 1):
-                k0, k1 = around(ks, k)
-                b0, b1 = around(bs, b)
-                along_b = [between(b, b0, b1, grid[kk, b0], grid[kk, b1]) for kk in (k0, k1)]
-                self.seconds[k, b] = between(k, k0, k1, *along_b)
+    @torch.inference_mode()
+    def __init__(self, model, k_top: int, max_rows: int, context=128):
+        context = min(context, model.config.max_seq_len - k_top - 1)
+        sizes = sorted({min(2 ** i, max_rows) for i in range(max_rows.bit_length() + 1)})
+        timed = {}
+        for b in sizes:
+            cache = new_cache(model, b, context + k_top)
+            for k in range(1, k_top + 1):
+                times = []
+                # the first pass of a shape is slow: the best of the next two
+                for _ in range(3):
+                    # every row holds `context` tokens (zeros: the time is the same)
+                    cache.lengths.fill_(context)
+                    start = time.perf_counter()
+                    decode_pass(model, cache, [[0] * k] * b, [0] * b, [k] * b, pad_id=0)
+                    times.append(time.perf_counter() - start)
+                timed[k, b] = min(times[1:])
+        self.seconds = {(k, b): timed[k, min(s for s in sizes if s >= b)]
+                        for k in range(1, k_top + 1) for b in range(1, max_rows + 1)}
 
     def update(self, k: int, b: int, seconds: float):
         self.seconds[k, b] += 0.2 * (seconds - self.seconds[k, b])
-
-
-def around(xs, x):
-    """The grid points on either side of x (the nearest two at the ends)."""
-    i = min(max(1, sum(v <= x for v in xs)), len(xs) - 1)
-    return (xs[i - 1], xs[i]) if len(xs) > 1 else (xs[0], xs[0])
-
-
-def between(x, x0, x1, y0, y1):
-    """Linear through (x0, y0) and (x1, y1), at x."""
-    return y0 if x0 == x1 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-
-
-@torch.inference_mode()
-def measure_costs(model, k_top: int, max_rows: int, context=128, repeats=2) -> PassCosts:
-    """The start-up warm-up: time one pass of k positions a row at B rows, on a grid."""
-    ks = sorted({k for k in (1, 2, 3, 4, 6, 8, 12, 16) if k < k_top} | {k_top})
-    bs = sorted({b for b in (1, 2, 4, 8, 16, 32) if b < max_rows} | {max_rows})
-    grid = {}
-    for b in bs:
-        cache = new_cache(model, b, context + k_top)
-        for k in ks:
-            times = []
-            for _ in range(repeats + 1):
-                # every row holds `context` tokens (their keys: zeros; the time is the same)
-                cache.lengths.fill_(context)
-                start = time.perf_counter()
-                decode_pass(model, cache, [[0] * k] * b, [0] * b, [k] * b, pad_id=0)
-                times.append(time.perf_counter() - start)
-            # the first pass of a shape is slow
-            grid[k, b] = min(times[1:])
-    return PassCosts(grid, k_top, max_rows)
 
 
 class Decoder:
@@ -166,6 +142,7 @@ class Decoder:
         return request
 
     def run(self):
+        """The decoding loop: admit, free the rows of clients gone, one pass."""
         while self.running:
             self.admit()
             gone = self.keep(lambda r: not r.cancelled)
@@ -330,12 +307,12 @@ def build(args):
         raise ValueError(f"--mode {mode}: model {args.model} has no <mask> token; "
                          "only greedy works")
 
-    print("measuring pass costs ...", file=sys.stderr, flush=True)
+    print("timing passes for the load-aware rule ...", file=sys.stderr, flush=True)
     # the most positions a row may compute: the cost table's range, a request's limit
     k_top = 1 if mask_id is None else max(args.k_max, args.static_k)
-    costs = measure_costs(model, k_top, args.max_rows)
-    metrics = openai_api.Metrics()
-    decoder = Decoder(model, mask_id, stop_ids, args.max_rows, args.max_queue, costs, metrics)
+    costs = PassCosts(model, k_top, args.max_rows)
+    decoder = Decoder(model, mask_id, stop_ids, args.max_rows, args.max_queue, costs,
+                      openai_api.Metrics())
     app = openai_api.build_app(decoder, tokenizer, model, fmt, args, defaults, k_top)
     return app, decoder
 

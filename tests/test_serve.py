@@ -413,3 +413,35 @@ def test_smollm2_chat_answer_equals_confadapt_greedy(tmp_path):
     assert r.choices[0].message.content == expected["text"].removesuffix(
         next((s for s in stop_texts if expected["text"].endswith(s)), ""))
     assert r.usage.completion_tokens == len(expected["tokens"])
+
+
+# ---- the load benchmark -----------------------------------------------------------------------
+
+def test_serve_load_runs_load_and_shadow_and_stops_its_servers(folders, tmp_path):
+    from conftest import run_script
+
+    script = os.path.join(ROOT, "benchmarks", "serve_load.py")
+    common = ["--out", str(tmp_path), "--dtype", "float32", "--threads", "1",
+              "--max-tokens", "6"]
+    load, shadow, bad = run_script(
+        script,
+        [*common, "--model", folders["mtp"], "--concurrency", "1", "2",
+         "--prompts-per-domain", "1", "--modes", "greedy", "lossless", "confadapt-off"],
+        ["shadow", *common, "--a", folders["mtp"], "--b", folders["mtp"],
+         "--b-mode", "lossless"],
+        [*common, "--model", str(tmp_path / "missing")])
+    assert load.returncode == 0, load.stderr
+    report = json.loads((tmp_path / "results.json").read_text())
+    phases = {(p["concurrency"], p["decoder"]): p for p in report["phases"]}
+    assert set(phases) == {(c, d) for c in (1, 2) for d in ("greedy", "lossless",
+                                                            "confadapt-off")}
+    # lossless answers are greedy's; every request got its 6 tokens
+    assert phases[2, "lossless"]["texts"] == phases[2, "greedy"]["texts"]
+    assert all(p["output_tokens"] == 6 * p["requests"] for p in phases.values())
+    assert (tmp_path / "load.png").stat().st_size > 0
+    assert shadow.returncode == 0, shadow.stderr
+    result = json.loads((tmp_path / "shadow.json").read_text())
+    assert result["identical"] == 1.0
+    assert len(result["pairs"]) == 16
+    assert bad.returncode == 2
+    assert bad.stderr.startswith("error: --model")
