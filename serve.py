@@ -287,8 +287,9 @@ def parser() -> Parser:
               ("--mode", None, None, "greedy, lossless, confadapt or static (default: "
                "confadapt where the model has <mask>, else greedy)",
                {"choices": openai_api.MODES}),
-              ("--tau", probability, 0.9, "ConfAdapt threshold"),
-              ("--k-max", positive_int, 16, "ConfAdapt, lossless: most positions per row"),
+              ("--tau", probability, None, "ConfAdapt threshold (default 0.9)"),
+              ("--k-max", positive_int, None, "ConfAdapt, lossless: most positions per row, "
+               "and the most any request may ask (default 16)"),
               ("--static-k", positive_int, 4, "static: tokens per pass"))
     d.add_argument("--load-aware", action=argparse.BooleanOptionalAction, default=True,
                    help="choose k per pass from the load (default: on; off: every pass "
@@ -302,6 +303,9 @@ def build(args):
     fmt = prompt_format(args.format, tokenizer, model)
     stop_ids = chat_stop_ids(stop_ids, tokenizer, fmt)
     mode = args.mode or ("confadapt" if mask_id is not None else "greedy")
+    # both are positive when given: `or` only fills in the defaults
+    args.tau = args.tau or 0.9
+    args.k_max = args.k_max or 16
     defaults = openai_api.decode_config(mode, args.tau, args.k_max, args.static_k)
     if defaults.block > 1 and mask_id is None:
         raise ValueError(f"--mode {mode}: model {args.model} has no <mask> token; "

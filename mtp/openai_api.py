@@ -13,6 +13,7 @@ static), tau, k_max, static_k, and load_aware (false: every pass computes the mo
 
 import asyncio
 import codecs
+import contextlib
 import json
 import queue
 import time
@@ -342,7 +343,9 @@ def build_app(decoder, tokenizer, model, fmt, args, defaults: DecodeConfig, k_to
         events = asyncio.Queue()
 
         def send(kind, value):
-            loop.call_soon_threadsafe(events.put_nowait, (kind, value))
+            # a loop already closed (the server stopping) has no one to tell
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(events.put_nowait, (kind, value))
 
         try:
             job = decoder.submit(prompt, max_tokens, mode, load_aware, send)

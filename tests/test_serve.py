@@ -445,3 +445,15 @@ def test_serve_load_runs_load_and_shadow_and_stops_its_servers(folders, tmp_path
     assert len(result["pairs"]) == 16
     assert bad.returncode == 2
     assert bad.stderr.startswith("error: --model")
+
+
+def test_bad_command_lines_end_in_one_error_line(folders, capsys, tmp_path):
+    bad = [(["--model", str(tmp_path / "none")], "no such folder"),
+           (["--model", folders["plain"], "--mode", "confadapt"], "no <mask> token"),
+           (["--model", folders["mtp"], "--max-rows", "0"], "--max-rows"),
+           (["--model", folders["mtp"], "--tau", "2"], "--tau")]
+    for argv, says in bad:
+        assert serve.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and says in err
+        assert err.count("\n") == 1
