@@ -185,7 +185,7 @@ def load_run(args) -> dict:
         for c in args.concurrency:
             for name in args.modes:
                 extra = extra_body(name, args.tau, args.k_max)
-                n = max(len(prompts), 2 * c)
+                n = max(len(prompts), args.requests_per_stream * c)
                 r = asyncio.run(phase(url, "model", prompts, c, n, args.max_tokens, extra))
                 r["decoder"] = name
                 report["phases"].append(r)
@@ -266,19 +266,21 @@ def shadow_run(args) -> dict:
     for i, row in enumerate(rows, 1):
         if not isinstance(row.get("messages"), list):
             raise CliError(f"{args.prompts} row {i}: expected a 'messages' list")
-    flags = ["--dtype", args.dtype, "--max-rows", "1", "--served-model-name", "model"]
+    flags = ["--dtype", args.dtype, "--max-rows", "1", "--served-model-name", "model",
+             "--k-max", str(args.k_max)]
     if args.threads:
         flags += ["--threads", str(args.threads)]
     with contextlib.ExitStack() as stack:
         log = stack.enter_context(open(out / "shadow_servers.log", "w"))
         urls = [u if u.startswith("http") else stack.enter_context(served(u, flags, log))
                 for u in (args.a, args.b)]
-        sides = [(url, model_name(url), {"mtp_mode": mode}) for url, mode in
-                 zip(urls, (args.a_mode, args.b_mode))]
+        sides = [(url, model_name(url), extra_body(mode, args.tau, args.k_max))
+                 for url, mode in zip(urls, (args.a_mode, args.b_mode))]
         pairs = asyncio.run(replay(sides, rows, args.max_tokens))
     same = [a["text"] == b["text"] for a, b in pairs]
     differ = [first_difference(a["text"], b["text"]) for a, b in pairs]
-    report = {"meta": {"a": args.a, "a_mode": args.a_mode, "b": args.b, "b_mode": args.b_mode,
+    modes = [json.dumps(extra_body(m, args.tau, args.k_max)) for m in (args.a_mode, args.b_mode)]
+    report = {"meta": {"a": args.a, "a_mode": modes[0], "b": args.b, "b_mode": modes[1],
                        "prompts": args.prompts, "max_tokens": args.max_tokens,
                        "cpu": cpu_name(), "threads": args.threads, "commit": commit()},
               "identical": sum(same) / len(same),
@@ -348,11 +350,15 @@ def parser() -> Parser:
                    default=["greedy", "confadapt", "confadapt-off", "lossless", "lossless-off"])
     g.add_argument("--tau", type=float, default=0.9)
     g.add_argument("--k-max", type=positive_int, default=4)
-    g.add_argument("--prompts-per-domain", type=positive_int, default=2)
+    g.add_argument("--prompts-per-domain", type=positive_int, default=2,
+                   help="decode_real.py's prompts: this many of each of its four kinds")
+    g.add_argument("--requests-per-stream", type=positive_int, default=2,
+                   help="N streams send max(prompts, this x N) requests")
     s = p.add_argument_group("shadow")
     for side in ("a", "b"):
         s.add_argument(f"--{side}", help=f"endpoint {side.upper()}: a URL or a model folder")
-        s.add_argument(f"--{side}-mode", default="greedy", help="its mtp_mode")
+        s.add_argument(f"--{side}-mode", default="greedy", choices=list(DECODERS),
+                       help="its decoder (with --tau, --k-max)")
     s.add_argument("--prompts", default=str(ROOT / "prompts" / "shadow_chat.jsonl"))
     return p
 
