@@ -175,6 +175,7 @@ def load_run(args) -> dict:
                        "server_threads": args.threads, "client": "one process, asyncio, "
                        "openai.AsyncOpenAI, on the same machine",
                        "prompts": prompts, "max_tokens": args.max_tokens,
+                       "rounds": args.rounds,
                        "commit": commit()},
               "phases": []}
     with open(out / "server.log", "w") as log, served(args.model, flags, log) as url:
@@ -182,18 +183,27 @@ def load_run(args) -> dict:
         for name in args.modes:
             extra = extra_body(name, args.tau, args.k_max)
             asyncio.run(phase(url, "model", prompts, 4, 4, args.max_tokens, extra))
-        for c in args.concurrency:
-            for name in args.modes:
-                extra = extra_body(name, args.tau, args.k_max)
-                n = max(len(prompts), args.requests_per_stream * c)
-                r = asyncio.run(phase(url, "model", prompts, c, n, args.max_tokens, extra))
-                r["decoder"] = name
-                report["phases"].append(r)
-                print(f"{c:>3} streams  {name:<14} {r['tokens_per_second']:7.1f} tokens/s  "
-                      f"TTFT p50 {r['ttft_p50']:.2f} s  TPOT p50 {r['tpot_p50'] * 1e3:.0f} ms  "
-                      f"{r['tokens_per_pass']:.2f} tokens/pass  k {r['k_mean']:.2f}",
-                      file=sys.stderr, flush=True)
-                save_load(report, out)
+        # the decoders take turns at each N, `rounds` times; each phase keeps its fastest round
+        # (a busy moment of the machine then slows one round, not one decoder)
+        best = {}
+        for _ in range(args.rounds):
+            for c in args.concurrency:
+                for name in args.modes:
+                    extra = extra_body(name, args.tau, args.k_max)
+                    n = max(len(prompts), args.requests_per_stream * c)
+                    r = asyncio.run(phase(url, "model", prompts, c, n, args.max_tokens, extra))
+                    r["decoder"] = name
+                    print(f"{c:>3} streams  {name:<14} {r['tokens_per_second']:7.1f} tokens/s  "
+                          f"TTFT p50 {r['ttft_p50']:.2f} s  TPOT p50 {r['tpot_p50'] * 1e3:.0f} "
+                          f"ms  {r['tokens_per_pass']:.2f} tokens/pass  k {r['k_mean']:.2f}",
+                          file=sys.stderr, flush=True)
+                    r["rounds"] = best.get((c, name), {}).get("rounds", []) + [
+                        r["tokens_per_second"]]
+                    if r["tokens_per_second"] >= max(r["rounds"]):
+                        best[c, name] = r
+                    best[c, name]["rounds"] = r["rounds"]
+                    report["phases"] = list(best.values())
+                    save_load(report, out)
     return report
 
 
@@ -214,7 +224,8 @@ def load_markdown(report) -> str:
               if p["decoder"] == "greedy"}
     lines = [f"### serve.py under load: {m['model']} on {m['cpu']}", "",
              f"Server: `serve.py {' '.join(m['server_flags'])}`; client: {m['client']}; "
-             f"{len(m['prompts'])} prompts, max_tokens {m['max_tokens']}.", "",
+             f"{len(m['prompts'])} prompts, max_tokens {m['max_tokens']}; "
+             f"the fastest of {m['rounds']} round(s) of turns.", "",
              "| streams | decoder | tokens/s | vs greedy | requests/s | TTFT p50 / p95 (s) "
              "| TPOT p50 / p95 (ms) | tokens/pass | mean k |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -281,7 +292,7 @@ def shadow_run(args) -> dict:
     differ = [first_difference(a["text"], b["text"]) for a, b in pairs]
     modes = [json.dumps(extra_body(m, args.tau, args.k_max)) for m in (args.a_mode, args.b_mode)]
     report = {"meta": {"a": args.a, "a_mode": modes[0], "b": args.b, "b_mode": modes[1],
-                       "prompts": args.prompts, "max_tokens": args.max_tokens,
+                       "prompts": shown(args.prompts), "max_tokens": args.max_tokens,
                        "cpu": cpu_name(), "threads": args.threads, "commit": commit()},
               "identical": sum(same) / len(same),
               "first_difference_chars": [d for d in differ if d is not None],
@@ -308,6 +319,12 @@ async def replay(sides, rows, max_tokens):
     for c in clients:
         await c.close()
     return pairs
+
+
+def shown(path) -> str:
+    """A path inside the repository, relative to it (as the results name it)."""
+    path = Path(path).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def first_difference(a: str, b: str):
@@ -352,6 +369,8 @@ def parser() -> Parser:
     g.add_argument("--k-max", type=positive_int, default=4)
     g.add_argument("--prompts-per-domain", type=positive_int, default=2,
                    help="decode_real.py's prompts: this many of each of its four kinds")
+    g.add_argument("--rounds", type=positive_int, default=1,
+                   help="the decoders take turns this many times; each phase keeps its fastest")
     g.add_argument("--requests-per-stream", type=positive_int, default=2,
                    help="N streams send max(prompts, this x N) requests")
     s = p.add_argument_group("shadow")
