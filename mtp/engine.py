@@ -75,6 +75,23 @@ class DecodeCache(KVCache):
             raise ValueError("rollback can only shorten the cache")
         self.lengths.copy_(torch.tensor(lengths, dtype=torch.long, device=self.lengths.device))
         self.host_lengths = list(lengths)
+        self.longest = max(lengths, default=0)
+
+    def grow(self, batch_size: int, max_len: int):
+        """Room for batch_size rows of max_len slots (never less than now): the new rows are
+        empty, the old keep their keys. A server's batch grows as requests arrive."""
+        batch_size = max(batch_size, len(self.lengths))
+        max_len = max(max_len, self.max_len)
+        old = len(self.lengths)
+        for name in ("k", "v"):
+            t = getattr(self, name)
+            # (n_layers, B, n_kv_heads, max_len, head_dim)
+            new = t.new_zeros(t.shape[0], batch_size, t.shape[2], max_len, t.shape[4])
+            new[:, :old, :, : self.max_len] = t
+            setattr(self, name, new)
+        self.lengths = torch.cat([self.lengths, self.lengths.new_zeros(batch_size - old)])
+        self.host_lengths = self.host_lengths + [0] * (batch_size - old)
+        self.max_len = max_len
 
 
 def new_cache(model: Transformer, batch_size: int, max_len: int) -> DecodeCache:
@@ -338,6 +355,8 @@ class Row:
     # lossless: guesses for the tokens after `pending`
     drafts: list[int] = field(default_factory=list)
     done: bool = False
+    # this row's rule, where rows of one pass differ (a server's requests); None: the pass's
+    mode: DecodeConfig | None = None
 
 
 def synchronize(device):
@@ -389,19 +408,20 @@ def decode_step(model, cache, batch, mode, mask_id, pad_id, stop_ids):
     n_preds = []
     for r in batch:
         wanted = r.budget - len(r.tokens)
-        r.drafts, tail = drafts_and_masks(mode, r.drafts, wanted, mask_id)
+        r.drafts, tail = drafts_and_masks(r.mode or mode, r.drafts, wanted, mask_id)
         inputs.append(r.pending + tail)
         n_preds.append(len(tail) + 1)
     # each row's first prediction is at its last pending token
     firsts = [len(r.pending) - 1 for r in batch]
     logits = decode_pass(model, cache, inputs, firsts=firsts, n_preds=n_preds, pad_id=pad_id)
     # (B, N, V) -> (B, N) each; confidences only for the rule that reads them
-    preds, confs = top1(logits.float(), mask_id, confidences=mode.kind == "confadapt")
+    confidences = any((r.mode or mode).kind == "confadapt" for r in batch)
+    preds, confs = top1(logits.float(), mask_id, confidences=confidences)
 
     # 2) each row keeps what the accept rule allows. Verified drafts were fed as
     # themselves, so their K/V stays; the other kept tokens become pending.
     for b, (r, n) in enumerate(zip(batch, n_preds)):
-        tokens, n_verified, r.drafts = accept(mode, preds[b][:n], confs and confs[b][:n],
+        tokens, n_verified, r.drafts = accept(r.mode or mode, preds[b][:n], confs and confs[b][:n],
                                               r.drafts, stop_ids)
         r.tokens += tokens
         r.chunk_sizes.append(len(tokens))

@@ -126,8 +126,11 @@ class Tokenizer:
     def decode(self, ids) -> str:
         """Special ids decode to their text; bytes that are not valid UTF-8
         become U+FFFD."""
-        raw = self._enc.decode_bytes([int(i) for i in ids])
-        return raw.decode("utf-8", errors="replace")
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def decode_bytes(self, ids) -> bytes:
+        """The bytes of the ids (a token may hold part of a UTF-8 character)."""
+        return self._enc.decode_bytes([int(i) for i in ids])
 
     def add_special_token(self, text: str, token_id: int | None = None) -> int:
         """Add a special token (default id: n_vocab) and rebuild the encoder;

@@ -1,0 +1,461 @@
+"""serve.py: the OpenAI-compatible server, run in this process on a free loopback port over a
+tiny model built here, and spoken to with the real `openai` client.
+
+Every test has a watchdog (a hang ends the run with every thread's stack, rather than stalling
+it), every client call a timeout, and the servers listen on 127.0.0.1 only."""
+import asyncio
+import concurrent.futures
+import contextlib
+import faulthandler
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+import serve  # noqa: E402
+from conftest import tiny_model  # noqa: E402
+from model import add_mask_token  # noqa: E402
+from mtp.hf import save_pretrained  # noqa: E402
+from mtp.openai_api import TextStream  # noqa: E402
+from mtp.tokenizer import whole_token_tokenizer  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMOLLM2 = os.path.join(ROOT, "models", "smollm2")
+# every test ends within this many seconds, or the run ends with a traceback of every thread
+WATCHDOG_S = 180
+CHAT_TOKENS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
+
+
+@pytest.fixture(autouse=True)
+def watchdog():
+    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+def write_model(folder, with_mask=True, context=1024):
+    """A tiny random chat model (chatml tokens, so `--format auto` is chatml) whose stop tokens
+    are never the argmax, so a row runs to its budget unless a stop string or the client ends
+    it. Its head is scaled so that predictions are confident and ConfAdapt keeps several."""
+    tok = whole_token_tokenizer(["hello", " world", " the", " cat", " sat", "é", "日本"])
+    for text in CHAT_TOKENS:
+        tok.add_special_token(text)
+    ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
+    # with a <mask>, one spare row for it
+    model = tiny_model(tok.n_vocab + with_mask, max_seq_len=context, **ids)
+    if with_mask:
+        add_mask_token(model, tok)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(32)
+        for text in ("<|eos|>", *CHAT_TOKENS):
+            model.lm_head.weight[tok.token_id(text)] = 0
+    save_pretrained(model, folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+@contextlib.contextmanager
+def running_server(argv):
+    """serve.py's app and decoder over uvicorn in a thread, on a free 127.0.0.1 port ->
+    (base URL, decoder)."""
+    args = serve.parser().parse_args(argv)
+    app, decoder = serve.build(args)
+    decoder.thread.start()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "the server did not start in 30 s"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", decoder
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        decoder.running = False
+        decoder.thread.join(10)
+        sock.close()
+
+
+def client(url, key="none"):
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, timeout=60, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    return {"mtp": write_model(root / "mtp"), "plain": write_model(root / "plain", False)}
+
+
+@pytest.fixture(scope="module")
+def server(folders):
+    argv = ["--model", folders["mtp"], "--device", "cpu", "--dtype", "float32",
+            "--served-model-name", "tiny", "--max-rows", "8", "--k-max", "4"]
+    with running_server(argv) as (url, decoder):
+        yield url, decoder
+
+
+def chat(c, text="hello world", **extra):
+    """A chat completion's text and usage, with the decoding options as extra body fields."""
+    r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": text}],
+                                  max_tokens=extra.pop("max_tokens", 24), extra_body=extra)
+    return r.choices[0].message.content, r.usage
+
+
+def post(url, path, body, headers=None):
+    """A raw POST -> (status, JSON body, headers)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, method="POST",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read()), r.headers
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read()), e.headers
+
+
+def metric(url, name) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    lines = [line for line in text.splitlines() if line.startswith(name + " ")]
+    return float(lines[0].split()[1])
+
+
+# ---- streaming text ---------------------------------------------------------------------------
+
+def test_text_stream_never_splits_a_utf8_character():
+    tok = whole_token_tokenizer([])
+    # "é" is two bytes, each its own token here
+    ids = [tok.encode("a")[0], *[tok.mergeable_ranks[bytes([b])] for b in "é".encode()]]
+    text = TextStream(tok, [])
+    assert text.add(ids[:2]) == ("a", False)
+    assert text.add(ids[2:]) == ("é", False)
+
+
+def test_text_stream_holds_the_start_of_a_stop_string_and_cuts_at_it():
+    tok = whole_token_tokenizer([])
+    text = TextStream(tok, ["END"])
+    assert text.add(tok.encode("xE")) == ("x", False)
+    assert text.add(tok.encode("N")) == ("", False)
+    # not the stop string after all: the held text goes out
+    assert text.add(tok.encode("o")) == ("ENo", False)
+    assert text.add(tok.encode("yEND and more")) == ("y", True)
+
+
+# ---- the API ----------------------------------------------------------------------------------
+
+def test_models_health_and_metrics(server):
+    url, _ = server
+    assert [m.id for m in client(url).models.list().data] == ["tiny"]
+    with urllib.request.urlopen(url + "/health", timeout=10) as r:
+        assert json.loads(r.read()) == {"status": "ok"}
+    assert metric(url, "mtp_live_rows") == 0
+
+
+@pytest.mark.parametrize("mode", ["greedy", "lossless", "confadapt", "static"])
+def test_streaming_equals_non_streaming(server, mode):
+    url, _ = server
+    c = client(url)
+    text, usage = chat(c, mtp_mode=mode)
+    stream = c.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hello world"}], max_tokens=24,
+        stream=True, stream_options={"include_usage": True}, extra_body={"mtp_mode": mode})
+    chunks = list(stream)
+    pieces = [ch.choices[0].delta.content or "" for ch in chunks if ch.choices]
+    assert "".join(pieces) == text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == usage.completion_tokens == 24
+    assert usage.model_extra["forward_passes"] >= 1
+
+
+def test_completions_endpoint_streams_the_same_text(server):
+    url, _ = server
+    c = client(url)
+    r = c.completions.create(model="tiny", prompt="the cat", max_tokens=16)
+    stream = c.completions.create(model="tiny", prompt="the cat", max_tokens=16, stream=True)
+    assert "".join(ch.choices[0].text for ch in stream) == r.choices[0].text
+    assert r.usage.completion_tokens == 16
+
+
+def test_lossless_and_greedy_agree_and_multi_token_modes_take_fewer_passes(server):
+    url, _ = server
+    c = client(url)
+    greedy, g = chat(c, mtp_mode="greedy", max_tokens=40)
+    lossless, _ = chat(c, mtp_mode="lossless", max_tokens=40)
+    static, s = chat(c, mtp_mode="static", static_k=4, load_aware=False, max_tokens=40)
+    assert lossless == greedy
+    assert g.model_extra["forward_passes"] == 40
+    assert s.model_extra["forward_passes"] == 10
+    assert s.model_extra["k_max_used"] == 4
+
+
+def concurrently(url, requests):
+    """The chat answers to `requests` (extra-body dicts), all sent at once."""
+    async def one(c, extra):
+        r = await c.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": extra.pop("text")}],
+            max_tokens=extra.pop("max_tokens"), extra_body=extra)
+        return r.choices[0].message.content, r.usage.model_extra["forward_passes"]
+
+    async def all_of():
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", timeout=60,
+                                      max_retries=0) as c:
+            return await asyncio.gather(*(one(c, dict(x)) for x in requests))
+
+    return asyncio.run(all_of())
+
+
+@pytest.mark.parametrize("mode", [{"mtp_mode": "greedy"}, {"mtp_mode": "lossless"},
+                                  {"mtp_mode": "confadapt", "tau": 0.3, "load_aware": False}])
+def test_eight_concurrent_requests_equal_the_same_requests_one_by_one(server, mode):
+    url, _ = server
+    words = ["hello", "the cat", "world", "sat", "hello the", "cat sat", "é", "日本 cat"]
+    requests = [{"text": w, "max_tokens": 12 + 3 * i, **mode} for i, w in enumerate(words)]
+    together = concurrently(url, requests)
+    alone = [concurrently(url, [r])[0] for r in requests]
+    assert [text for text, _ in together] == [text for text, _ in alone]
+    assert len({text for text, _ in together}) > 1
+    if mode["mtp_mode"] == "confadapt":
+        # the same passes too, and passes that kept several tokens
+        assert together == alone
+        assert sum(n for _, n in together) < sum(r["max_tokens"] for r in requests)
+
+
+def test_the_load_aware_rule_computes_fewer_positions_when_they_do_not_pay(folders):
+    """A cost table in which every extra position doubles a pass's cost: the rule keeps k = 1
+    (greedy's cost) whatever the measured acceptance; with free extra positions it takes the
+    largest k."""
+    argv = ["--model", folders["mtp"], "--device", "cpu", "--dtype", "float32",
+            "--served-model-name", "tiny", "--max-rows", "4", "--k-max", "4"]
+    with running_server(argv) as (url, decoder):
+        costs = decoder.costs.seconds
+        for k, b in costs:
+            costs[k, b] = 2.0 ** k
+        _, u = chat(client(url), mtp_mode="confadapt", tau=0.3, max_tokens=12)
+        assert u.model_extra["k_max_used"] == 1
+        for k, b in costs:
+            costs[k, b] = 1.0
+        _, u = chat(client(url), mtp_mode="static", static_k=4, max_tokens=12)
+        assert u.model_extra["k_mean"] == 4
+        assert u.model_extra["forward_passes"] == 3
+
+
+# ---- bad input --------------------------------------------------------------------------------
+
+BAD = [
+    (b"{not json", 400, None),
+    ({"model": "tiny"}, 400, "messages"),
+    ({"model": "tiny", "messages": "hi"}, 400, "messages"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": 5}]}, 400,
+     "messages.0.content.str"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": "9"}, 400,
+     "max_tokens"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400,
+     "max_tokens"),
+    ({"model": "nope", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 0.7}, 400,
+     "temperature"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_p": 0.5}, 400,
+     "top_p"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400,
+     "logprobs"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": []}, 400,
+     "tools"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "mtp_mode": "fast"}, 400,
+     "mtp_mode"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tau": 1.5}, 400, "tau"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "k_max": 99}, 400,
+     "k_max"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "mtp_mode": "greedy",
+      "tau": 0.5}, 400, "tau"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}, 400,
+     "max_tokens"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi " * 1100}]}, 400,
+     "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("body,status,param", BAD, ids=range(len(BAD)))
+def test_bad_input_is_an_openai_error_and_the_server_goes_on(server, body, status, param):
+    url, _ = server
+    got, answer, _ = post(url, "/v1/chat/completions", body)
+    assert got == status
+    assert set(answer["error"]) == {"message", "type", "param", "code"}
+    assert answer["error"]["param"] == param
+    assert answer["error"]["message"]
+    # unharmed
+    assert chat(client(url), max_tokens=3)[1].completion_tokens == 3
+
+
+def test_a_multi_token_mode_on_a_model_without_mask_is_refused(folders):
+    argv = ["--model", folders["plain"], "--device", "cpu", "--dtype", "float32",
+            "--served-model-name", "tiny", "--max-rows", "2"]
+    with running_server(argv) as (url, _):
+        with pytest.raises(openai.BadRequestError, match="mask"):
+            chat(client(url), mtp_mode="confadapt")
+        # its default mode is greedy
+        text, usage = chat(client(url), max_tokens=5)
+        assert usage.model_extra["mtp_mode"] == "greedy"
+
+
+def test_api_key(folders):
+    argv = ["--model", folders["mtp"], "--device", "cpu", "--dtype", "float32",
+            "--served-model-name", "tiny", "--max-rows", "1", "--api-key", "s3cret"]
+    with running_server(argv) as (url, _):
+        with pytest.raises(openai.AuthenticationError):
+            chat(client(url, key="wrong"))
+        status, body, _ = post(url, "/v1/chat/completions", {"model": "tiny"})
+        assert status == 401
+        assert body["error"]["code"] == "invalid_api_key"
+        assert chat(client(url, key="s3cret"), max_tokens=2)[1].completion_tokens == 2
+        # /health stays open
+        with urllib.request.urlopen(url + "/health", timeout=10) as r:
+            assert r.status == 200
+
+
+# ---- rows and the queue -----------------------------------------------------------------------
+
+def wait_for(condition, seconds=30):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_a_dropped_stream_frees_its_row_and_a_full_queue_gives_429(folders, monkeypatch):
+    # passes of 10 ms or more: the long stream outlasts the test's steps by seconds
+    step = serve.decode_step
+    monkeypatch.setattr(serve, "decode_step", lambda *a, **k: (time.sleep(0.01), step(*a, **k)))
+    argv = ["--model", folders["mtp"], "--device", "cpu", "--dtype", "float32",
+            "--served-model-name", "tiny", "--max-rows", "1", "--max-queue", "1"]
+    with running_server(argv) as (url, decoder):
+        c = client(url)
+        long = dict(model="tiny", messages=[{"role": "user", "content": "hello"}],
+                    max_tokens=900, stream=True, extra_body={"mtp_mode": "greedy"})
+        # the one row: a long stream
+        first = c.chat.completions.create(**long)
+        next(iter(first))
+        assert metric(url, "mtp_live_rows") == 1
+        # the queue's one place: a second request, waiting
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        waiting = pool.submit(chat, client(url), max_tokens=4)
+        wait_for(lambda: metric(url, "mtp_queue_length") == 1)
+        status, body, headers = post(url, "/v1/chat/completions", {
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+        assert status == 429
+        assert body["error"]["type"] == "rate_limit_error"
+        assert headers["Retry-After"] == "1"
+
+        # the client leaves: its row is freed, and the waiting request gets it
+        first.close()
+        assert waiting.result(timeout=60)[1].completion_tokens == 4
+        assert metric(url, "mtp_rows_freed_by_cancel_total") == 1
+        assert metric(url, "mtp_live_rows") == 0
+        # far fewer than the 900 tokens it asked for were decoded
+        assert metric(url, "mtp_tokens_total") < 900
+        pool.shutdown()
+
+
+def test_a_failing_pass_ends_its_requests_only(server, monkeypatch):
+    url, decoder = server
+    original = serve.decode_step
+    calls = []
+
+    def fail_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(serve, "decode_step", fail_once)
+    with pytest.raises(openai.InternalServerError, match="injected"):
+        chat(client(url), max_tokens=5)
+    assert chat(client(url), max_tokens=5)[1].completion_tokens == 5
+
+
+# ---- a real model -----------------------------------------------------------------------------
+
+@pytest.mark.skipif(not os.path.isdir(SMOLLM2), reason="models/smollm2 is not present "
+                    "(scripts/get_smollm2.py fetches it)")
+def test_smollm2_chat_answer_equals_confadapt_greedy(tmp_path):
+    prompt = "What is the capital of France?"
+    common = ["--model", SMOLLM2, "--device", "cpu", "--dtype", "float32", "--threads", "2"]
+    cli = subprocess.run([sys.executable, os.path.join(ROOT, "confadapt.py"), *common,
+                          "--greedy", "--format", "auto", "--prompt", prompt,
+                          "--max-new-tokens", "24", "--json"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert cli.returncode == 0, cli.stderr
+    expected = json.loads(cli.stdout)
+    with running_server([*common, "--served-model-name", "smol", "--max-rows", "1",
+                         "--k-max", "1"]) as (url, _):
+        r = client(url).chat.completions.create(
+            model="smol", messages=[{"role": "user", "content": prompt}], max_tokens=24,
+            extra_body={"mtp_mode": "greedy"})
+    stop_texts = ("<|im_end|>", "<|endoftext|>")
+    assert r.choices[0].message.content == expected["text"].removesuffix(
+        next((s for s in stop_texts if expected["text"].endswith(s)), ""))
+    assert r.usage.completion_tokens == len(expected["tokens"])
+
+
+# ---- the load benchmark -----------------------------------------------------------------------
+
+def test_serve_load_runs_load_and_shadow_and_stops_its_servers(folders, tmp_path):
+    from conftest import run_script
+
+    script = os.path.join(ROOT, "benchmarks", "serve_load.py")
+    common = ["--out", str(tmp_path), "--dtype", "float32", "--threads", "1",
+              "--max-tokens", "6"]
+    load, shadow, bad = run_script(
+        script,
+        [*common, "--model", folders["mtp"], "--concurrency", "1", "2",
+         "--prompts-per-domain", "1", "--modes", "greedy", "lossless", "confadapt-off"],
+        ["shadow", *common, "--a", folders["mtp"], "--b", folders["mtp"],
+         "--b-mode", "lossless"],
+        [*common, "--model", str(tmp_path / "missing")])
+    assert load.returncode == 0, load.stderr
+    report = json.loads((tmp_path / "results.json").read_text())
+    phases = {(p["concurrency"], p["decoder"]): p for p in report["phases"]}
+    assert set(phases) == {(c, d) for c in (1, 2) for d in ("greedy", "lossless",
+                                                            "confadapt-off")}
+    # lossless answers are greedy's; every request got its 6 tokens
+    assert phases[2, "lossless"]["texts"] == phases[2, "greedy"]["texts"]
+    assert all(p["output_tokens"] == 6 * p["requests"] for p in phases.values())
+    assert (tmp_path / "load.png").stat().st_size > 0
+    assert shadow.returncode == 0, shadow.stderr
+    result = json.loads((tmp_path / "shadow.json").read_text())
+    assert result["identical"] == 1.0
+    assert len(result["pairs"]) == 16
+    assert bad.returncode == 2
+    assert bad.stderr.startswith("error: --model")
+
+
+def test_bad_command_lines_end_in_one_error_line(folders, capsys, tmp_path):
+    bad = [(["--model", str(tmp_path / "none")], "no such folder"),
+           (["--model", folders["plain"], "--mode", "confadapt"], "no <mask> token"),
+           (["--model", folders["mtp"], "--max-rows", "0"], "--max-rows"),
+           (["--model", folders["mtp"], "--tau", "2"], "--tau"),
+           # checked against the tokenizer before any weights load
+           (["--model", folders["mtp"], "--format", "llama3-chat"], "it supports"),
+           (["--model", folders["mtp"], "--cudnn-attention", "never"], "--cudnn-attention")]
+    for argv, says in bad:
+        assert serve.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and says in err
+        assert err.count("\n") == 1
