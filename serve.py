@@ -90,8 +90,9 @@ class Acceptance:
 class PassCosts:
     """C(k, B): seconds of a pass of k positions a row at B live rows, timed at start-up for
     every k at B = 1, 2, 4, ... max_rows (a B in between takes the next larger one's time).
-    The rule compares k's at one B, so only C(k, B) / C(1, B) matters: timed back to back,
-    on an idle server, those ratios hold under any later load of the machine."""
+    The rule compares k's at one B, so only C(k, B) / C(1, B) matters, timed back to back
+    on an idle server. Under load extra positions cost more than these ratios say (at 4
+    streams the rule picks k = 4 and loses to greedy: results/serve/README.md)."""
 
     @torch.inference_mode()
     def __init__(self, model, k_top: int, max_rows: int, context=128):

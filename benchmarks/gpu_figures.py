@@ -360,20 +360,8 @@ def syncs(device, dtype, small) -> dict:
 
 def most_syncs_of_a_pass(model, prompts) -> int:
     """The most host syncs any decoding pass of a ConfAdapt `generate` makes."""
-    per_pass = []
-    step = engine.decode_step
-
-    def counted(*args, **kwargs):
-        with HostSyncs() as syncs:
-            fed = step(*args, **kwargs)
-        per_pass.append(syncs.total)
-        return fed
-
-    engine.decode_step = counted
-    try:
-        generate(model, prompts, 24, DecodeConfig("confadapt", tau=0.5, k_max=8), batch_size=3)
-    finally:
-        engine.decode_step = step
+    mode = DecodeConfig("confadapt", tau=0.5, k_max=8)
+    per_pass, _ = engine.syncs_per_pass(model, prompts, 24, mode, batch_size=3)
     return max(per_pass)
 
 

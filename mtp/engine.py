@@ -561,3 +561,24 @@ class HostSyncs(TorchDispatchMode):
     @property
     def total(self) -> int:
         return sum(self.counts.values())
+
+
+def syncs_per_pass(model, prompts, max_new_tokens, mode, **kwargs) -> tuple[list[int], DecodeStats]:
+    """generate(model, prompts, max_new_tokens, mode, **kwargs) with the host syncs of each
+    decoding pass counted (HostSyncs around every decode_step) -> (each pass's count, stats)."""
+    global decode_step
+    step = decode_step
+    per_pass = []
+
+    def counted(*args, **kw):
+        with HostSyncs() as syncs:
+            fed = step(*args, **kw)
+        per_pass.append(syncs.total)
+        return fed
+
+    decode_step = counted
+    try:
+        _, stats = generate(model, prompts, max_new_tokens, mode, **kwargs)
+    finally:
+        decode_step = step
+    return per_pass, stats
