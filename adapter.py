@@ -26,6 +26,7 @@ import os
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from data import PAD, MTPBatch
 from distill import LOSSES, cross_entropy, host_stats, masked_mean
@@ -51,13 +52,87 @@ class GatedLowRank(nn.Module):
         self.down = nn.Parameter(down)
         self.up = nn.Parameter(torch.zeros(d_out, rank))
         self.scale = alpha / rank
+        # decoding: the frozen copy this adapter shares (fuse_for_decoding)
+        self.fused = None
+
+    def forward(self, x, y, mask_rows):
+        """y with the update added in place at mask_rows, computed in the
+        adapter's dtype (y's backward does not need y)."""
+        if self.fused is not None:
+            return self.fused.add(self, x, y, mask_rows)
+        # With no mask row a trained adapter still runs, on zero rows: its
+        # tensors get a gradient (zeros), so every process of a distributed
+        # step reduces the same ones.
+        if len(mask_rows) == 0 and not self.up.requires_grad:
+            return y
+        # (n_mask, d_in) -> (n_mask, d_out)
+        x_mask = x.reshape(-1, x.shape[-1]).index_select(0, mask_rows)
+        update = F.linear(F.linear(x_mask.to(self.down.dtype), self.down), self.up)
+        y.view(-1, y.shape[-1]).index_add_(0, mask_rows, update.to(y.dtype),
+                                           alpha=self.scale)
+        return y
+
+
+class SharedInput:
+    """A frozen copy, for decoding, of the adapters on projections that read
+    one input (q, k and v; gate and up): their down-projections stacked into
+    one matrix, so the first of them to run computes all their ranks in one
+    product for the mask rows, and each adds its own up-projection. The same
+    arithmetic as each alone (up to rounding), in fewer operations: a pass's
+    cost is in the count of small operations."""
+
+    def __init__(self, adapters: list[GatedLowRank]):
+        with torch.no_grad():
+            self.down = torch.cat([a.down for a in adapters])   # (sum r, d_in)
+            self.ups = {}
+            start = 0
+            for a in adapters:
+                rank = a.down.shape[0]
+                ranks = slice(start, start + rank)
+                self.ups[id(a)] = ranks, a.up.detach(), a.scale
+                start += rank
+        # the input and mask rows of the last product, and its result
+        self.seen = None
+        self.low = None
+
+    def add(self, adapter, x, y, mask_rows):
+        if len(mask_rows) == 0:
+            return y
+        # the first projection of this input in this pass computes all ranks
+        if self.seen is None or self.seen[0] is not x or self.seen[1] is not mask_rows:
+            x_mask = x.reshape(-1, x.shape[-1]).index_select(0, mask_rows)
+            self.low = F.linear(x_mask.to(self.down.dtype), self.down)
+            self.seen = x, mask_rows
+        ranks, up, scale = self.ups[id(adapter)]
+        update = F.linear(self.low[:, ranks], up)                # (n_mask, d_out)
+        y.view(-1, y.shape[-1]).index_add_(0, mask_rows, update.to(y.dtype),
+                                           alpha=scale)
+        return y
+
+
+def fuse_for_decoding(model: Transformer):
+    """Give a frozen adapter its decoding copy (SharedInput per input): in each
+    layer q, k, v share one, gate and up one, o and down one each."""
+    groups = {"wq": "attn", "wk": "attn", "wv": "attn", "gate": "mlp", "up": "mlp"}
+    for i, layer in enumerate(model.layers):
+        shared = {}
+        for name, module in layer.named_modules():
+            if isinstance(module, Linear) and module.adapter is not None:
+                short = name.rsplit(".", 1)[-1]
+                shared.setdefault(groups.get(short, short), []).append(module.adapter)
+        for adapters in shared.values():
+            group = SharedInput(adapters)
+            for a in adapters:
+                a.fused = group
 
 
 def add_mask_adapter(model: Transformer, rank: int, alpha: float,
-                     targets=ADAPTER_TARGETS, seed: int = 0):
+                     targets=ADAPTER_TARGETS, slots: int = 0, seed: int = 0):
     """Freeze `model` (which has <mask>) and give it a fresh gated mask
     adapter: a GatedLowRank on each Linear named in targets (seeded), and a
-    trainable <mask> embedding starting at the current one."""
+    trainable <mask> embedding starting at the current one; with `slots`,
+    one for each of the first `slots` <mask>s after ordinary text (slot j
+    guesses the token j + 1 places on), so each slot knows its distance."""
     if model.config.mask_token_id is None:
         raise ValueError("the gated mask adapter needs a model with a <mask> "
                          "token (add_mask_token)")
@@ -77,10 +152,22 @@ def add_mask_adapter(model: Transformer, rank: int, alpha: float,
                 adapter = GatedLowRank(module.in_features, module.out_features,
                                        rank, alpha, generator)
             module.adapter = adapter.to(device)
-    row = model.tok_emb.weight[model.config.mask_token_id].detach()
-    model.mask_embedding = nn.Parameter(row.float().clone())
+    row = model.tok_emb.weight[model.config.mask_token_id].detach().float()
+    if slots:
+        row = row.expand(slots, -1)                      # (slots, dim)
+    model.mask_embedding = nn.Parameter(row.clone())
     model.adapter_config = {"rank": rank, "alpha": alpha,
-                            "targets": list(targets)}
+                            "targets": list(targets), "mask_slots": slots}
+
+
+def check_slots(model: Transformer, k: int):
+    """Decoding k positions a row feeds up to k - 1 <mask>s: refuse more than
+    an adapter of one embedding per slot was trained with."""
+    embedding = model.mask_embedding
+    if embedding is not None and embedding.dim() == 2 and k - 1 > len(embedding):
+        raise ValueError(f"this adapter was trained with {len(embedding)} <mask> "
+                         f"slots: decode with k_max at most {len(embedding) + 1}, "
+                         f"not {k}")
 
 
 # ---- training: the teacher is the student with its adapter off ----------
@@ -157,12 +244,15 @@ def gated_mtp_loss(student, batch: MTPBatch, mode: str = "hard",
     slot_mask = batch.attn_mask[rows, slots[:, :, None], seen[:, None, :]]
     slot_positions = batch.positions.gather(1, slots)    # (B, n)
     after_ground_truth = ContextCache(cache, slot_mask)
+    # regions sit side by side: each slot's number, 1 .. k-1, given
+    slot_numbers = torch.arange(1, k, device=slots.device).repeat(M).expand(B, -1)
 
     def slot_logits(tokens, use_adapter):
         logits = student(tokens,
                          positions=slot_positions,
                          cache=after_ground_truth,
-                         use_adapter=use_adapter)
+                         use_adapter=use_adapter,
+                         mask_slots=slot_numbers)
         V = logits.shape[-1]
         return logits.float().view(B, M, k - 1, V)       # (B, M, k-1, V)
 
@@ -267,7 +357,8 @@ def load_mask_adapter(model: Transformer, path):
     if model.config.mask_token_id != ours:
         raise ValueError(f"{path}: the adapter's <mask> is token {ours}, "
                          f"the model's is {model.config.mask_token_id}")
-    add_mask_adapter(model, config["rank"], config["alpha"], config["targets"])
+    add_mask_adapter(model, config["rank"], config["alpha"], config["targets"],
+                     slots=config.get("mask_slots", 0))
     file = os.path.join(path, ADAPTER_WEIGHTS)
     if not os.path.isfile(file):
         raise FileNotFoundError(f"no {ADAPTER_WEIGHTS} in {path}")
@@ -281,4 +372,6 @@ def load_mask_adapter(model: Transformer, path):
         names = ", ".join(wrong[:3])
         raise ValueError(f"{file} does not match its config: {names}")
     model.load_state_dict(tensors, strict=False)
-    return model.requires_grad_(False)
+    model.requires_grad_(False)
+    fuse_for_decoding(model)
+    return model

@@ -199,7 +199,7 @@ def load_student_and_teacher(args, dist: Dist, with_teacher: bool = True):
     adapter = uses_adapter(args)
     settings = None
     if adapter:
-        settings = (args.adapter_rank, args.adapter_alpha, args.adapter_targets)
+        settings = adapter_settings(args)
 
     # Under torchrun: rank 0's weights broadcast into every process's shards or,
     # for the gated adapter where its base fits (--shard-base), into a whole copy
@@ -223,6 +223,13 @@ def load_student_and_teacher(args, dist: Dist, with_teacher: bool = True):
     if with_teacher:
         teacher = frozen_teacher(full).to(device=dist.device, dtype=dist.dtype)
     return full.to(dist.device).train(), teacher, tok, mask_id
+
+
+def adapter_settings(args) -> tuple:
+    """add_mask_adapter's rank, alpha, targets and slots (k_max - 1 slot
+    embeddings with --adapter-slot-embeddings, else one shared)."""
+    slots = args.k_max - 1 if args.adapter_slot_embeddings else 0
+    return args.adapter_rank, args.adapter_alpha, args.adapter_targets, slots
 
 
 def uses_adapter(args) -> bool:
@@ -427,8 +434,7 @@ def export(student, tok: Tokenizer, path: Path, args, dist: Dist) -> Path:
         with torch.device("meta"):
             model = Transformer(student.config)
             if adapter:
-                add_mask_adapter(model, args.adapter_rank, args.adapter_alpha,
-                                 args.adapter_targets)
+                add_mask_adapter(model, *adapter_settings(args))
         # The adapter's tensors only; else all but a tied lm_head (not saved).
         model.load_state_dict(state, assign=True, strict=not adapter)
         if adapter:

@@ -159,20 +159,12 @@ class Linear(nn.Linear):
         self.adapter = None
 
     def forward(self, x, mask_rows=None):
-        """y = W x for x (..., d_in). An adapter's update, in the adapter's dtype, is added
-        in place at mask_rows, rows of x.flatten(0, -2) (y's backward does not need y)."""
+        """y = W x for x (..., d_in); an adapter adds its update at mask_rows, rows of
+        x.flatten(0, -2)."""
         y = super().forward(x)
-        a = self.adapter
-        if a is None or mask_rows is None:
+        if self.adapter is None or mask_rows is None:
             return y
-        # With no mask row a trained adapter still runs, on zero rows: its tensors get a
-        # gradient (zeros), so every process of a distributed step reduces the same ones.
-        if len(mask_rows) == 0 and not a.up.requires_grad:
-            return y
-        x_mask = x.reshape(-1, x.shape[-1]).index_select(0, mask_rows)   # (n_mask, d_in)
-        update = F.linear(F.linear(x_mask.to(a.down.dtype), a.down), a.up)   # (n_mask, d_out)
-        y.view(-1, y.shape[-1]).index_add_(0, mask_rows, update.to(y.dtype), alpha=a.scale)
-        return y
+        return self.adapter(x, y, mask_rows)
 
 
 class Attention(nn.Module):
@@ -243,6 +235,15 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x), mask_rows)
 
 
+def slots_of(is_mask):
+    """(B, T) bool -> (B, T): at each True, 1 + the Trues just before it in its row."""
+    T = is_mask.shape[1]
+    index = torch.arange(T, device=is_mask.device)
+    # the last ordinary position at or before each one (-1: none)
+    last = torch.where(is_mask, -1, index).cummax(dim=1).values
+    return index - last
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -278,7 +279,7 @@ class Transformer(nn.Module):
         return KVCache(self.config, batch_size, max_len, p.device, p.dtype)
 
     def forward(self, tokens, positions=None, attn_mask=None, cache=None,
-                output_index=None, use_adapter=True):
+                output_index=None, use_adapter=True, mask_slots=None):
         """Logits (B, T, V) for `tokens` (B, T); (B, N, V) at output_index (B, N).
 
         positions (B, T): RoPE positions, default 0..T-1.
@@ -287,6 +288,8 @@ class Transformer(nn.Module):
         Every layer attends through it, positions default to its next slots, and
         after the last layer it advances by T.
         use_adapter=False: the base model, whatever gated mask adapter it carries.
+        mask_slots (B, T): with an adapter of one embedding per slot, each <mask>'s
+        slot (default: 1 + the <mask>s just before it in its row).
         """
         T = tokens.shape[1]
         if cache is not None and attn_mask is not None:
@@ -303,7 +306,7 @@ class Transformer(nn.Module):
             # the same for every head
             mask = mask[:, None]                                 # (B, 1, T, T)
 
-        x, mask_rows = self.embed(tokens, use_adapter)           # (B, T, dim)
+        x, mask_rows = self.embed(tokens, use_adapter, mask_slots)  # (B, T, dim)
         cos, sin = self.rope(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, mask, mask_rows, cache)
@@ -312,7 +315,7 @@ class Transformer(nn.Module):
             cache.advance(T)
         return self.logits(x, output_index)
 
-    def embed(self, tokens, use_adapter=True):
+    def embed(self, tokens, use_adapter=True, mask_slots=None):
         """The embeddings (B, T, dim) of `tokens`, and mask_rows: with a gated mask
         adapter on, the rows of the flattened (B * T) tokens that hold <mask>."""
         x = self.tok_emb(tokens)
@@ -321,7 +324,13 @@ class Transformer(nn.Module):
         # The adapter's gate: its <mask> embedding and updates act only at the rows that
         # hold <mask>, so every other row is the base model's (nonzero waits for a GPU).
         is_mask = tokens == self.config.mask_token_id                     # (B, T)
-        x = torch.where(is_mask[..., None], self.mask_embedding.to(x.dtype), x)
+        embedding = self.mask_embedding
+        if embedding.dim() == 2:
+            # one per slot: slot j is the j-th <mask> after the last ordinary token
+            if mask_slots is None:
+                mask_slots = slots_of(is_mask)
+            embedding = embedding[(mask_slots - 1).clamp(0, len(embedding) - 1)]
+        x = torch.where(is_mask[..., None], embedding.to(x.dtype), x)
         mask_rows = is_mask.flatten().nonzero().squeeze(1)
         return x, mask_rows
 

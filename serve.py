@@ -12,13 +12,15 @@ queue requests and read back each one's tokens. Three things make it a server:
 
 The load-aware rule. A pass of k positions a row keeps E(k) tokens per row on average
 (measured: how often the j-th prediction is kept, given the one before it was), and costs
-C(k, B) seconds at B live rows (timed at start-up). Each pass takes the k that maximises
+C(k, B) seconds at B live rows. Each pass takes the k that maximises
 
     sum over rows of E_row(k)  /  C(k, B)
 
 that is, tokens served per second. k = 1 is greedy (E = 1), so the rule falls back to greedy's
 cost when extra positions do not pay: few rows leave the processor idle and extra positions
-are nearly free; many rows keep it busy and every position costs.
+are nearly free; many rows keep it busy and every position costs. C starts from passes timed
+at start-up on an idle server, then follows the passes the server runs: under load (the HTTP
+side, the clients, other rows) costs move, and start-up ratios underprice extra positions.
 
     python serve.py --model DIR [--port 8000] [--api-key KEY] [--max-rows 16]
 
@@ -26,7 +28,6 @@ References: MTP via Self-Distillation (arXiv 2602.06019), section on deployment;
 (OSDI 2022) for iteration-level (continuous) batching.
 """
 
-import argparse
 import queue
 import sys
 import threading
@@ -36,11 +37,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from adapter import check_slots
 from confadapt import DecodeConfig
-from mtp.cli import (Parser, add_flags, add_model_args, chat_stop_ids, check_model_folder, load,
-                     positive_int, probability, prompt_format, run_cli)
+from mtp.cli import chat_stop_ids, check_model_folder, load, prompt_format, run_cli
 from mtp.engine import Row, decode_pass, decode_step, new_cache, prefill
 from mtp import openai_api
+from mtp.openai_api import parser
 
 GREEDY = DecodeConfig("static", k=1)
 
@@ -88,18 +90,19 @@ class Acceptance:
 
 
 class PassCosts:
-    """C(k, B): seconds of a pass of k positions a row at B live rows, timed at start-up for
-    every k at B = 1, 2, 4, ... max_rows (a B in between takes the next larger one's time).
-    The rule compares k's at one B, so only C(k, B) / C(1, B) matters, timed back to back
-    on an idle server. Under load extra positions cost more than these ratios say (at 4
-    streams the rule picks k = 4 and loses to greedy: results/serve/README.md)."""
+    """C(k, B): seconds of a pass of k positions a row at B live rows. Timed at start-up for
+    every k at B = 1, 2, 4, ... max_rows (a B in between shares the next larger one's cell),
+    then the passes the server runs take over: a cell's first pass replaces its start-up time,
+    and every later one moves it a fifth of the way to its own. So
+    that a cell the rule has stopped choosing still follows the load, one pass in `every`
+    computes the k next to the rule's choice that was timed longest ago."""
 
     @torch.inference_mode()
-    def __init__(self, model, k_top: int, max_rows: int, context=128):
+    def __init__(self, model, k_top: int, max_rows: int, context=128, every=32):
         context = min(context, model.config.max_seq_len - k_top - 1)
-        sizes = sorted({min(2 ** i, max_rows) for i in range(max_rows.bit_length() + 1)})
-        timed = {}
-        for b in sizes:
+        self.sizes = sorted({min(2 ** i, max_rows) for i in range(max_rows.bit_length() + 1)})
+        self.seconds = {}
+        for b in self.sizes:
             cache = new_cache(model, b, context + k_top)
             for k in range(1, k_top + 1):
                 times = []
@@ -112,9 +115,32 @@ class PassCosts:
                     decode_pass(model, cache, [[0] * k] * b, [0] * b, [k] * b, pad_id=0)
                     times.append(time.perf_counter() - start)
                 # more positions never cost less (a timing that says so is noise)
-                timed[k, b] = max(min(times[1:]), timed.get((k - 1, b), 0))
-        self.seconds = {(k, b): timed[k, min(s for s in sizes if s >= b)]
-                        for k in range(1, k_top + 1) for b in range(1, max_rows + 1)}
+                self.seconds[k, b] = max(min(times[1:]), self.seconds.get((k - 1, b), 0))
+        self.every = every
+        self.passes = 0
+        # the pass count at which each cell was last timed
+        self.timed = {}
+
+    def __call__(self, k: int, B: int) -> float:
+        return self.seconds[k, self.cell(B)]
+
+    def cell(self, B: int) -> int:
+        return min(s for s in self.sizes if s >= B)
+
+    def observe(self, k: int, B: int, seconds: float):
+        """A pass the server ran: k positions a row, B rows, `seconds`."""
+        key = k, self.cell(B)
+        weight = 1 / 5 if key in self.timed else 1
+        self.seconds[key] += (seconds - self.seconds[key]) * weight
+        self.passes += 1
+        self.timed[key] = self.passes
+
+    def explore(self, best: int, B: int, top: int) -> int:
+        """The k to compute in this pass: mostly `best`, the rule's choice."""
+        if self.passes % self.every:
+            return best
+        near = [k for k in (best - 1, best + 1) if 1 <= k <= top] or [best]
+        return min(near, key=lambda k: self.timed.get((k, self.cell(B)), -1))
 
 
 class Decoder:
@@ -212,8 +238,8 @@ class Decoder:
         rates = {}
         for k in range(1, top + 1):
             kept = sum(self.expected(r, k) for r in self.live)
-            rates[k] = kept / self.costs.seconds[max(k, fixed), B]
-        return max(rates, key=rates.get)
+            rates[k] = kept / self.costs(max(k, fixed), B)
+        return self.costs.explore(max(rates, key=rates.get), B, top)
 
     def expected(self, r: Request, k: int) -> float:
         m = at_most(r.mode, k if r.load_aware else r.mode.block)
@@ -232,8 +258,12 @@ class Decoder:
 
         # 2) one ragged pass of every live row
         rows = [r.row for r in self.live]
+        start = time.perf_counter()
         decode_step(self.model, self.cache, rows, GREEDY, mask_id=self.mask_id, pad_id=0,
                     stop_ids=self.stop_ids)
+        # the pass's cost, at the most positions a row computed
+        widest = max(row.mode.block for row in rows)
+        self.costs.observe(widest, len(rows), time.perf_counter() - start)
         self.metrics.pass_done(len(rows), sum(row.chunk_sizes[-1] for row in rows))
 
         # 3) every request gets its new tokens; finished rows leave
@@ -261,37 +291,7 @@ def rule_key(mode: DecodeConfig):
     return mode.kind, mode.tau if mode.kind == "confadapt" else None
 
 
-# --- the command line ---
-
-def parser() -> Parser:
-    p = Parser(prog="serve.py", description="An OpenAI-compatible server over the "
-               "continuous-batching multi-token decoder.")
-    add_model_args(p)
-    s = p.add_argument_group("serving")
-    add_flags(s,
-              ("--host", None, "127.0.0.1", "address to listen on"),
-              ("--port", positive_int, 8000, "port to listen on"),
-              ("--served-model-name", None, None, "the model's name in the API "
-               "(default: the --model argument)"),
-              ("--api-key", None, None, "every /v1 request must carry "
-               "'Authorization: Bearer KEY' (default: none needed)"),
-              ("--max-rows", positive_int, 16, "most requests decoded at once"),
-              ("--max-queue", positive_int, 64, "most requests waiting; more get 429"))
-    d = p.add_argument_group("decoding defaults (a request's mtp_mode, tau, k_max, static_k "
-                             "override them)")
-    add_flags(d,
-              ("--mode", None, None, "greedy, lossless, confadapt or static (default: "
-               "confadapt where the model has <mask>, else greedy)",
-               {"choices": openai_api.MODES}),
-              ("--tau", probability, None, "ConfAdapt threshold (default 0.9)"),
-              ("--k-max", positive_int, None, "ConfAdapt, lossless: most positions per row, "
-               "and the most any request may ask (default 16)"),
-              ("--static-k", positive_int, 4, "static: tokens per pass"))
-    d.add_argument("--load-aware", action=argparse.BooleanOptionalAction, default=True,
-                   help="choose k per pass from the load (default: on; off: every pass "
-                   "computes each request's own k)")
-    return p
-
+# --- the command line (its flags: mtp/openai_api.py) ---
 
 def build(args):
     """The model, its decoder (not started) and the web app over it -> (app, decoder)."""
@@ -312,6 +312,7 @@ def build(args):
     print("timing passes for the load-aware rule ...", file=sys.stderr, flush=True)
     # the most positions a row may compute: the cost table's range, a request's limit
     k_top = 1 if mask_id is None else max(args.k_max, args.static_k)
+    check_slots(model, k_top)
     costs = PassCosts(model, k_top, args.max_rows)
     decoder = Decoder(model, mask_id, stop_ids, args.max_rows, args.max_queue, costs,
                       openai_api.Metrics())

@@ -205,7 +205,9 @@ def shard_from_rank0(full, cfg, dist: Dist, adapter=None, with_teacher: bool = T
 RESUME_MUST_MATCH = ("model", "data", "format", "seq_len", "response_only", "mode",
                      "prefix_ntp_weight", "adapter", "k_max", "regions", "batch_size", "lr",
                      "warmup", "decay", "weight_decay", "beta1", "beta2", "seed")
-ADAPTER_SETTINGS = ("adapter_rank", "adapter_alpha", "adapter_targets")
+ADAPTER_SETTINGS = ("adapter_rank", "adapter_alpha", "adapter_targets",
+                    "adapter_slot_embeddings")
+ABSENT = {"adapter": "none", "adapter_slot_embeddings": False}
 
 
 def latest_checkpoint(out) -> Path | None:
@@ -223,9 +225,9 @@ def check_same_run(old: dict, new: dict, path):
     """Refuse to resume from the checkpoint at `path`, whose run had the arguments
     `old`, with arguments `new` that change any setting of RESUME_MUST_MATCH."""
     def setting(name, run: dict):
-        # Arguments that do not name --adapter train no adapter; paths compare
-        # as real paths.
-        value = run.get(name, "none" if name == "adapter" else None)
+        # Arguments that do not name a setting had its default (runs from before
+        # it); paths compare as real paths.
+        value = run.get(name, ABSENT.get(name))
         if name not in ("model", "data") or value is None:
             return value
         paths = [value] if isinstance(value, str) else value

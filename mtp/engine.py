@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from adapter import check_slots
 from confadapt import DecodeConfig, accept, drafts_and_masks, top1
 from model import KVCache, Transformer, attend, kernel_mask
 
@@ -449,6 +450,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int,
     if mode.block > 1 and mask_id is None:
         raise ValueError(f"{mode.describe()} needs a <mask> token, and the model has "
                          "none (only greedy works)")
+    check_slots(model, mode.block)
     context = model.config.max_seq_len
     for p in prompts:
         if not p:

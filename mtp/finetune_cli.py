@@ -36,7 +36,7 @@ WRITES = {"eval": ("results.json", "results.md", "pareto.png", "samples.jsonl"),
 
 # train's adapter-only flags, unset (None) unless given, and their defaults.
 ADAPTER_DEFAULTS = {"adapter_rank": 32, "adapter_alpha": 64.0,
-                    "adapter_targets": list(ADAPTER_TARGETS)}
+                    "adapter_targets": list(ADAPTER_TARGETS), "adapter_slot_embeddings": False}
 
 # In the model card of every export: export writes only over a folder whose
 # card has it.
@@ -148,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
                "fits, its memory as benchmarks/memory.py counts it under 80%% of the GPU's, "
                "and always on a CPU. A full fine-tune is always sharded",
                {"choices": ("auto", "yes", "no")}))
+    m.add_argument("--adapter-slot-embeddings", action="store_const", const=True,
+                   help="gated-lora: one <mask> embedding per slot (k_max - 1 of them), each "
+                   "knowing how far ahead it guesses, instead of one shared")
     c = t.add_argument_group("checkpoints")
     c.add_argument("--out", required=True,
                    help="output folder: checkpoints/, log.jsonl, final/ (the exported model)")

@@ -11,6 +11,7 @@ Extra body fields choose the decoding per request: mtp_mode (greedy, lossless, c
 static), tau, k_max, static_k, and load_aware (false: every pass computes the mode's own k).
 """
 
+import argparse
 import asyncio
 import codecs
 import contextlib
@@ -26,12 +27,45 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
 from confadapt import DecodeConfig
-from mtp.cli import encode_prompt
+from mtp.cli import (Parser, add_flags, add_model_args, encode_prompt, positive_int,
+                     probability)
 from mtp.tokenizer import prompt_tokens
 
 MODES = ("greedy", "lossless", "confadapt", "static")
 # max_tokens when a request gives none (capped by what the context leaves)
 DEFAULT_MAX_TOKENS = 256
+
+
+# --- serve.py's command line ---
+
+def parser() -> Parser:
+    p = Parser(prog="serve.py", description="An OpenAI-compatible server over the "
+               "continuous-batching multi-token decoder.")
+    add_model_args(p)
+    s = p.add_argument_group("serving")
+    add_flags(s,
+              ("--host", None, "127.0.0.1", "address to listen on"),
+              ("--port", positive_int, 8000, "port to listen on"),
+              ("--served-model-name", None, None, "the model's name in the API "
+               "(default: the --model argument)"),
+              ("--api-key", None, None, "every /v1 request must carry "
+               "'Authorization: Bearer KEY' (default: none needed)"),
+              ("--max-rows", positive_int, 16, "most requests decoded at once"),
+              ("--max-queue", positive_int, 64, "most requests waiting; more get 429"))
+    d = p.add_argument_group("decoding defaults (a request's mtp_mode, tau, k_max, static_k "
+                             "override them)")
+    add_flags(d,
+              ("--mode", None, None, "greedy, lossless, confadapt or static (default: "
+               "confadapt where the model has <mask>, else greedy)",
+               {"choices": MODES}),
+              ("--tau", probability, None, "ConfAdapt threshold (default 0.9)"),
+              ("--k-max", positive_int, None, "ConfAdapt, lossless: most positions per row, "
+               "and the most any request may ask (default 16)"),
+              ("--static-k", positive_int, 4, "static: tokens per pass"))
+    d.add_argument("--load-aware", action=argparse.BooleanOptionalAction, default=True,
+                   help="choose k per pass from the load (default: on; off: every pass "
+                   "computes each request's own k)")
+    return p
 
 
 # --- errors ---

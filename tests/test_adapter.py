@@ -17,9 +17,10 @@ from confadapt import DecodeConfig
 from data import MASK, mtp_layout
 from tasks.word_problems import word_problem_tokenizer
 from adapter import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_off_teacher, adapter_state,
-                     add_mask_adapter, gated_mtp_loss, load_mask_adapter, save_mask_adapter)
+                     add_mask_adapter, fuse_for_decoding, gated_mtp_loss, load_mask_adapter,
+                     save_mask_adapter)
 from distill import frozen_teacher, mtp_loss
-from model import KVCache, ModelConfig, Transformer, add_mask_token
+from model import KVCache, ModelConfig, Transformer, add_mask_token, slots_of
 from mtp.cli import load_model
 from mtp.engine import cached_forward, generate, new_cache
 from mtp.hf import from_pretrained, save_pretrained
@@ -39,18 +40,26 @@ def trained_looking(model):
 
 
 def untuned_and_adapted(targets=("wq", "wk", "wv", "wo", "gate", "up", "down"),
-                        seed=0):
+                        seed=0, kind="shared"):
     """A tiny random model with <mask> (the untuned model), and a copy with a
-    trained-looking gated adapter."""
+    trained-looking gated adapter: one shared <mask> embedding, one per slot
+    ("slots", 3 of them), or frozen with its decoding copy ("fused")."""
     torch.manual_seed(seed)
     cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4,
                       n_kv_heads=2, ffn_dim=48, mask_token_id=MASK_ID,
                       max_seq_len=128)
     untuned = Transformer(cfg).eval()
     adapted = copy.deepcopy(untuned)
-    add_mask_adapter(adapted, rank=4, alpha=8.0, targets=targets)
+    add_mask_adapter(adapted, rank=4, alpha=8.0, targets=targets,
+                     slots=3 if kind == "slots" else 0)
     trained_looking(adapted)
+    if kind == "fused":
+        adapted.requires_grad_(False)
+        fuse_for_decoding(adapted)
     return untuned, adapted
+
+
+KINDS = ["shared", "slots", "fused"]
 
 
 def packed_batch(seed=1, k=4):
@@ -91,8 +100,9 @@ def test_a_fresh_adapter_is_the_untuned_model():
     assert torch.equal(packed_logits(fresh, b), packed_logits(untuned, b))
 
 
-def test_ordinary_positions_of_a_packed_row_are_the_untuned_models():
-    untuned, adapted = untuned_and_adapted()
+@pytest.mark.parametrize("kind", KINDS)
+def test_ordinary_positions_of_a_packed_row_are_the_untuned_models(kind):
+    untuned, adapted = untuned_and_adapted(kind=kind)
     b = packed_batch()
     ours = packed_logits(adapted, b)
     theirs = packed_logits(untuned, b)
@@ -106,11 +116,12 @@ def test_ordinary_positions_of_a_packed_row_are_the_untuned_models():
     assert torch.equal(off, theirs)
 
 
-def test_ordinary_positions_of_cached_ragged_passes_are_the_untuned_models():
+@pytest.mark.parametrize("kind", KINDS)
+def test_ordinary_positions_of_cached_ragged_passes_are_the_untuned_models(kind):
     """Prefill, then passes that feed accepted tokens plus masks, rows
     feeding different numbers: the cache entries and logits of the accepted
     tokens are the untuned model's."""
-    untuned, adapted = untuned_and_adapted()
+    untuned, adapted = untuned_and_adapted(kind=kind)
     caches = [new_cache(m, 3, 64) for m in (untuned, adapted)]
     prompts = torch.randint(1, MASK_ID, (3, 7),
                             generator=torch.Generator().manual_seed(2))
@@ -222,12 +233,12 @@ def rows_without_a_mask():
     return mtp_layout(seqs, k=4, offset=3, n_regions=6, mask_id=MASK_ID, eos_id=0)
 
 
-@pytest.mark.parametrize("adapter", [True, False])
+@pytest.mark.parametrize("adapter", ["shared", "slots", None])
 def test_a_micro_batch_without_a_mask_gives_every_trained_tensor_a_zero_gradient(adapter):
     """Under FSDP2 (or any gradient reduction) a process whose micro-batch leaves a trained
     tensor without .grad skips that tensor's reduction while the others wait for it: a hang.
     So a micro-batch with no <mask> must still give every trained tensor a gradient, zeros."""
-    untuned, adapted = untuned_and_adapted()
+    untuned, adapted = untuned_and_adapted(kind=adapter or "shared")
     b = rows_without_a_mask()
     assert not (b.input_ids == MASK_ID).any()
     if adapter:
@@ -264,9 +275,10 @@ def test_gated_mtp_loss_under_fsdp2_mixed_precision(monkeypatch):
     assert any(g.abs().max() > 0 for g in grads)
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("batch_size", [1, 3])
-def test_greedy_and_lossless_print_the_untuned_models_greedy_tokens(batch_size):
-    untuned, adapted = untuned_and_adapted()
+def test_greedy_and_lossless_print_the_untuned_models_greedy_tokens(batch_size, kind):
+    untuned, adapted = untuned_and_adapted(kind=kind)
     g = torch.Generator().manual_seed(3)
     # prompts of different lengths
     prompts = [torch.randint(1, MASK_ID, (n,), generator=g).tolist()
@@ -322,7 +334,11 @@ def test_load_model_reads_base_and_adapter(tmp_path, capsys):
     assert loaded_mask_id == mask_id
     assert tokenizer.special_tokens["<mask>"] == mask_id
     x = torch.tensor([[1, 5, 9, mask_id, mask_id]])
-    assert torch.equal(model(x), tuned(x))
+    # ordinary positions exactly; the mask rows up to rounding, as the loaded
+    # adapter decodes through its fused copy (adapter.fuse_for_decoding)
+    loaded, trained = model(x), tuned(x)
+    assert torch.equal(loaded[:, :3], trained[:, :3])
+    torch.testing.assert_close(loaded, trained, rtol=1e-5, atol=1e-5)
 
     # confadapt.py on the adapter folder: its lossless text is the base
     # model's greedy text.
@@ -358,3 +374,79 @@ def test_a_loaded_adapter_stays_float32_on_a_bfloat16_base(tmp_path):
     assert torch.equal(ours[~is_mask], packed_logits(untuned_bf16, b)[~is_mask])
     reference = packed_logits(adapted, b)
     assert (ours.float() - reference)[is_mask].abs().max() < 0.1 * reference.abs().max()
+
+
+# ---- one <mask> embedding per slot ----------------------------------------
+
+def test_a_masks_slot_counts_the_masks_just_before_it_in_its_row():
+    is_mask = torch.tensor([[0, 1, 1, 1, 0, 1],
+                            [1, 1, 0, 0, 1, 0]], dtype=torch.bool)
+    assert slots_of(is_mask).tolist() == [[0, 1, 2, 3, 0, 1],
+                                          [1, 2, 0, 0, 1, 0]]
+
+
+def test_each_slot_reads_its_own_embedding_in_decoding_and_in_training(monkeypatch):
+    """Decoding: slot j of a row's run of <mask>s gets embedding j, whatever
+    the slot positions are. Training: gated_mtp_loss's slots sit region after
+    region, so it numbers them itself (1 .. k-1 in each region)."""
+    _, adapted = untuned_and_adapted(kind="slots")
+    embedding = adapted.mask_embedding
+    tokens = torch.tensor([[5, MASK_ID, MASK_ID, MASK_ID, 7, MASK_ID]])
+    x, rows = adapted.embed(tokens)
+    assert rows.tolist() == [1, 2, 3, 5]
+    for position, slot in ((1, 0), (2, 1), (3, 2), (5, 0)):
+        assert torch.equal(x[0, position], embedding[slot])
+    # three slots, each its own
+    assert not torch.equal(embedding[0], embedding[1])
+
+    seen = []
+    original = Transformer.forward
+
+    def spy(model, tokens, **kwargs):
+        seen.append(kwargs.get("mask_slots"))
+        return original(model, tokens, **kwargs)
+
+    monkeypatch.setattr(Transformer, "forward", spy)
+    loss, _ = gated_mtp_loss(adapted, packed_batch(k=4))
+    loss.backward()
+    numbered = [s for s in seen if s is not None]
+    assert numbered and all(s[0].tolist() == [1, 2, 3] * 6 for s in numbered)
+    # every slot's embedding trains
+    assert (embedding.grad.abs().sum(-1) > 0).all()
+
+
+def test_slot_embeddings_are_saved_and_loaded_and_more_slots_are_refused(tmp_path):
+    untuned, adapted = untuned_and_adapted(kind="slots")
+    base = tmp_path / "base"
+    save_pretrained(untuned, base)
+    save_mask_adapter(adapted, tmp_path / "adapter", base)
+    config = json.loads((tmp_path / "adapter" / ADAPTER_CONFIG).read_text())
+    assert config["mask_slots"] == 3
+    loaded = load_mask_adapter(from_pretrained(base), tmp_path / "adapter")
+    assert torch.equal(loaded.mask_embedding, adapted.mask_embedding)
+    assert loaded.mask_embedding.shape == (3, 32)
+    tokens = torch.tensor([[5, 9, MASK_ID, MASK_ID, MASK_ID]])
+    torch.testing.assert_close(loaded(tokens), adapted(tokens), rtol=1e-5, atol=1e-5)
+    # k = 4 feeds at most 3 masks; k = 5 would feed a fourth, untrained slot
+    generate(loaded, [[5, 9]], 8, DecodeConfig("confadapt", tau=0.5, k_max=4))
+    with pytest.raises(ValueError, match="trained with 3 <mask> slots"):
+        generate(loaded, [[5, 9]], 8, DecodeConfig("confadapt", tau=0.5, k_max=5))
+
+
+# ---- the decoding copy -----------------------------------------------------
+
+def test_the_decoding_copy_computes_the_adapters_update_up_to_rounding():
+    """fuse_for_decoding stacks the down-projections of q, k and v (gate and
+    up): the mask rows as the adapter computes them, up to float32 rounding,
+    and the ordinary rows exactly."""
+    _, adapted = untuned_and_adapted()
+    fused = copy.deepcopy(adapted).requires_grad_(False)
+    fuse_for_decoding(fused)
+    groups = {id(m.adapter.fused) for m in fused.modules() if getattr(m, "adapter", None)}
+    # per layer: q, k, v; o; gate, up; down
+    assert len(groups) == 2 * 4
+    b = packed_batch()
+    ours, theirs = packed_logits(fused, b), packed_logits(adapted, b)
+    ordinary = b.kind != MASK
+    assert torch.equal(ours[ordinary], theirs[ordinary])
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)

@@ -9,7 +9,6 @@ import contextlib
 import faulthandler
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -172,10 +171,12 @@ def test_models_health_and_metrics(server):
 def test_streaming_equals_non_streaming(server, mode):
     url, _ = server
     c = client(url)
-    text, usage = chat(c, mtp_mode=mode)
+    # ConfAdapt's and static k's outputs depend on k: the rule off
+    extra = {"mtp_mode": mode, "load_aware": mode in ("greedy", "lossless")}
+    text, usage = chat(c, **extra)
     stream = c.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "hello world"}], max_tokens=24,
-        stream=True, stream_options={"include_usage": True}, extra_body={"mtp_mode": mode})
+        stream=True, stream_options={"include_usage": True}, extra_body=extra)
     chunks = list(stream)
     pieces = [ch.choices[0].delta.content or "" for ch in chunks if ch.choices]
     assert "".join(pieces) == text
@@ -237,6 +238,22 @@ def test_eight_concurrent_requests_equal_the_same_requests_one_by_one(server, mo
         assert sum(n for _, n in together) < sum(r["max_tokens"] for r in requests)
 
 
+class FixedCosts:
+    """A cost table the passes do not move: C(k, B) = table[k], no exploring."""
+
+    def __init__(self, table):
+        self.table = table
+
+    def __call__(self, k, B):
+        return self.table[k]
+
+    def observe(self, k, B, seconds):
+        pass
+
+    def explore(self, best, B, top):
+        return best
+
+
 def test_the_load_aware_rule_computes_fewer_positions_when_they_do_not_pay(folders):
     """A cost table in which every extra position doubles a pass's cost: the rule keeps k = 1
     (greedy's cost) whatever the measured acceptance; with free extra positions it takes the
@@ -244,16 +261,58 @@ def test_the_load_aware_rule_computes_fewer_positions_when_they_do_not_pay(folde
     argv = ["--model", folders["mtp"], "--device", "cpu", "--dtype", "float32",
             "--served-model-name", "tiny", "--max-rows", "4", "--k-max", "4"]
     with running_server(argv) as (url, decoder):
-        costs = decoder.costs.seconds
-        for k, b in costs:
-            costs[k, b] = 2.0 ** k
+        decoder.costs = FixedCosts({k: 2.0 ** k for k in range(1, 5)})
         _, u = chat(client(url), mtp_mode="confadapt", tau=0.3, max_tokens=12)
         assert u.model_extra["k_max_used"] == 1
-        for k, b in costs:
-            costs[k, b] = 1.0
+        decoder.costs = FixedCosts({k: 1.0 for k in range(1, 5)})
         _, u = chat(client(url), mtp_mode="static", static_k=4, max_tokens=12)
         assert u.model_extra["k_mean"] == 4
         assert u.model_extra["forward_passes"] == 3
+
+
+def test_the_rule_follows_the_costs_of_the_passes_it_runs(folders, monkeypatch):
+    """Start-up timings that call every k equally cheap, and passes whose real cost grows with
+    the positions a row computes (a sleep): the rule starts at k = 4 and, timing its own
+    passes, moves to k = 1. With the timings frozen it stays at 4 (the test can fail)."""
+    step = serve.decode_step
+
+    def slow(model, cache, rows, *args, **kwargs):
+        time.sleep(0.01 * max(r.mode.block for r in rows) ** 2)
+        return step(model, cache, rows, *args, **kwargs)
+
+    monkeypatch.setattr(serve, "decode_step", slow)
+    argv = ["--model", folders["mtp"], "--device", "cpu", "--dtype", "float32",
+            "--served-model-name", "tiny", "--max-rows", "4", "--k-max", "4"]
+    with running_server(argv) as (url, decoder):
+        costs = decoder.costs
+        for key in costs.seconds:
+            costs.seconds[key] = 1e-3
+        frozen = FixedCosts({k: 1e-3 for k in range(1, 5)})
+        decoder.costs = frozen
+        _, u = chat(client(url), mtp_mode="static", static_k=4, max_tokens=24)
+        assert u.model_extra["k_mean"] == 4
+        decoder.costs = costs
+        _, first = chat(client(url), mtp_mode="static", static_k=4, max_tokens=24)
+        _, later = chat(client(url), mtp_mode="static", static_k=4, max_tokens=24)
+        assert first.model_extra["k_max_used"] == 4
+        assert later.model_extra["k_mean"] < 1.5
+        # the cells it ran: k = 4 costs several times k = 1, as the sleeps say
+        assert costs(4, 1) > 4 * costs(1, 1)
+
+
+def test_one_pass_in_every_tries_a_neighbour_of_the_rules_choice(folders):
+    argv = ["--model", folders["mtp"], "--device", "cpu", "--dtype", "float32",
+            "--served-model-name", "tiny", "--max-rows", "4", "--k-max", "4"]
+    costs = serve.build(serve.parser().parse_args(argv))[1].costs
+    picks = []
+    for _ in range(3 * costs.every):
+        k = costs.explore(1, B=3, top=4)
+        picks.append(k)
+        costs.observe(k, 3, 0.01)
+    # k = 2 once in every `every` passes; never further than one from the choice
+    assert picks.count(2) == 3
+    assert set(picks) == {1, 2}
+    assert costs.explore(4, B=3, top=4) in (3, 4)
 
 
 # ---- bad input --------------------------------------------------------------------------------
