@@ -2,7 +2,9 @@
 
 On a real model (SmolLM2-135M-Instruct: about 0.5 GB of float32 weights read per pass) a forward
 pass costs real work, so its speed-ups say what a user gains. In one run, on the same weights
-and the same chat-formatted prompts, these decoders take turns (bench_modes.bench):
+and the same prompts in the model's chat format (--prompts chat: requests of four domains;
+word_problems: held-out word problems, as finetune_hf.py eval's zero-shot prompts ask them),
+these decoders take turns (bench_modes.bench):
 
     greedy                      ours: mtp.engine.generate, one token per pass
     transformers greedy         AutoModelForCausalLM.generate(do_sample=False) on the same folder
@@ -17,7 +19,7 @@ gives a finished row's place to the next prompt). Then the forward-pass latency 
 pass of T = 1..32 new positions per row at batch 1 and 16 (on the CPU in float32 and bfloat16),
 which is what turns fewer passes (effective k) into time saved, or not.
 
-    python benchmarks/decode_real.py --model DIR --out DIR [--device cuda] [--quick]
+    python benchmarks/decode_real.py --model DIR --out DIR [--prompts word_problems] [--device cuda] [--quick]
 
 writes results.json, results.md (the tables), samples.md (the answers at the smallest batch size,
 every pass's tokens between | marks), decoding.png and latency.png to --out.
@@ -41,7 +43,7 @@ from confadapt import DecodeConfig, decode_modes  # noqa: E402
 from mtp.chunks import chunk_texts  # noqa: E402
 from mtp.engine import DecodeStats, Generation, generate, synchronize  # noqa: E402
 from mtp.tokenizer import default_format, end_token, FORMATS, prompt_tokens
-from tasks.word_problems import word_problem_split
+from tasks.word_problems import domain_prompts, word_problem_split
 from model import add_mask_token  # noqa: E402
 from mtp.hf import save_pretrained, write_text  # noqa: E402
 
@@ -49,7 +51,7 @@ HF_GREEDY, HF_LOOKUP = "transformers greedy", "transformers prompt lookup"
 MODE_CHOICES = ("greedy", "hf-greedy", "hf-lookup", "static", "confadapt", "lossless")
 
 # ----------------------------------------------------------------------------------------------
-# Prompts: four domains, each asking for an answer of a few paragraphs
+# Prompts: four chat domains, each asking for an answer of a few paragraphs, or word problems
 # ----------------------------------------------------------------------------------------------
 # Generated here, so that no training file holds them; the word problems are the first questions
 # of tasks/word_problems.py's test split (write_word_problems keeps them out of its training file).
@@ -73,6 +75,19 @@ def chat_prompts(per_domain: int) -> list[tuple[str, str]]:
         "story": [f"Write a short story about {c} who {e}." for e in EVENTS for c in CHARACTERS],
     }
     return [(d, texts[i % len(texts)]) for i in range(per_domain) for d, texts in domains.items()]
+
+
+def word_problem_prompts(n: int) -> list[tuple[str, str]]:
+    """("word_problems", question) pairs: the first n questions of the held-out split that
+    finetune_hf.py eval reads (write_word_problems' test.jsonl), asked bare, as its zero-shot
+    prompts ask them."""
+    return [("word_problems", q) for q in domain_prompts("word_problems", n, split="test")]
+
+
+# --prompts: each set's (domain, request) pairs for --prompts-per-domain; the word problems are
+# one domain, as many prompts as the chat set's four
+PROMPT_SETS = {"chat": chat_prompts,
+               "word_problems": lambda per_domain: word_problem_prompts(4 * per_domain)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -200,12 +215,12 @@ def run(args) -> dict:
     ours, tok, hf = load(args, device, dtype, need_mask=any(m.block > 1 for m in modes))
     fmt = args.format if args.format != "auto" else default_format(tok, ours.config.model_type)
     stop_ids = stop_ids_of(ours, tok) | {end_token(tok, fmt)}    # the format's end of turn too
-    requests = chat_prompts(args.prompts_per_domain)
+    requests = PROMPT_SETS[args.prompts](args.prompts_per_domain)
     prompts = [prompt_tokens(tok, fmt, text) for _, text in requests]
     dtype_name = str(dtype).removeprefix("torch.")
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     meta = {"model": args.model, "reference": args.reference, "machine": machine, "device": str(device),
-            **provenance(dtype, device), "format": fmt, "k_max": args.k_max,
+            **provenance(dtype, device), "prompts": args.prompts, "format": fmt, "k_max": args.k_max,
             "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "requests": requests,
             "rows": args.rows or max(len(prompts), max(args.batch_sizes)),     # bench_modes.bench's workload
             "prompt_tokens": [len(p) for p in prompts]}
@@ -308,7 +323,8 @@ def write_samples(path, tok, requests, outputs, batch_size):
 
 def markdown(report: dict) -> str:
     m = report["meta"]
-    lines = [f"### Decoding {m['model']} on {m['machine']} ({m['device']}, {m['dtype']}, {m['threads']} threads)", ""]
+    lines = [f"### Decoding {m['model']} on {m['machine']} ({m['device']}, {m['dtype']}, {m['threads']} threads), "
+             f"{m['prompts'].replace('_', '-')} prompts", ""]
     if report["decoding"]:
         rows = report["decoding"]
         reference = m.get("reference")
@@ -324,7 +340,8 @@ def markdown(report: dict) -> str:
                          f"| {vs_hf} | {r['effective_k']:.2f} | {r['efficiency']:.2f} | {r['fed_per_token']:.2f} "
                          f"| {same} |" + (f" {r['same_as_reference']:.0%} |" if "same_as_reference" in r else ""))
         lookup = any(r["kind"].startswith(HF_LOOKUP) for r in rows)
-        lines += ["", f"{len(m['requests'])} prompts ({m['format']} format, {min(m['prompt_tokens'])}-"
+        lines += ["", f"{len(m['requests'])} {m['prompts'].replace('_', '-')} prompts ({m['format']} format, "
+                      f"{min(m['prompt_tokens'])}-"
                       f"{max(m['prompt_tokens'])} tokens) cycled to {m['rows']} rows, "
                       f"at most {m['max_new_tokens']} new tokens each; modes take turns, best of {m['repeats']}. "
                       "tokens/s: tokens per second of decoding (prefill excluded); effective k: tokens per forward "
@@ -429,6 +446,9 @@ def parse(argv):
     r = p.add_argument_group("workload (--quick: 4 prompts, 48 tokens, batch 1 and 4, one round, latency at 6 sizes)")
     r.add_argument("--quick", action="store_true", help="a smoke run in minutes, for checking the command")
     add_flags(r,
+              ("--prompts", None, "chat", "chat (the default): requests of four domains (math, code, explain, "
+               "story); word_problems: held-out word problems, one domain, as many prompts",
+               {"choices": tuple(PROMPT_SETS)}),
               ("--parts", None, ["decoding", "latency"], None,
                {"nargs": "+", "choices": ["decoding", "latency"]}),
               ("--prompts-per-domain", int, None,

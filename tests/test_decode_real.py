@@ -13,7 +13,8 @@ from conftest import run_script
 from model import add_mask_token
 from mtp.cli import load_tokenizer
 from mtp.hf import from_pretrained
-from tasks.word_problems import word_problem_tokenizer
+from mtp.tokenizer import prompt_tokens
+from tasks.word_problems import word_problem_tokenizer, write_word_problems
 
 pytestmark = pytest.mark.usefixtures("one_thread")            # conftest.py
 
@@ -90,6 +91,7 @@ BAD_INPUT = [
     ("--latency-sizes 0", "--latency-sizes must be at least 1"),
     ("--taus 1.5", "tau"),
     ("--dtype float64", "invalid choice"),
+    ("--prompts poems", "invalid choice"),
 ]
 
 
@@ -113,6 +115,11 @@ def runs(tiny_dir, adapter_dir, tmp_path_factory):
                      "--modes", "greedy", "hf-greedy", "lossless", "confadapt",
                      "--quick", "--max-new-tokens", "12", "--k-max", "4", "--dtype", "float32",
                      "--reference", tiny_dir, *one_thread]),
+        "word problems": (tmp / "word_problems",
+                          ["--model", adapter_dir, "--prompts", "word_problems", "--parts", "decoding",
+                           "--modes", "greedy", "hf-greedy", "hf-lookup", "lossless", "confadapt",
+                           "--quick", "--max-new-tokens", "12", "--k-max", "4", "--dtype", "float32",
+                           "--reference", tiny_dir, *one_thread]),
         **{extra: (tmp / "o", [*quick, *extra.split()]) for extra, _ in BAD_INPUT},
         "missing model": (tmp / "o", ["--model", str(tmp / "nothing")]),
         "file as out": (tmp / "file", ["--model", str(tmp)]),
@@ -135,6 +142,7 @@ def test_benchmark_runs_end_to_end(runs):
     out, done = runs["end to end"]
     assert done.returncode == 0, done.stderr
     report = json.loads((out / "results.json").read_text())
+    assert report["meta"]["prompts"] == "chat"                           # the default set
     rows = {(r["batch_size"], r["mode"]): r for r in report["decoding"]}
     lookup = "transformers prompt lookup n=10"
     # ConfAdapt: every tau at every k_max; lossless at the largest k_max
@@ -224,3 +232,32 @@ def test_benchmark_reads_a_gated_adapter_and_compares_with_the_untuned_base(runs
     assert rows["transformers greedy"]["equals_greedy"] and rows["lossless k=4"]["equals_greedy"]
     assert rows["greedy"]["same_as_reference"] == rows["lossless k=4"]["same_as_reference"] == 1.0
     assert "= reference's greedy" in (out / "results.md").read_text()
+
+
+def test_word_problem_prompts_are_evals_zero_shot_prompts_and_every_decoder_runs_on_them(runs, tiny_dir):
+    """--prompts word_problems: the held-out questions finetune_hf.py eval reads, in its zero-shot
+    prompts (one domain, as many as the chat set's four), decoded by every decoder; lossless and
+    transformers' decoders print greedy's tokens, and tokens per pass print for the one domain."""
+    out, done = runs["word problems"]
+    assert done.returncode == 0, done.stderr
+    report = json.loads((out / "results.json").read_text())
+    meta = report["meta"]
+    _, test_file = write_word_problems(out / "data", n_train=20000, n_test=500)
+    questions = [json.loads(line)["question"] for line in test_file.read_text().splitlines()[:4]]
+    assert meta["prompts"] == "word_problems"
+    assert meta["requests"] == [["word_problems", q] for q in questions]
+    tok = load_tokenizer(tiny_dir)
+    assert meta["prompt_tokens"] == [len(prompt_tokens(tok, meta["format"], q)) for q in questions]
+    rows = {(r["batch_size"], r["mode"]): r for r in report["decoding"]}
+    lookup = "transformers prompt lookup n=10"
+    assert {m for b, m in rows if b == 1} == {"greedy", "transformers greedy", lookup, "lossless k=4",
+                                               "confadapt tau=0.9 k_max=4", "confadapt tau=0.7 k_max=4"}
+    for bs in (1, 4):
+        assert rows[bs, "lossless k=4"]["equals_greedy"] and rows[bs, "transformers greedy"]["equals_greedy"]
+        assert rows[bs, "lossless k=4"]["same_as_reference"] == 1.0
+        assert list(rows[bs, "lossless k=4"]["effective_k_by_domain"]) == ["word_problems"]
+    assert rows[1, lookup]["equals_greedy"]
+    md = (out / "results.md").read_text()
+    assert "word-problems prompts" in md and "| tokens per pass, batch 1 | word_problems |" in md
+    samples = (out / "samples.md").read_text()
+    assert samples.count("## word_problems: ") == 4 and questions[0] in samples
