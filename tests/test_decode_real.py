@@ -261,3 +261,135 @@ def test_word_problem_prompts_are_evals_zero_shot_prompts_and_every_decoder_runs
     assert "word-problems prompts" in md and "| tokens per pass, batch 1 | word_problems |" in md
     samples = (out / "samples.md").read_text()
     assert samples.count("## word_problems: ") == 4 and questions[0] in samples
+
+
+# ----------------------------------------------------------------------------------------------
+# benchmarks/adapter_pass.py: one cached pass's cost with the adapter against the base's
+# ----------------------------------------------------------------------------------------------
+
+ADAPTER_PASS = DECODE_REAL.parent / "adapter_pass.py"
+
+# A prelude for run_script: every call of Transformer.embed (one per forward pass) noted on
+# stderr as "embed: ADAPTER_ON MASKS POSITIONS", so a test sees which passes ran in which order.
+NOTE_PASSES = r"""
+import sys
+sys.path.insert(0, {repo!r})
+import model
+
+honest_embed = model.Transformer.embed
+
+
+def embed(self, tokens, *args, **kwargs):
+    on = kwargs.get("use_adapter", args[0] if args else True) and self.mask_embedding is not None
+    masks = int((tokens == self.config.mask_token_id).sum())
+    print(f"embed: {{int(on)}} {{masks}} {{tokens.numel()}}", file=sys.stderr)
+    return honest_embed(self, tokens, *args, **kwargs)
+
+
+model.Transformer.embed = embed
+""".format(repo=str(DECODE_REAL.parents[1]))
+
+
+@pytest.fixture(scope="module")
+def pass_runs(tiny_dir, adapter_dir, tmp_path_factory):
+    """adapter_pass.py's runs by name: (its --out, the finished run)."""
+    tmp = tmp_path_factory.mktemp("pass_runs")
+    (tmp / "taken").mkdir()
+    (tmp / "taken" / "adapter_pass.json").write_text("{}")
+    fast = ["--repeats", "3", "--context", "10", "--threads", "1", "--dtype", "float32"]
+    named = {
+        "trained": (tmp / "trained", ["--model", adapter_dir, *fast]),
+        "fresh": (tmp / "fresh", ["--model", tiny_dir, "--rank", "3", "--targets", "wq", "wk", "wv", "wo",
+                                  "--k-max", "3", *fast]),
+        "rank on an adapter": (tmp / "o", ["--model", adapter_dir, "--rank", "3"]),
+        "base without rank": (tmp / "o", ["--model", tiny_dir]),
+        "targets without rank": (tmp / "o", ["--model", adapter_dir, "--targets", "wq"]),
+        "k_max 1": (tmp / "o", ["--model", adapter_dir, "--k-max", "1"]),
+        "earlier output": (tmp / "taken", ["--model", adapter_dir, *fast]),
+    }
+    lines = [["--out", str(out), *argv] for out, argv in named.values()]
+    done = run_script(ADAPTER_PASS, *lines, prelude=NOTE_PASSES)
+    return {name: (out, run) for (name, (out, _)), run in zip(named.items(), done)}
+
+
+def passes_seen(stderr: str) -> list[tuple[int, int, int]]:
+    """(adapter on, masks, positions) of each forward pass, in order."""
+    return [tuple(map(int, line.split()[1:])) for line in stderr.splitlines() if line.startswith("embed: ")]
+
+
+def test_adapter_pass_times_the_three_passes_in_turns(pass_runs):
+    """A trained adapter's folder: after the prefill, rounds of (base, 1 token), (base, 4 tokens),
+    (adapter, 1 token + 3 masks), one untimed round first; the medians and ratios written are
+    those of the passes timed."""
+    out, done = pass_runs["trained"]
+    assert done.returncode == 0, done.stderr
+    seen = passes_seen(done.stderr)
+    # the prefill: the base over 10 cached tokens, no mask
+    assert seen[0] == (0, 0, 10)
+    assert seen[1:] == [(0, 0, 1), (0, 0, 4), (1, 3, 4)] * 4
+    report = json.loads((out / "adapter_pass.json").read_text())
+    one, four, adapter = "base, 1 token", "base, 4 tokens", "adapter, 1 token + 3 masks"
+    assert list(report["ms"]) == [one, four, adapter]
+    for name, seconds in report["seconds"].items():
+        assert len(seconds) == 3 and report["ms"][name] == pytest.approx(1e3 * sorted(seconds)[1])
+    assert report["ratios"][f"{adapter} / {one}"] == pytest.approx(report["ms"][adapter] / report["ms"][one])
+    paired = sorted(a / b for a, b in zip(report["seconds"][adapter], report["seconds"][one]))[1]
+    assert report["paired_ratios"][f"{adapter} / {one}"] == pytest.approx(paired)
+    meta = report["meta"]
+    assert meta["adapter"]["rank"] == 2 and not meta["adapter"]["fresh"]
+    assert meta["dtype"] == "float32" and meta["threads"] == 1 and meta["machine"]
+    md = (out / "adapter_pass.md").read_text()
+    assert f"| {adapter} / {one} |" in md and "a trained gated mask adapter" in md
+    assert md in done.stdout
+
+
+def test_adapter_pass_builds_a_fresh_adapter_of_the_rank_and_targets_asked(pass_runs, tiny_dir):
+    """--rank 3 --targets wq wk wv wo on the base folder: the adapter timed has that rank on those
+    projections (its parameter count says so), and its pass is 1 token + k_max - 1 masks."""
+    out, done = pass_runs["fresh"]
+    assert done.returncode == 0, done.stderr
+    assert passes_seen(done.stderr)[1:] == [(0, 0, 1), (0, 0, 3), (1, 2, 3)] * 4
+    meta = json.loads((out / "adapter_pass.json").read_text())["meta"]
+    assert meta["adapter"]["fresh"] and meta["adapter"]["targets"] == ["wq", "wk", "wv", "wo"]
+    cfg = from_pretrained(tiny_dir).config
+    kv = cfg.n_kv_heads * cfg.head_dim
+    # per layer: down (3 x d_in) and up (d_out x 3) on each projection; plus the <mask> embedding
+    per_layer = sum(3 * (d_in + d_out) for d_in, d_out in
+                    [(cfg.dim, cfg.n_heads * cfg.head_dim), (cfg.dim, kv), (cfg.dim, kv),
+                     (cfg.n_heads * cfg.head_dim, cfg.dim)])
+    assert meta["adapter"]["parameters"] == cfg.n_layers * per_layer + cfg.dim
+
+
+def test_a_fresh_adapter_changes_the_mask_positions(tiny_dir, tmp_path):
+    """fresh_adapter_folder's adapter loads as a trained one does, and its update is not zero:
+    a mask position's logits differ from the base's, an ordinary position's do not."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("adapter_pass", ADAPTER_PASS)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.fresh_adapter_folder(tiny_dir, tmp_path / "fresh", 2, 4.0, ["wv", "down"])
+    from mtp.cli import load_model
+
+    model = load_model(str(tmp_path / "fresh"))[0]
+    mask = model.config.mask_token_id
+    tokens = torch.tensor([[5, 6, mask, mask]])
+    with torch.no_grad():
+        on, off = model(tokens), model(tokens, use_adapter=False)
+    assert torch.equal(on[:, :2], off[:, :2]) and not torch.allclose(on[:, 2:], off[:, 2:])
+    ups = [t for name, t in model.state_dict().items() if name.endswith("adapter.up")]
+    assert len(ups) == 2 * model.config.n_layers and all(t.abs().sum() > 0 for t in ups)
+
+
+@pytest.mark.parametrize("name, message", [
+    ("rank on an adapter", "is an adapter folder already"),
+    ("base without rank", "give --rank"),
+    ("targets without rank", "go with --rank"),
+    ("k_max 1", "--k-max"),
+    ("earlier output", "add --overwrite"),
+])
+def test_adapter_pass_bad_input_gives_one_error_line(pass_runs, name, message):
+    out, done = pass_runs[name]
+    assert done.returncode == 2
+    assert name != "earlier output" or (out / "adapter_pass.json").read_text() == "{}"
+    assert done.stderr.startswith("error:") and message in done.stderr and done.stderr.count("\n") == 1
