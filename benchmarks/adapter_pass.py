@@ -34,12 +34,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from adapter import (ADAPTER_TARGETS, add_mask_adapter, adapter_state, is_adapter_folder,  # noqa: E402
-                     save_mask_adapter)
+from adapter import (ADAPTER_TARGETS, add_mask_adapter, adapter_state,  # noqa: E402
+                     is_adapter_folder, save_mask_adapter)
 from model import add_mask_token  # noqa: E402
-from mtp.cli import (CliError, Parser, add_flags, base_folder, cpu_name, input_path, load_model,  # noqa: E402
-                     number, output_folder, parse_device, parse_dtype, positive_int, provenance,
-                     run_cli)
+from mtp.cli import (CliError, Parser, add_flags, base_folder, cpu_name,  # noqa: E402
+                     input_path, load_model, number, output_folder, parse_device, parse_dtype,
+                     positive_int, provenance, run_cli)
 from mtp.engine import cached_forward, new_cache, synchronize  # noqa: E402
 from mtp.hf import write_json, write_text  # noqa: E402
 
