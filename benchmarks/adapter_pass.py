@@ -37,9 +37,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from adapter import (ADAPTER_TARGETS, add_mask_adapter, adapter_state,  # noqa: E402
                      is_adapter_folder, save_mask_adapter)
 from model import add_mask_token  # noqa: E402
-from mtp.cli import (CliError, Parser, add_flags, base_folder, cpu_name,  # noqa: E402
-                     input_path, load_model, number, output_folder, parse_device, parse_dtype,
-                     positive_int, provenance, run_cli)
+from mtp.cli import (CUDNN_ATTENTION, CliError, Parser, add_flags,  # noqa: E402
+                     apply_attention_backend, base_folder, cpu_name, input_path, load_model,
+                     number, output_folder, parse_device, parse_dtype, positive_int, provenance,
+                     run_cli)
 from mtp.engine import cached_forward, new_cache, synchronize  # noqa: E402
 from mtp.hf import write_json, write_text  # noqa: E402
 
@@ -102,6 +103,7 @@ def fresh_adapter_folder(base: str, folder, rank: int, alpha: float, targets, se
 
 def measure(args, folder) -> dict:
     device = parse_device(args.device)
+    apply_attention_backend(args.cudnn_attention, device)
     dtype = parse_dtype(args.dtype, device)
     model = load_model(folder, device, dtype, args.base)[0]
     shapes = pass_shapes(args.k_max)
@@ -187,7 +189,8 @@ def adapter_pass_main(argv):
               ("--device", None, "auto", "auto (cuda if available), cpu, cuda, cuda:1, ..."),
               ("--dtype", None, "auto", "auto: bfloat16 where the hardware computes it natively, "
                "else float32", {"choices": ("auto", "float32", "bfloat16")}),
-              ("--threads", positive_int, None, "CPU threads for torch (default: torch's choice)"))
+              ("--threads", positive_int, None, "CPU threads for torch (default: torch's choice)"),
+              CUDNN_ATTENTION)
     args = p.parse_args(argv)
     check_args(args)
     if args.threads:

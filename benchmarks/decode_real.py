@@ -17,7 +17,9 @@ these decoders take turns (bench_modes.bench):
 at batch sizes 1, 4 and 16 (transformers pads a static batch until its longest row ends; ours
 gives a finished row's place to the next prompt). Then the forward-pass latency curve: one cached
 pass of T = 1..32 new positions per row at batch 1 and 16 (on the CPU in float32 and bfloat16),
-which is what turns fewer passes (effective k) into time saved, or not.
+which is what turns fewer passes (effective k) into time saved, or not; for a gated mask adapter
+folder each pass is 1 token + (T - 1) <mask>s, timed without and with the adapter in turns, and
+its pass at the lossless k_max is priced against the one-token pass without it.
 
     python benchmarks/decode_real.py --model DIR --out DIR [--prompts word_problems] [--device cuda] [--quick]
 
@@ -27,6 +29,7 @@ every pass's tokens between | marks), decoding.png and latency.png to --out.
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -35,6 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from adapter_pass import pass_times  # noqa: E402
 from bench_modes import bench, forward_latency  # noqa: E402
 from mtp.cli import (CUDNN_ATTENTION, CliError, Parser, add_flags, apply_attention_backend,  # noqa: E402
                      base_folder, check_model_folder, cpu_name, exactness, load_model, parse_device,
@@ -44,6 +48,7 @@ from mtp.chunks import chunk_texts  # noqa: E402
 from mtp.engine import DecodeStats, Generation, generate, synchronize  # noqa: E402
 from mtp.tokenizer import default_format, end_token, FORMATS, prompt_tokens
 from tasks.word_problems import domain_prompts, word_problem_split
+from adapter import is_adapter_folder  # noqa: E402
 from model import add_mask_token  # noqa: E402
 from mtp.hf import save_pretrained, write_text  # noqa: E402
 
@@ -263,18 +268,38 @@ def run(args) -> dict:
     if "latency" in args.parts:
         context = round(sum(meta["prompt_tokens"]) / len(prompts)) + args.max_new_tokens // 2
         meta["latency_context"] = context
+        # A gated adapter's pass is 1 token + (T - 1) <mask>s: timed with the adapter on and off,
+        # and at the lossless k_max (the pass whose cost against the one-token one decides).
+        adapter_k = (args.lossless_k or max(args.k_max)) if is_adapter_folder(args.model) else None
+        sizes = args.latency_sizes
+        if adapter_k:
+            sizes = sorted({*sizes, 1, adapter_k})
+            meta["adapter_k_max"] = adapter_k
+            report["adapter_latency_ms"] = {}
         # Both dtypes on the CPU (their costs differ by CPU); on a GPU the decoding dtype alone.
         for name in args.latency_dtypes or (["float32", "bfloat16"] if device.type == "cpu" else [dtype_name]):
             model = ours
             if name != dtype_name:
                 model = load_model(args.model, device, getattr(torch, name), args.base)[0]
-            report["latency_ms"][name] = {
-                bs: {T: s * 1e3 for T, s in forward_latency(model, bs, context, args.latency_sizes,
-                                                            args.latency_repeats).items()}
-                for bs in args.latency_batch_sizes}
+            curves = {bs: adapter_latency(model, bs, context, sizes, args.latency_repeats) if adapter_k
+                      else (forward_latency(model, bs, context, sizes, args.latency_repeats), None)
+                      for bs in args.latency_batch_sizes}
+            report["latency_ms"][name] = {bs: {T: s * 1e3 for T, s in off.items()}
+                                          for bs, (off, _) in curves.items()}
+            if adapter_k:
+                report["adapter_latency_ms"][name] = {bs: {T: s * 1e3 for T, s in on.items()}
+                                                      for bs, (_, on) in curves.items()}
             print(f"latency curve {name} done", file=sys.stderr, flush=True)
             save(report, out)
     return report
+
+
+def adapter_latency(model, batch_size: int, context: int, sizes, repeats: int):
+    """Median seconds ({T: s} without the adapter, {T: s} with it) of one cached pass of 1 token
+    and T - 1 <mask>s per row over `context` cached tokens, the passes taking turns."""
+    shapes = {(T, on): (1, T - 1, on) for T in sizes for on in (False, True)}
+    times = pass_times(model, context, shapes, repeats, batch_size)
+    return tuple({T: statistics.median(times[T, on]) for T in sizes} for on in (False, True))
 
 
 def same_as_reference(result, outputs, prompts, n_rows, stop_ids, args, device, dtype):
@@ -361,12 +386,26 @@ def markdown(report: dict) -> str:
         shown = [T for T in sizes if T in (1, 2, 4, 8, 16, 32) or T == sizes[-1]]
         lines += ["| batch | dtype | " + " | ".join(f"T = {T}" for T in shown) + " |",
                   "|---|---|" + "---|" * len(shown)]
+        adapter = report.get("adapter_latency_ms", {})
         for name, curves in report["latency_ms"].items():
             for bs, c in curves.items():
                 cells = [f"{c[T]:.1f}" if T == shown[0] else f"{c[T]:.1f} ({c[T] / c[shown[0]]:.2f}x)" for T in shown]
                 lines.append(f"| {bs} | {name} | " + " | ".join(cells) + " |")
+                if name in adapter:
+                    on = adapter[name][bs]
+                    cells = [f"{on[T]:.1f} ({on[T] / c[shown[0]]:.2f}x)" for T in shown]
+                    lines.append(f"| {bs} | {name}, adapter on | " + " | ".join(cells) + " |")
         lines += ["", f"Milliseconds of one cached forward pass of T new positions per row, on top of "
-                      f"{m['latency_context']} cached tokens (ratio to T = {shown[0]})." , ""]
+                      f"{m['latency_context']} cached tokens (ratio to T = {shown[0]})."
+                  + (" A gated mask adapter's pass is 1 token + (T - 1) <mask>s, without and with "
+                     "the adapter (its ratios to the one-token pass without it)." if adapter else ""), ""]
+        k = m.get("adapter_k_max")
+        for name, curves in adapter.items():
+            for bs, on in curves.items():
+                ratio = on[k] / report["latency_ms"][name][bs][1]
+                lines.append(f"Batch {bs}, {name}: the adapter's pass of 1 token + {k - 1} masks costs "
+                             f"{ratio:.2f}x the one-token pass without the adapter.")
+        lines += [""] * bool(adapter)
     return "\n".join(lines)
 
 
@@ -404,6 +443,10 @@ def plot_latency(report: dict, path):
         for name, curves in report["latency_ms"].items():
             if bs in curves:
                 ax.plot(list(curves[bs]), list(curves[bs].values()), marker=".", label=name)
+        for name, curves in report.get("adapter_latency_ms", {}).items():
+            if bs in curves:
+                ax.plot(list(curves[bs]), list(curves[bs].values()), marker=".", linestyle="--",
+                        label=f"{name}, adapter on")
         ax.set_xlabel("new positions per row (T)")
         ax.set_ylabel("ms per forward pass")
         ax.set_ylim(bottom=0)

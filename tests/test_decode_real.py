@@ -393,3 +393,27 @@ def test_adapter_pass_bad_input_gives_one_error_line(pass_runs, name, message):
     assert done.returncode == 2
     assert name != "earlier output" or (out / "adapter_pass.json").read_text() == "{}"
     assert done.stderr.startswith("error:") and message in done.stderr and done.stderr.count("\n") == 1
+
+
+def test_the_latency_curve_of_an_adapter_folder_times_masks_with_the_adapter_on_and_off(adapter_dir, tmp_path):
+    """On a gated adapter folder each latency pass is 1 token + (T - 1) <mask>s, without and with
+    the adapter in turns, the lossless k_max among the sizes; the ratio printed is the adapter's
+    pass at k_max over the one-token pass without it."""
+    argv = ["--model", adapter_dir, "--out", str(tmp_path / "o"), "--parts", "latency", "--quick",
+            "--latency-sizes", "2", "--latency-batch-sizes", "1", "--latency-repeats", "1",
+            "--latency-dtypes", "float32", "--dtype", "float32", "--lossless-k", "3", "--threads", "1"]
+    [done] = run_script(DECODE_REAL, argv, prelude=NOTE_PASSES)
+    assert done.returncode == 0, done.stderr
+    seen = passes_seen(done.stderr)
+    assert seen[0][:2] == (0, 0)                                         # the prefill
+    one_round = [(on, T - 1, T) for T in (1, 2, 3) for on in (0, 1)]
+    assert seen[1:] == one_round * 2                                     # a warm-up round, one timed
+    report = json.loads((tmp_path / "o" / "results.json").read_text())
+    assert report["meta"]["adapter_k_max"] == 3
+    off, on = report["latency_ms"]["float32"]["1"], report["adapter_latency_ms"]["float32"]["1"]
+    assert set(off) == set(on) == {"1", "2", "3"}
+    md = (tmp_path / "o" / "results.md").read_text()
+    assert "| 1 | float32, adapter on |" in md
+    assert (f"Batch 1, float32: the adapter's pass of 1 token + 2 masks costs "
+            f"{on['3'] / off['1']:.2f}x the one-token pass without the adapter.") in md
+    assert (tmp_path / "o" / "latency.png").stat().st_size > 1000
