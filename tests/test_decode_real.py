@@ -290,9 +290,28 @@ model.Transformer.embed = embed
 """.format(repo=str(DECODE_REAL.parents[1]))
 
 
+# A prelude for run_script: each adapter folder adapter.save_mask_adapter writes is copied to
+# the folder KEEP as well (adapter_pass.py writes its fresh adapter to a temporary folder).
+KEEP_FRESH = r"""
+import shutil
+import adapter
+
+honest_save = adapter.save_mask_adapter
+
+
+def save_mask_adapter(model, path, *args, **kwargs):
+    honest_save(model, path, *args, **kwargs)
+    shutil.copytree(path, {keep!r})
+
+
+adapter.save_mask_adapter = save_mask_adapter
+"""
+
+
 @pytest.fixture(scope="module")
 def pass_runs(tiny_dir, adapter_dir, tmp_path_factory):
-    """adapter_pass.py's runs by name: (its --out, the finished run)."""
+    """adapter_pass.py's runs by name: (its --out, the finished run); the fresh adapter the run
+    "fresh" times is kept in its --out's parent, as fresh_adapter."""
     tmp = tmp_path_factory.mktemp("pass_runs")
     (tmp / "taken").mkdir()
     (tmp / "taken" / "adapter_pass.json").write_text("{}")
@@ -308,7 +327,8 @@ def pass_runs(tiny_dir, adapter_dir, tmp_path_factory):
         "earlier output": (tmp / "taken", ["--model", adapter_dir, *fast]),
     }
     lines = [["--out", str(out), *argv] for out, argv in named.values()]
-    done = run_script(ADAPTER_PASS, *lines, prelude=NOTE_PASSES)
+    keep = KEEP_FRESH.format(keep=str(tmp / "fresh_adapter"))
+    done = run_script(ADAPTER_PASS, *lines, prelude=NOTE_PASSES + keep)
     return {name: (out, run) for (name, (out, _)), run in zip(named.items(), done)}
 
 
@@ -360,25 +380,22 @@ def test_adapter_pass_builds_a_fresh_adapter_of_the_rank_and_targets_asked(pass_
     assert meta["adapter"]["parameters"] == cfg.n_layers * per_layer + cfg.dim
 
 
-def test_a_fresh_adapter_changes_the_mask_positions(tiny_dir, tmp_path):
-    """fresh_adapter_folder's adapter loads as a trained one does, and its update is not zero:
-    a mask position's logits differ from the base's, an ordinary position's do not."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("adapter_pass", ADAPTER_PASS)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.fresh_adapter_folder(tiny_dir, tmp_path / "fresh", 2, 4.0, ["wv", "down"])
+def test_a_fresh_adapter_changes_the_mask_positions(pass_runs, tiny_dir):
+    """The fresh adapter loads as a trained one does, and its update is not zero: a mask
+    position's logits differ from the base's, an ordinary position's do not."""
     from mtp.cli import load_model
 
-    model = load_model(str(tmp_path / "fresh"))[0]
+    out, done = pass_runs["fresh"]
+    assert done.returncode == 0, done.stderr
+    model = load_model(str(out.parent / "fresh_adapter"), base=tiny_dir)[0]
     mask = model.config.mask_token_id
     tokens = torch.tensor([[5, 6, mask, mask]])
     with torch.no_grad():
         on, off = model(tokens), model(tokens, use_adapter=False)
     assert torch.equal(on[:, :2], off[:, :2]) and not torch.allclose(on[:, 2:], off[:, 2:])
     ups = [t for name, t in model.state_dict().items() if name.endswith("adapter.up")]
-    assert len(ups) == 2 * model.config.n_layers and all(t.abs().sum() > 0 for t in ups)
+    assert len(ups) == 4 * model.config.n_layers and all(t.abs().sum() > 0 for t in ups)
+    assert model.adapter_config["rank"] == 3
 
 
 @pytest.mark.parametrize("name, message", [
