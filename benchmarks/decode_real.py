@@ -21,7 +21,8 @@ which is what turns fewer passes (effective k) into time saved, or not; for a ga
 folder each pass is 1 token + (T - 1) <mask>s, timed without and with the adapter in turns, and
 its pass at the lossless k_max is priced against the one-token pass without it.
 
-    python benchmarks/decode_real.py --model DIR --out DIR [--prompts word_problems] [--device cuda] [--quick]
+    python benchmarks/decode_real.py --model DIR --out DIR [--prompts word_problems] [--quick]
+                                     [--device cuda]
 
 writes results.json, results.md (the tables), samples.md (the answers at the smallest batch size,
 every pass's tokens between | marks), decoding.png and latency.png to --out.
@@ -225,7 +226,8 @@ def run(args) -> dict:
     dtype_name = str(dtype).removeprefix("torch.")
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     meta = {"model": args.model, "reference": args.reference, "machine": machine, "device": str(device),
-            **provenance(dtype, device), "prompts": args.prompts, "format": fmt, "k_max": args.k_max,
+            **provenance(dtype, device), "prompts": args.prompts, "format": fmt,
+            "k_max": args.k_max,
             "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "requests": requests,
             "rows": args.rows or max(len(prompts), max(args.batch_sizes)),     # bench_modes.bench's workload
             "prompt_tokens": [len(p) for p in prompts]}
@@ -281,8 +283,9 @@ def run(args) -> dict:
             model = ours
             if name != dtype_name:
                 model = load_model(args.model, device, getattr(torch, name), args.base)[0]
-            curves = {bs: adapter_latency(model, bs, context, sizes, args.latency_repeats) if adapter_k
-                      else (forward_latency(model, bs, context, sizes, args.latency_repeats), None)
+            repeats = args.latency_repeats
+            curves = {bs: adapter_latency(model, bs, context, sizes, repeats) if adapter_k
+                      else (forward_latency(model, bs, context, sizes, repeats), None)
                       for bs in args.latency_batch_sizes}
             report["latency_ms"][name] = {bs: {T: s * 1e3 for T, s in off.items()}
                                           for bs, (off, _) in curves.items()}
@@ -348,8 +351,8 @@ def write_samples(path, tok, requests, outputs, batch_size):
 
 def markdown(report: dict) -> str:
     m = report["meta"]
-    lines = [f"### Decoding {m['model']} on {m['machine']} ({m['device']}, {m['dtype']}, {m['threads']} threads), "
-             f"{m['prompts'].replace('_', '-')} prompts", ""]
+    lines = [f"### Decoding {m['model']} on {m['machine']} ({m['device']}, {m['dtype']}, "
+             f"{m['threads']} threads), {m['prompts'].replace('_', '-')} prompts", ""]
     if report["decoding"]:
         rows = report["decoding"]
         reference = m.get("reference")
@@ -365,7 +368,8 @@ def markdown(report: dict) -> str:
                          f"| {vs_hf} | {r['effective_k']:.2f} | {r['efficiency']:.2f} | {r['fed_per_token']:.2f} "
                          f"| {same} |" + (f" {r['same_as_reference']:.0%} |" if "same_as_reference" in r else ""))
         lookup = any(r["kind"].startswith(HF_LOOKUP) for r in rows)
-        lines += ["", f"{len(m['requests'])} {m['prompts'].replace('_', '-')} prompts ({m['format']} format, "
+        prompts = m["prompts"].replace("_", "-")
+        lines += ["", f"{len(m['requests'])} {prompts} prompts ({m['format']} format, "
                       f"{min(m['prompt_tokens'])}-"
                       f"{max(m['prompt_tokens'])} tokens) cycled to {m['rows']} rows, "
                       f"at most {m['max_new_tokens']} new tokens each; modes take turns, best of {m['repeats']}. "
@@ -397,14 +401,15 @@ def markdown(report: dict) -> str:
                     lines.append(f"| {bs} | {name}, adapter on | " + " | ".join(cells) + " |")
         lines += ["", f"Milliseconds of one cached forward pass of T new positions per row, on top of "
                       f"{m['latency_context']} cached tokens (ratio to T = {shown[0]})."
-                  + (" A gated mask adapter's pass is 1 token + (T - 1) <mask>s, without and with "
-                     "the adapter (its ratios to the one-token pass without it)." if adapter else ""), ""]
+                  + (" A gated mask adapter's pass is 1 token + (T - 1) <mask>s, without and "
+                     "with the adapter (its ratios to the one-token pass without it)."
+                     if adapter else ""), ""]
         k = m.get("adapter_k_max")
         for name, curves in adapter.items():
             for bs, on in curves.items():
                 ratio = on[k] / report["latency_ms"][name][bs][1]
-                lines.append(f"Batch {bs}, {name}: the adapter's pass of 1 token + {k - 1} masks costs "
-                             f"{ratio:.2f}x the one-token pass without the adapter.")
+                lines.append(f"Batch {bs}, {name}: the adapter's pass of 1 token + {k - 1} masks "
+                             f"costs {ratio:.2f}x the one-token pass without the adapter.")
         lines += [""] * bool(adapter)
     return "\n".join(lines)
 
@@ -489,8 +494,9 @@ def parse(argv):
     r = p.add_argument_group("workload (--quick: 4 prompts, 48 tokens, batch 1 and 4, one round, latency at 6 sizes)")
     r.add_argument("--quick", action="store_true", help="a smoke run in minutes, for checking the command")
     add_flags(r,
-              ("--prompts", None, "chat", "chat (the default): requests of four domains (math, code, explain, "
-               "story); word_problems: held-out word problems, one domain, as many prompts",
+              ("--prompts", None, "chat", "chat (the default): requests of four domains (math, "
+               "code, explain, story); word_problems: held-out word problems, one domain, as "
+               "many prompts",
                {"choices": tuple(PROMPT_SETS)}),
               ("--parts", None, ["decoding", "latency"], None,
                {"nargs": "+", "choices": ["decoding", "latency"]}),

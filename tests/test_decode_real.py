@@ -116,10 +116,11 @@ def runs(tiny_dir, adapter_dir, tmp_path_factory):
                      "--quick", "--max-new-tokens", "12", "--k-max", "4", "--dtype", "float32",
                      "--reference", tiny_dir, *one_thread]),
         "word problems": (tmp / "word_problems",
-                          ["--model", adapter_dir, "--prompts", "word_problems", "--parts", "decoding",
-                           "--modes", "greedy", "hf-greedy", "hf-lookup", "lossless", "confadapt",
-                           "--quick", "--max-new-tokens", "12", "--k-max", "4", "--dtype", "float32",
-                           "--reference", tiny_dir, *one_thread]),
+                          ["--model", adapter_dir, "--prompts", "word_problems",
+                           "--parts", "decoding", "--modes", "greedy", "hf-greedy", "hf-lookup",
+                           "lossless", "confadapt", "--quick", "--max-new-tokens", "12",
+                           "--k-max", "4", "--dtype", "float32", "--reference", tiny_dir,
+                           *one_thread]),
         **{extra: (tmp / "o", [*quick, *extra.split()]) for extra, _ in BAD_INPUT},
         "missing model": (tmp / "o", ["--model", str(tmp / "nothing")]),
         "file as out": (tmp / "file", ["--model", str(tmp)]),
@@ -234,7 +235,8 @@ def test_benchmark_reads_a_gated_adapter_and_compares_with_the_untuned_base(runs
     assert "= reference's greedy" in (out / "results.md").read_text()
 
 
-def test_word_problem_prompts_are_evals_zero_shot_prompts_and_every_decoder_runs_on_them(runs, tiny_dir):
+def test_word_problem_prompts_are_evals_zero_shot_prompts_and_every_decoder_runs_on_them(
+        runs, tiny_dir):
     """--prompts word_problems: the held-out questions finetune_hf.py eval reads, in its zero-shot
     prompts (one domain, as many as the chat set's four), decoded by every decoder; lossless and
     transformers' decoders print greedy's tokens, and tokens per pass print for the one domain."""
@@ -250,10 +252,12 @@ def test_word_problem_prompts_are_evals_zero_shot_prompts_and_every_decoder_runs
     assert meta["prompt_tokens"] == [len(prompt_tokens(tok, meta["format"], q)) for q in questions]
     rows = {(r["batch_size"], r["mode"]): r for r in report["decoding"]}
     lookup = "transformers prompt lookup n=10"
-    assert {m for b, m in rows if b == 1} == {"greedy", "transformers greedy", lookup, "lossless k=4",
-                                               "confadapt tau=0.9 k_max=4", "confadapt tau=0.7 k_max=4"}
+    assert {m for b, m in rows if b == 1} == {
+        "greedy", "transformers greedy", lookup, "lossless k=4", "confadapt tau=0.9 k_max=4",
+        "confadapt tau=0.7 k_max=4"}
     for bs in (1, 4):
-        assert rows[bs, "lossless k=4"]["equals_greedy"] and rows[bs, "transformers greedy"]["equals_greedy"]
+        assert rows[bs, "lossless k=4"]["equals_greedy"]
+        assert rows[bs, "transformers greedy"]["equals_greedy"]
         assert rows[bs, "lossless k=4"]["same_as_reference"] == 1.0
         assert list(rows[bs, "lossless k=4"]["effective_k_by_domain"]) == ["word_problems"]
     assert rows[1, lookup]["equals_greedy"]
@@ -318,8 +322,8 @@ def pass_runs(tiny_dir, adapter_dir, tmp_path_factory):
     fast = ["--repeats", "3", "--context", "10", "--threads", "1", "--dtype", "float32"]
     named = {
         "trained": (tmp / "trained", ["--model", adapter_dir, *fast]),
-        "fresh": (tmp / "fresh", ["--model", tiny_dir, "--rank", "3", "--targets", "wq", "wk", "wv", "wo",
-                                  "--k-max", "3", *fast]),
+        "fresh": (tmp / "fresh", ["--model", tiny_dir, "--rank", "3",
+                                  "--targets", "wq", "wk", "wv", "wo", "--k-max", "3", *fast]),
         "rank on an adapter": (tmp / "o", ["--model", adapter_dir, "--rank", "3"]),
         "base without rank": (tmp / "o", ["--model", tiny_dir]),
         "targets without rank": (tmp / "o", ["--model", adapter_dir, "--targets", "wq"]),
@@ -334,7 +338,8 @@ def pass_runs(tiny_dir, adapter_dir, tmp_path_factory):
 
 def passes_seen(stderr: str) -> list[tuple[int, int, int]]:
     """(adapter on, masks, positions) of each forward pass, in order."""
-    return [tuple(map(int, line.split()[1:])) for line in stderr.splitlines() if line.startswith("embed: ")]
+    return [tuple(map(int, line.split()[1:])) for line in stderr.splitlines()
+            if line.startswith("embed: ")]
 
 
 def test_adapter_pass_times_the_three_passes_in_turns(pass_runs):
@@ -352,7 +357,8 @@ def test_adapter_pass_times_the_three_passes_in_turns(pass_runs):
     assert list(report["ms"]) == [one, four, adapter]
     for name, seconds in report["seconds"].items():
         assert len(seconds) == 3 and report["ms"][name] == pytest.approx(1e3 * sorted(seconds)[1])
-    assert report["ratios"][f"{adapter} / {one}"] == pytest.approx(report["ms"][adapter] / report["ms"][one])
+    ratio = report["ms"][adapter] / report["ms"][one]
+    assert report["ratios"][f"{adapter} / {one}"] == pytest.approx(ratio)
     paired = sorted(a / b for a, b in zip(report["seconds"][adapter], report["seconds"][one]))[1]
     assert report["paired_ratios"][f"{adapter} / {one}"] == pytest.approx(paired)
     meta = report["meta"]
@@ -409,22 +415,26 @@ def test_adapter_pass_bad_input_gives_one_error_line(pass_runs, name, message):
     out, done = pass_runs[name]
     assert done.returncode == 2
     assert name != "earlier output" or (out / "adapter_pass.json").read_text() == "{}"
-    assert done.stderr.startswith("error:") and message in done.stderr and done.stderr.count("\n") == 1
+    assert done.stderr.startswith("error:") and message in done.stderr
+    assert done.stderr.count("\n") == 1
 
 
-def test_the_latency_curve_of_an_adapter_folder_times_masks_with_the_adapter_on_and_off(adapter_dir, tmp_path):
+def test_the_latency_curve_of_an_adapter_folder_times_masks_with_the_adapter_on_and_off(
+        adapter_dir, tmp_path):
     """On a gated adapter folder each latency pass is 1 token + (T - 1) <mask>s, without and with
     the adapter in turns, the lossless k_max among the sizes; the ratio printed is the adapter's
     pass at k_max over the one-token pass without it."""
     argv = ["--model", adapter_dir, "--out", str(tmp_path / "o"), "--parts", "latency", "--quick",
             "--latency-sizes", "2", "--latency-batch-sizes", "1", "--latency-repeats", "1",
-            "--latency-dtypes", "float32", "--dtype", "float32", "--lossless-k", "3", "--threads", "1"]
+            "--latency-dtypes", "float32", "--dtype", "float32", "--lossless-k", "3",
+            "--threads", "1"]
     [done] = run_script(DECODE_REAL, argv, prelude=NOTE_PASSES)
     assert done.returncode == 0, done.stderr
     seen = passes_seen(done.stderr)
     assert seen[0][:2] == (0, 0)                                         # the prefill
     one_round = [(on, T - 1, T) for T in (1, 2, 3) for on in (0, 1)]
-    assert seen[1:] == one_round * 2                                     # a warm-up round, one timed
+    # a warm-up round, then one timed
+    assert seen[1:] == one_round * 2
     report = json.loads((tmp_path / "o" / "results.json").read_text())
     assert report["meta"]["adapter_k_max"] == 3
     off, on = report["latency_ms"]["float32"]["1"], report["adapter_latency_ms"]["float32"]["1"]
