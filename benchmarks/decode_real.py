@@ -2,7 +2,9 @@
 
 On a real model (SmolLM2-135M-Instruct: about 0.5 GB of float32 weights read per pass) a forward
 pass costs real work, so its speed-ups say what a user gains. In one run, on the same weights
-and the same chat-formatted prompts, these decoders take turns (bench_modes.bench):
+and the same prompts in the model's chat format (--prompts chat: requests of four domains;
+word_problems: held-out word problems, as finetune_hf.py eval's zero-shot prompts ask them),
+these decoders take turns (bench_modes.bench):
 
     greedy                      ours: mtp.engine.generate, one token per pass
     transformers greedy         AutoModelForCausalLM.generate(do_sample=False) on the same folder
@@ -15,9 +17,12 @@ and the same chat-formatted prompts, these decoders take turns (bench_modes.benc
 at batch sizes 1, 4 and 16 (transformers pads a static batch until its longest row ends; ours
 gives a finished row's place to the next prompt). Then the forward-pass latency curve: one cached
 pass of T = 1..32 new positions per row at batch 1 and 16 (on the CPU in float32 and bfloat16),
-which is what turns fewer passes (effective k) into time saved, or not.
+which is what turns fewer passes (effective k) into time saved, or not; for a gated mask adapter
+folder each pass is 1 token + (T - 1) <mask>s, timed without and with the adapter in turns, and
+its pass at the lossless k_max is priced against the one-token pass without it.
 
-    python benchmarks/decode_real.py --model DIR --out DIR [--device cuda] [--quick]
+    python benchmarks/decode_real.py --model DIR --out DIR [--prompts word_problems] [--quick]
+                                     [--device cuda]
 
 writes results.json, results.md (the tables), samples.md (the answers at the smallest batch size,
 every pass's tokens between | marks), decoding.png and latency.png to --out.
@@ -25,6 +30,7 @@ every pass's tokens between | marks), decoding.png and latency.png to --out.
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -33,6 +39,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from adapter_pass import pass_times  # noqa: E402
 from bench_modes import bench, forward_latency  # noqa: E402
 from mtp.cli import (CUDNN_ATTENTION, CliError, Parser, add_flags, apply_attention_backend,  # noqa: E402
                      base_folder, check_model_folder, cpu_name, exactness, load_model, parse_device,
@@ -41,7 +48,8 @@ from confadapt import DecodeConfig, decode_modes  # noqa: E402
 from mtp.chunks import chunk_texts  # noqa: E402
 from mtp.engine import DecodeStats, Generation, generate, synchronize  # noqa: E402
 from mtp.tokenizer import default_format, end_token, FORMATS, prompt_tokens
-from tasks.word_problems import word_problem_split
+from tasks.word_problems import domain_prompts, word_problem_split
+from adapter import is_adapter_folder  # noqa: E402
 from model import add_mask_token  # noqa: E402
 from mtp.hf import save_pretrained, write_text  # noqa: E402
 
@@ -49,7 +57,7 @@ HF_GREEDY, HF_LOOKUP = "transformers greedy", "transformers prompt lookup"
 MODE_CHOICES = ("greedy", "hf-greedy", "hf-lookup", "static", "confadapt", "lossless")
 
 # ----------------------------------------------------------------------------------------------
-# Prompts: four domains, each asking for an answer of a few paragraphs
+# Prompts: four chat domains, each asking for an answer of a few paragraphs, or word problems
 # ----------------------------------------------------------------------------------------------
 # Generated here, so that no training file holds them; the word problems are the first questions
 # of tasks/word_problems.py's test split (write_word_problems keeps them out of its training file).
@@ -73,6 +81,19 @@ def chat_prompts(per_domain: int) -> list[tuple[str, str]]:
         "story": [f"Write a short story about {c} who {e}." for e in EVENTS for c in CHARACTERS],
     }
     return [(d, texts[i % len(texts)]) for i in range(per_domain) for d, texts in domains.items()]
+
+
+def word_problem_prompts(n: int) -> list[tuple[str, str]]:
+    """("word_problems", question) pairs: the first n questions of the held-out split that
+    finetune_hf.py eval reads (write_word_problems' test.jsonl), asked bare, as its zero-shot
+    prompts ask them."""
+    return [("word_problems", q) for q in domain_prompts("word_problems", n, split="test")]
+
+
+# --prompts: each set's (domain, request) pairs for --prompts-per-domain; the word problems are
+# one domain, as many prompts as the chat set's four
+PROMPT_SETS = {"chat": chat_prompts,
+               "word_problems": lambda per_domain: word_problem_prompts(4 * per_domain)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -200,12 +221,13 @@ def run(args) -> dict:
     ours, tok, hf = load(args, device, dtype, need_mask=any(m.block > 1 for m in modes))
     fmt = args.format if args.format != "auto" else default_format(tok, ours.config.model_type)
     stop_ids = stop_ids_of(ours, tok) | {end_token(tok, fmt)}    # the format's end of turn too
-    requests = chat_prompts(args.prompts_per_domain)
+    requests = PROMPT_SETS[args.prompts](args.prompts_per_domain)
     prompts = [prompt_tokens(tok, fmt, text) for _, text in requests]
     dtype_name = str(dtype).removeprefix("torch.")
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     meta = {"model": args.model, "reference": args.reference, "machine": machine, "device": str(device),
-            **provenance(dtype, device), "format": fmt, "k_max": args.k_max,
+            **provenance(dtype, device), "prompts": args.prompts, "format": fmt,
+            "k_max": args.k_max,
             "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "requests": requests,
             "rows": args.rows or max(len(prompts), max(args.batch_sizes)),     # bench_modes.bench's workload
             "prompt_tokens": [len(p) for p in prompts]}
@@ -248,18 +270,39 @@ def run(args) -> dict:
     if "latency" in args.parts:
         context = round(sum(meta["prompt_tokens"]) / len(prompts)) + args.max_new_tokens // 2
         meta["latency_context"] = context
+        # A gated adapter's pass is 1 token + (T - 1) <mask>s: timed with the adapter on and off,
+        # and at the lossless k_max (the pass whose cost against the one-token one decides).
+        adapter_k = (args.lossless_k or max(args.k_max)) if is_adapter_folder(args.model) else None
+        sizes = args.latency_sizes
+        if adapter_k:
+            sizes = sorted({*sizes, 1, adapter_k})
+            meta["adapter_k_max"] = adapter_k
+            report["adapter_latency_ms"] = {}
         # Both dtypes on the CPU (their costs differ by CPU); on a GPU the decoding dtype alone.
         for name in args.latency_dtypes or (["float32", "bfloat16"] if device.type == "cpu" else [dtype_name]):
             model = ours
             if name != dtype_name:
                 model = load_model(args.model, device, getattr(torch, name), args.base)[0]
-            report["latency_ms"][name] = {
-                bs: {T: s * 1e3 for T, s in forward_latency(model, bs, context, args.latency_sizes,
-                                                            args.latency_repeats).items()}
-                for bs in args.latency_batch_sizes}
+            repeats = args.latency_repeats
+            curves = {bs: adapter_latency(model, bs, context, sizes, repeats) if adapter_k
+                      else (forward_latency(model, bs, context, sizes, repeats), None)
+                      for bs in args.latency_batch_sizes}
+            report["latency_ms"][name] = {bs: {T: s * 1e3 for T, s in off.items()}
+                                          for bs, (off, _) in curves.items()}
+            if adapter_k:
+                report["adapter_latency_ms"][name] = {bs: {T: s * 1e3 for T, s in on.items()}
+                                                      for bs, (_, on) in curves.items()}
             print(f"latency curve {name} done", file=sys.stderr, flush=True)
             save(report, out)
     return report
+
+
+def adapter_latency(model, batch_size: int, context: int, sizes, repeats: int):
+    """Median seconds ({T: s} without the adapter, {T: s} with it) of one cached pass of 1 token
+    and T - 1 <mask>s per row over `context` cached tokens, the passes taking turns."""
+    shapes = {(T, on): (1, T - 1, on) for T in sizes for on in (False, True)}
+    times = pass_times(model, context, shapes, repeats, batch_size)
+    return tuple({T: statistics.median(times[T, on]) for T in sizes} for on in (False, True))
 
 
 def same_as_reference(result, outputs, prompts, n_rows, stop_ids, args, device, dtype):
@@ -308,7 +351,8 @@ def write_samples(path, tok, requests, outputs, batch_size):
 
 def markdown(report: dict) -> str:
     m = report["meta"]
-    lines = [f"### Decoding {m['model']} on {m['machine']} ({m['device']}, {m['dtype']}, {m['threads']} threads)", ""]
+    lines = [f"### Decoding {m['model']} on {m['machine']} ({m['device']}, {m['dtype']}, "
+             f"{m['threads']} threads), {m['prompts'].replace('_', '-')} prompts", ""]
     if report["decoding"]:
         rows = report["decoding"]
         reference = m.get("reference")
@@ -324,7 +368,9 @@ def markdown(report: dict) -> str:
                          f"| {vs_hf} | {r['effective_k']:.2f} | {r['efficiency']:.2f} | {r['fed_per_token']:.2f} "
                          f"| {same} |" + (f" {r['same_as_reference']:.0%} |" if "same_as_reference" in r else ""))
         lookup = any(r["kind"].startswith(HF_LOOKUP) for r in rows)
-        lines += ["", f"{len(m['requests'])} prompts ({m['format']} format, {min(m['prompt_tokens'])}-"
+        prompts = m["prompts"].replace("_", "-")
+        lines += ["", f"{len(m['requests'])} {prompts} prompts ({m['format']} format, "
+                      f"{min(m['prompt_tokens'])}-"
                       f"{max(m['prompt_tokens'])} tokens) cycled to {m['rows']} rows, "
                       f"at most {m['max_new_tokens']} new tokens each; modes take turns, best of {m['repeats']}. "
                       "tokens/s: tokens per second of decoding (prefill excluded); effective k: tokens per forward "
@@ -344,12 +390,27 @@ def markdown(report: dict) -> str:
         shown = [T for T in sizes if T in (1, 2, 4, 8, 16, 32) or T == sizes[-1]]
         lines += ["| batch | dtype | " + " | ".join(f"T = {T}" for T in shown) + " |",
                   "|---|---|" + "---|" * len(shown)]
+        adapter = report.get("adapter_latency_ms", {})
         for name, curves in report["latency_ms"].items():
             for bs, c in curves.items():
                 cells = [f"{c[T]:.1f}" if T == shown[0] else f"{c[T]:.1f} ({c[T] / c[shown[0]]:.2f}x)" for T in shown]
                 lines.append(f"| {bs} | {name} | " + " | ".join(cells) + " |")
+                if name in adapter:
+                    on = adapter[name][bs]
+                    cells = [f"{on[T]:.1f} ({on[T] / c[shown[0]]:.2f}x)" for T in shown]
+                    lines.append(f"| {bs} | {name}, adapter on | " + " | ".join(cells) + " |")
         lines += ["", f"Milliseconds of one cached forward pass of T new positions per row, on top of "
-                      f"{m['latency_context']} cached tokens (ratio to T = {shown[0]})." , ""]
+                      f"{m['latency_context']} cached tokens (ratio to T = {shown[0]})."
+                  + (" A gated mask adapter's pass is 1 token + (T - 1) <mask>s, without and "
+                     "with the adapter (its ratios to the one-token pass without it)."
+                     if adapter else ""), ""]
+        k = m.get("adapter_k_max")
+        for name, curves in adapter.items():
+            for bs, on in curves.items():
+                ratio = on[k] / report["latency_ms"][name][bs][1]
+                lines.append(f"Batch {bs}, {name}: the adapter's pass of 1 token + {k - 1} masks "
+                             f"costs {ratio:.2f}x the one-token pass without the adapter.")
+        lines += [""] * bool(adapter)
     return "\n".join(lines)
 
 
@@ -387,6 +448,10 @@ def plot_latency(report: dict, path):
         for name, curves in report["latency_ms"].items():
             if bs in curves:
                 ax.plot(list(curves[bs]), list(curves[bs].values()), marker=".", label=name)
+        for name, curves in report.get("adapter_latency_ms", {}).items():
+            if bs in curves:
+                ax.plot(list(curves[bs]), list(curves[bs].values()), marker=".", linestyle="--",
+                        label=f"{name}, adapter on")
         ax.set_xlabel("new positions per row (T)")
         ax.set_ylabel("ms per forward pass")
         ax.set_ylim(bottom=0)
@@ -429,6 +494,10 @@ def parse(argv):
     r = p.add_argument_group("workload (--quick: 4 prompts, 48 tokens, batch 1 and 4, one round, latency at 6 sizes)")
     r.add_argument("--quick", action="store_true", help="a smoke run in minutes, for checking the command")
     add_flags(r,
+              ("--prompts", None, "chat", "chat (the default): requests of four domains (math, "
+               "code, explain, story); word_problems: held-out word problems, one domain, as "
+               "many prompts",
+               {"choices": tuple(PROMPT_SETS)}),
               ("--parts", None, ["decoding", "latency"], None,
                {"nargs": "+", "choices": ["decoding", "latency"]}),
               ("--prompts-per-domain", int, None,

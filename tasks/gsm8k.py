@@ -117,17 +117,21 @@ def evaluate(args) -> list[dict]:
         title = f"{name}: GSM-style questions, zero-shot ({fmt} format)"
         prompts = [prompt_tokens(tok, fmt, q) for q, _ in questions]
 
-    # An earlier eval's k=1 completions (the untuned model's).
+    # An earlier eval's k=1 completions (the untuned model's), and which were right.
     reference = None
     greedy = None
+    reference_ok = None
     if args.reference:
         path = Path(args.reference) / "samples.jsonl"
         greedy = [r for r in read_rows(path) if r.get("decoding") == "k=1 (greedy)"]
         if len(greedy) < len(golds):
             raise ValueError(f"{path}: {len(greedy)} greedy (k=1) completions, {len(golds)} "
                              "needed; run that eval with --static-k 1")
+        if any("flexible_ok" not in r for r in greedy):
+            raise ValueError(f"{path}: a k=1 row without flexible_ok; is it an eval's samples?")
         greedy.sort(key=lambda r: r["index"])
         reference = [r["completion"] for r in greedy][:len(golds)]
+        reference_ok = [r["flexible_ok"] for r in greedy][:len(golds)]
 
     # 2. Where the results go, and the table's head.
     meta = {"model": args.model, "data": args.data, "prompt_style": args.prompt_style,
@@ -140,8 +144,9 @@ def evaluate(args) -> list[dict]:
     same = reference is not None
     columns = ("decoding | flexible-extract acc. | strict-match acc. | "
                "effective k (mean ± std) | tokens/s")
-    header = [f"| {columns} |" + (" same as reference |" if same else ""),
-              "|---|---|---|---|---|" + "---|" * same]
+    against = " same as reference | won / lost | paired difference |"
+    header = [f"| {columns} |" + (against if same else ""),
+              "|---|---|---|---|---|" + "---|---|---|" * same]
     print(f"### {title}", *header, sep="\n", flush=True)
 
     # 3. Each decoder over all prompts, longest first; table: results.md's rows.
@@ -165,10 +170,12 @@ def evaluate(args) -> list[dict]:
 
             row = result_row(mode, samples, seconds, args.batch_size)
             correct[row["decoding"]] = [s["flexible_ok"] for s in samples]
-            # How often the answer is the reference's, word for word.
+            # How often the answer is the reference's, word for word, and which is right
+            # more often, question by question.
             if same:
                 row["same_as_reference"] = mean_and_stderr(
                     s["completion"] == r for s, r in zip(samples, reference))[0]
+                row["vs_reference"] = paired_difference(correct[row["decoding"]], reference_ok)
             results.append(row)
             table.append(table_line(row))
             print(table[-1], flush=True)
@@ -195,6 +202,16 @@ def evaluate(args) -> list[dict]:
     return results
 
 
+def paired_difference(ours, theirs) -> dict:
+    """Two decoders' answers to the same questions (lists of correct?), compared question by
+    question: won (right in ours, wrong in theirs), lost (the reverse), and the mean of ours -
+    theirs (the difference in accuracy) with its standard error."""
+    diffs = [int(a) - int(b) for a, b in zip(ours, theirs)]
+    mean, se = mean_and_stderr(diffs)
+    return {"won": diffs.count(1), "lost": diffs.count(-1), "difference": mean,
+            "difference_se": se}
+
+
 def sweet_spot(results, correct, base, tolerance, baseline) -> dict:
     """The ConfAdapt tau with the most tokens per pass whose flexible-extract accuracy
     is within `tolerance` points of `base`'s (per question: correct?), compared
@@ -205,8 +222,8 @@ def sweet_spot(results, correct, base, tolerance, baseline) -> dict:
     for row in results:
         if row["kind"] != "confadapt":
             continue
-        diffs = [int(b) - int(t) for b, t in zip(base, correct[row["decoding"]])]
-        drop, se = mean_and_stderr(diffs)
+        paired = paired_difference(base, correct[row["decoding"]])
+        drop, se = paired["difference"], paired["difference_se"]
         taus.append({"tau": row["tau"], "k_max": row["k_max"],
                      "effective_k": row["effective_k_overall"],
                      "drop_points": 100 * drop, "stderr_points": 100 * se,
@@ -259,6 +276,10 @@ def table_line(row):
             f"| {row['tokens_per_second']:,.1f} |")
     if "same_as_reference" in row:
         line += f" {100 * row['same_as_reference']:.0f}% |"
+    if "vs_reference" in row:
+        paired = row["vs_reference"]
+        line += (f" {paired['won']} / {paired['lost']} | {100 * paired['difference']:+.1f} "
+                 f"± {100 * paired['difference_se']:.1f} |")
     return line
 
 
@@ -295,7 +316,10 @@ def write_eval(out, title, meta, header, table, results, samples_text, spot=None
             "forward passes per completion (not a wall-clock speed-up); tokens/s = decoding "
             f"throughput at batch size {row['batch_size']}, prefill excluded")
     if "same_as_reference" in row:
-        note += "; same as reference = share of answers identical to the reference's k=1 answer"
+        note += ("; same as reference = share of answers identical to the reference's k=1 "
+                 "answer; won / lost = questions this decoder gets right and the reference's "
+                 "k=1 wrong, and the reverse; paired difference = this accuracy minus the "
+                 "reference's, in points, question by question, ± its standard error")
     md += ["", note + ".", ""]
     if spot is not None:
         md += [spot["summary"] + ".", ""]

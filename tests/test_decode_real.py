@@ -13,7 +13,8 @@ from conftest import run_script
 from model import add_mask_token
 from mtp.cli import load_tokenizer
 from mtp.hf import from_pretrained
-from tasks.word_problems import word_problem_tokenizer
+from mtp.tokenizer import prompt_tokens
+from tasks.word_problems import word_problem_tokenizer, write_word_problems
 
 pytestmark = pytest.mark.usefixtures("one_thread")            # conftest.py
 
@@ -90,6 +91,7 @@ BAD_INPUT = [
     ("--latency-sizes 0", "--latency-sizes must be at least 1"),
     ("--taus 1.5", "tau"),
     ("--dtype float64", "invalid choice"),
+    ("--prompts poems", "invalid choice"),
 ]
 
 
@@ -113,6 +115,12 @@ def runs(tiny_dir, adapter_dir, tmp_path_factory):
                      "--modes", "greedy", "hf-greedy", "lossless", "confadapt",
                      "--quick", "--max-new-tokens", "12", "--k-max", "4", "--dtype", "float32",
                      "--reference", tiny_dir, *one_thread]),
+        "word problems": (tmp / "word_problems",
+                          ["--model", adapter_dir, "--prompts", "word_problems",
+                           "--parts", "decoding", "--modes", "greedy", "hf-greedy", "hf-lookup",
+                           "lossless", "confadapt", "--quick", "--max-new-tokens", "12",
+                           "--k-max", "4", "--dtype", "float32", "--reference", tiny_dir,
+                           *one_thread]),
         **{extra: (tmp / "o", [*quick, *extra.split()]) for extra, _ in BAD_INPUT},
         "missing model": (tmp / "o", ["--model", str(tmp / "nothing")]),
         "file as out": (tmp / "file", ["--model", str(tmp)]),
@@ -135,6 +143,7 @@ def test_benchmark_runs_end_to_end(runs):
     out, done = runs["end to end"]
     assert done.returncode == 0, done.stderr
     report = json.loads((out / "results.json").read_text())
+    assert report["meta"]["prompts"] == "chat"                           # the default set
     rows = {(r["batch_size"], r["mode"]): r for r in report["decoding"]}
     lookup = "transformers prompt lookup n=10"
     # ConfAdapt: every tau at every k_max; lossless at the largest k_max
@@ -224,3 +233,214 @@ def test_benchmark_reads_a_gated_adapter_and_compares_with_the_untuned_base(runs
     assert rows["transformers greedy"]["equals_greedy"] and rows["lossless k=4"]["equals_greedy"]
     assert rows["greedy"]["same_as_reference"] == rows["lossless k=4"]["same_as_reference"] == 1.0
     assert "= reference's greedy" in (out / "results.md").read_text()
+
+
+def test_word_problem_prompts_are_evals_zero_shot_prompts_and_every_decoder_runs_on_them(
+        runs, tiny_dir):
+    """--prompts word_problems: the held-out questions finetune_hf.py eval reads, in its zero-shot
+    prompts (one domain, as many as the chat set's four), decoded by every decoder; lossless and
+    transformers' decoders print greedy's tokens, and tokens per pass print for the one domain."""
+    out, done = runs["word problems"]
+    assert done.returncode == 0, done.stderr
+    report = json.loads((out / "results.json").read_text())
+    meta = report["meta"]
+    _, test_file = write_word_problems(out / "data", n_train=20000, n_test=500)
+    questions = [json.loads(line)["question"] for line in test_file.read_text().splitlines()[:4]]
+    assert meta["prompts"] == "word_problems"
+    assert meta["requests"] == [["word_problems", q] for q in questions]
+    tok = load_tokenizer(tiny_dir)
+    assert meta["prompt_tokens"] == [len(prompt_tokens(tok, meta["format"], q)) for q in questions]
+    rows = {(r["batch_size"], r["mode"]): r for r in report["decoding"]}
+    lookup = "transformers prompt lookup n=10"
+    assert {m for b, m in rows if b == 1} == {
+        "greedy", "transformers greedy", lookup, "lossless k=4", "confadapt tau=0.9 k_max=4",
+        "confadapt tau=0.7 k_max=4"}
+    for bs in (1, 4):
+        assert rows[bs, "lossless k=4"]["equals_greedy"]
+        assert rows[bs, "transformers greedy"]["equals_greedy"]
+        assert rows[bs, "lossless k=4"]["same_as_reference"] == 1.0
+        assert list(rows[bs, "lossless k=4"]["effective_k_by_domain"]) == ["word_problems"]
+    assert rows[1, lookup]["equals_greedy"]
+    md = (out / "results.md").read_text()
+    assert "word-problems prompts" in md and "| tokens per pass, batch 1 | word_problems |" in md
+    samples = (out / "samples.md").read_text()
+    assert samples.count("## word_problems: ") == 4 and questions[0] in samples
+
+
+# ----------------------------------------------------------------------------------------------
+# benchmarks/adapter_pass.py: one cached pass's cost with the adapter against the base's
+# ----------------------------------------------------------------------------------------------
+
+ADAPTER_PASS = DECODE_REAL.parent / "adapter_pass.py"
+
+# A prelude for run_script: every call of Transformer.embed (one per forward pass) noted on
+# stderr as "embed: ADAPTER_ON MASKS POSITIONS", so a test sees which passes ran in which order.
+NOTE_PASSES = r"""
+import sys
+sys.path.insert(0, {repo!r})
+import model
+
+honest_embed = model.Transformer.embed
+
+
+def embed(self, tokens, *args, **kwargs):
+    on = kwargs.get("use_adapter", args[0] if args else True) and self.mask_embedding is not None
+    masks = int((tokens == self.config.mask_token_id).sum())
+    print(f"embed: {{int(on)}} {{masks}} {{tokens.numel()}}", file=sys.stderr)
+    return honest_embed(self, tokens, *args, **kwargs)
+
+
+model.Transformer.embed = embed
+""".format(repo=str(DECODE_REAL.parents[1]))
+
+
+# A prelude for run_script: each adapter folder adapter.save_mask_adapter writes is copied to
+# the folder KEEP as well (adapter_pass.py writes its fresh adapter to a temporary folder).
+KEEP_FRESH = r"""
+import shutil
+import adapter
+
+honest_save = adapter.save_mask_adapter
+
+
+def save_mask_adapter(model, path, *args, **kwargs):
+    honest_save(model, path, *args, **kwargs)
+    shutil.copytree(path, {keep!r})
+
+
+adapter.save_mask_adapter = save_mask_adapter
+"""
+
+
+@pytest.fixture(scope="module")
+def pass_runs(tiny_dir, adapter_dir, tmp_path_factory):
+    """adapter_pass.py's runs by name: (its --out, the finished run); the fresh adapter the run
+    "fresh" times is kept in its --out's parent, as fresh_adapter."""
+    tmp = tmp_path_factory.mktemp("pass_runs")
+    (tmp / "taken").mkdir()
+    (tmp / "taken" / "adapter_pass.json").write_text("{}")
+    fast = ["--repeats", "3", "--context", "10", "--threads", "1", "--dtype", "float32"]
+    named = {
+        "trained": (tmp / "trained", ["--model", adapter_dir, *fast]),
+        "fresh": (tmp / "fresh", ["--model", tiny_dir, "--rank", "3",
+                                  "--targets", "wq", "wk", "wv", "wo", "--k-max", "3", *fast]),
+        "rank on an adapter": (tmp / "o", ["--model", adapter_dir, "--rank", "3"]),
+        "base without rank": (tmp / "o", ["--model", tiny_dir]),
+        "targets without rank": (tmp / "o", ["--model", adapter_dir, "--targets", "wq"]),
+        "k_max 1": (tmp / "o", ["--model", adapter_dir, "--k-max", "1"]),
+        "earlier output": (tmp / "taken", ["--model", adapter_dir, *fast]),
+    }
+    lines = [["--out", str(out), *argv] for out, argv in named.values()]
+    keep = KEEP_FRESH.format(keep=str(tmp / "fresh_adapter"))
+    done = run_script(ADAPTER_PASS, *lines, prelude=NOTE_PASSES + keep)
+    return {name: (out, run) for (name, (out, _)), run in zip(named.items(), done)}
+
+
+def passes_seen(stderr: str) -> list[tuple[int, int, int]]:
+    """(adapter on, masks, positions) of each forward pass, in order."""
+    return [tuple(map(int, line.split()[1:])) for line in stderr.splitlines()
+            if line.startswith("embed: ")]
+
+
+def test_adapter_pass_times_the_three_passes_in_turns(pass_runs):
+    """A trained adapter's folder: after the prefill, rounds of (base, 1 token), (base, 4 tokens),
+    (adapter, 1 token + 3 masks), one untimed round first; the medians and ratios written are
+    those of the passes timed."""
+    out, done = pass_runs["trained"]
+    assert done.returncode == 0, done.stderr
+    seen = passes_seen(done.stderr)
+    # the prefill: the base over 10 cached tokens, no mask
+    assert seen[0] == (0, 0, 10)
+    assert seen[1:] == [(0, 0, 1), (0, 0, 4), (1, 3, 4)] * 4
+    report = json.loads((out / "adapter_pass.json").read_text())
+    one, four, adapter = "base, 1 token", "base, 4 tokens", "adapter, 1 token + 3 masks"
+    assert list(report["ms"]) == [one, four, adapter]
+    for name, seconds in report["seconds"].items():
+        assert len(seconds) == 3 and report["ms"][name] == pytest.approx(1e3 * sorted(seconds)[1])
+    ratio = report["ms"][adapter] / report["ms"][one]
+    assert report["ratios"][f"{adapter} / {one}"] == pytest.approx(ratio)
+    paired = sorted(a / b for a, b in zip(report["seconds"][adapter], report["seconds"][one]))[1]
+    assert report["paired_ratios"][f"{adapter} / {one}"] == pytest.approx(paired)
+    meta = report["meta"]
+    assert meta["adapter"]["rank"] == 2 and not meta["adapter"]["fresh"]
+    assert meta["dtype"] == "float32" and meta["threads"] == 1 and meta["machine"]
+    md = (out / "adapter_pass.md").read_text()
+    assert f"| {adapter} / {one} |" in md and "a trained gated mask adapter" in md
+    assert md in done.stdout
+
+
+def test_adapter_pass_builds_a_fresh_adapter_of_the_rank_and_targets_asked(pass_runs, tiny_dir):
+    """--rank 3 --targets wq wk wv wo on the base folder: the adapter timed has that rank on those
+    projections (its parameter count says so), and its pass is 1 token + k_max - 1 masks."""
+    out, done = pass_runs["fresh"]
+    assert done.returncode == 0, done.stderr
+    assert passes_seen(done.stderr)[1:] == [(0, 0, 1), (0, 0, 3), (1, 2, 3)] * 4
+    meta = json.loads((out / "adapter_pass.json").read_text())["meta"]
+    assert meta["adapter"]["fresh"] and meta["adapter"]["targets"] == ["wq", "wk", "wv", "wo"]
+    cfg = from_pretrained(tiny_dir).config
+    kv = cfg.n_kv_heads * cfg.head_dim
+    # per layer: down (3 x d_in) and up (d_out x 3) on each projection; plus the <mask> embedding
+    per_layer = sum(3 * (d_in + d_out) for d_in, d_out in
+                    [(cfg.dim, cfg.n_heads * cfg.head_dim), (cfg.dim, kv), (cfg.dim, kv),
+                     (cfg.n_heads * cfg.head_dim, cfg.dim)])
+    assert meta["adapter"]["parameters"] == cfg.n_layers * per_layer + cfg.dim
+
+
+def test_a_fresh_adapter_changes_the_mask_positions(pass_runs, tiny_dir):
+    """The fresh adapter loads as a trained one does, and its update is not zero: a mask
+    position's logits differ from the base's, an ordinary position's do not."""
+    from mtp.cli import load_model
+
+    out, done = pass_runs["fresh"]
+    assert done.returncode == 0, done.stderr
+    model = load_model(str(out.parent / "fresh_adapter"), base=tiny_dir)[0]
+    mask = model.config.mask_token_id
+    tokens = torch.tensor([[5, 6, mask, mask]])
+    with torch.no_grad():
+        on, off = model(tokens), model(tokens, use_adapter=False)
+    assert torch.equal(on[:, :2], off[:, :2]) and not torch.allclose(on[:, 2:], off[:, 2:])
+    ups = [t for name, t in model.state_dict().items() if name.endswith("adapter.up")]
+    assert len(ups) == 4 * model.config.n_layers and all(t.abs().sum() > 0 for t in ups)
+    assert model.adapter_config["rank"] == 3
+
+
+@pytest.mark.parametrize("name, message", [
+    ("rank on an adapter", "is an adapter folder already"),
+    ("base without rank", "give --rank"),
+    ("targets without rank", "go with --rank"),
+    ("k_max 1", "--k-max"),
+    ("earlier output", "add --overwrite"),
+])
+def test_adapter_pass_bad_input_gives_one_error_line(pass_runs, name, message):
+    out, done = pass_runs[name]
+    assert done.returncode == 2
+    assert name != "earlier output" or (out / "adapter_pass.json").read_text() == "{}"
+    assert done.stderr.startswith("error:") and message in done.stderr
+    assert done.stderr.count("\n") == 1
+
+
+def test_the_latency_curve_of_an_adapter_folder_times_masks_with_the_adapter_on_and_off(
+        adapter_dir, tmp_path):
+    """On a gated adapter folder each latency pass is 1 token + (T - 1) <mask>s, without and with
+    the adapter in turns, the lossless k_max among the sizes; the ratio printed is the adapter's
+    pass at k_max over the one-token pass without it."""
+    argv = ["--model", adapter_dir, "--out", str(tmp_path / "o"), "--parts", "latency", "--quick",
+            "--latency-sizes", "2", "--latency-batch-sizes", "1", "--latency-repeats", "1",
+            "--latency-dtypes", "float32", "--dtype", "float32", "--lossless-k", "3",
+            "--threads", "1"]
+    [done] = run_script(DECODE_REAL, argv, prelude=NOTE_PASSES)
+    assert done.returncode == 0, done.stderr
+    seen = passes_seen(done.stderr)
+    assert seen[0][:2] == (0, 0)                                         # the prefill
+    one_round = [(on, T - 1, T) for T in (1, 2, 3) for on in (0, 1)]
+    # a warm-up round, then one timed
+    assert seen[1:] == one_round * 2
+    report = json.loads((tmp_path / "o" / "results.json").read_text())
+    assert report["meta"]["adapter_k_max"] == 3
+    off, on = report["latency_ms"]["float32"]["1"], report["adapter_latency_ms"]["float32"]["1"]
+    assert set(off) == set(on) == {"1", "2", "3"}
+    md = (tmp_path / "o" / "results.md").read_text()
+    assert "| 1 | float32, adapter on |" in md
+    assert (f"Batch 1, float32: the adapter's pass of 1 token + 2 masks costs "
+            f"{on['3'] / off['1']:.2f}x the one-token pass without the adapter.") in md
+    assert (tmp_path / "o" / "latency.png").stat().st_size > 1000

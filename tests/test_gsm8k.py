@@ -155,3 +155,67 @@ def test_eval_replaces_an_earlier_eval_only_with_overwrite(sweep):
     again = common + ["--limit", "1", "--static-k", "1", "--taus"]
     assert finetune_hf.main(again) == 2
     assert finetune_hf.main(again + ["--overwrite"]) == 0
+
+
+def test_a_paired_difference_counts_won_and_lost_questions():
+    """Won: right here, wrong there; lost: the reverse; the difference in accuracy and its
+    standard error are those of the per-question differences."""
+    ours = [True, True, True, False, True, False, False, False, True, False]
+    theirs = [False, False, True, True, True, False, False, False, False, False]
+    paired = gsm8k.paired_difference(ours, theirs)
+    assert (paired["won"], paired["lost"]) == (3, 1)
+    # differences: three +1, one -1, six 0: mean 0.2, sample std sqrt((3 * 0.64 + 1.44
+    # + 6 * 0.04) / 9) = 0.6325, over sqrt(10)
+    assert paired["difference"] == pytest.approx(0.2)
+    assert paired["difference_se"] == pytest.approx(0.2)
+
+
+def test_eval_against_a_reference_prints_won_lost_and_the_paired_difference(sweep, tmp_path,
+                                                                            capsys):
+    """--reference: each decoder's won and lost questions against the reference's k=1 answers,
+    and the paired difference in accuracy with its standard error, in results.json, results.md
+    and the printed table."""
+    common, _ = sweep
+    zeroshot = ["--prompt-style", "zeroshot"]
+    first = tmp_path / "first"
+    argv = common + zeroshot + ["--out", str(first), "--static-k", "1", "--taus"]
+    assert finetune_hf.main(argv) == 0
+    greedy = [json.loads(line) for line in (first / "samples.jsonl").read_text().splitlines()]
+    # the reference: this model's k=1 answers, the first three marked right and the fourth
+    # wrong whatever they were, and the first one's text changed
+    right = {r["index"]: r["flexible_ok"] for r in greedy}
+    for r in greedy:
+        r["flexible_ok"] = {0: True, 1: True, 2: True, 3: False}.get(r["index"], r["flexible_ok"])
+    greedy[0]["completion"] += " changed"
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    (reference / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in greedy))
+    capsys.readouterr()
+    argv = common + zeroshot + ["--out", str(tmp_path / "eval"), "--reference", str(reference),
+                     "--static-k", "1", "--taus", "0.9"]
+    assert finetune_hf.main(argv) == 0
+    printed = capsys.readouterr().out
+    res = json.loads((tmp_path / "eval" / "results.json").read_text())["results"]
+    lines = (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()
+    ours = [json.loads(line) for line in lines]
+    theirs = {r["index"]: r["flexible_ok"] for r in greedy}
+    md = (tmp_path / "eval" / "results.md").read_text()
+    assert "| won / lost | paired difference |" in md
+    for row in res:
+        mine = {s["index"]: s["flexible_ok"] for s in ours if s["decoding"] == row["decoding"]}
+        won = sum(mine[i] and not theirs[i] for i in mine)
+        lost = sum(theirs[i] and not mine[i] for i in mine)
+        paired = row["vs_reference"]
+        assert (paired["won"], paired["lost"]) == (won, lost)
+        assert paired["difference"] == pytest.approx((won - lost) / len(mine))
+        diffs = [int(mine[i]) - int(theirs[i]) for i in sorted(mine)]
+        assert paired["difference_se"] == pytest.approx(gsm8k.mean_and_stderr(diffs)[1])
+        line = (f" {won} / {lost} | {100 * paired['difference']:+.1f} ± "
+                f"{100 * paired['difference_se']:.1f} |")
+        assert line in md and line in printed
+    # greedy answers as the reference, so it wins and loses exactly where the marks changed
+    greedy_row = res[0]["vs_reference"]
+    changed = (int(right[3]), sum(not right[i] for i in range(3)))
+    assert (greedy_row["won"], greedy_row["lost"]) == changed
+    # greedy is the reference's k=1 but for the first answer's text
+    assert res[0]["same_as_reference"] == pytest.approx(1 - 1 / len(greedy))
