@@ -119,7 +119,28 @@ class ContextCache:
 def gated_mtp_loss(student, batch: MTPBatch, mode: str = "hard",
                    host: bool = True) -> tuple[torch.Tensor, dict]:
     """distill.mtp_loss(student, adapter_off_teacher(student), batch, mode,
-    host=host) for a student with a gated mask adapter, in less work.
+    host=host) for a student with a gated mask adapter, in less work
+    (gated_predictions)."""
+    s_logits, t_logits, targets, proposals = gated_predictions(student, batch, mode)
+    if mode == "gt":
+        per_pred = cross_entropy(targets, s_logits)      # (B, M, k)
+    else:
+        # Cross-entropy against the teacher's argmax or distribution, relative
+        # to its own, as in mtp_loss.
+        q = targets if mode == "hard" else t_logits.softmax(-1)
+        per_pred = cross_entropy(q, s_logits) - cross_entropy(q, t_logits)
+
+    # The mean over valid predictions.
+    valid = batch.valid                                  # (B, M, k)
+    loss = masked_mean(per_pred, valid)
+    stats = {"mtp_loss": loss, "n_pred": valid.sum(), "k": batch.pred_index.shape[2], "loss": loss}
+    return loss, host_stats(stats, proposals == targets, valid, read=host)
+
+
+def gated_predictions(student, batch: MTPBatch, mode: str = "hard"):
+    """What gated_mtp_loss scores: the student's logits s_logits (B, M, k, V),
+    the teacher's t_logits (None with mode gt), the targets (B, M, k) (the
+    teacher's argmax; gt: the ground truth) and the student's argmax.
 
     The adapter acts only at <mask> rows, and ground-truth rows never see a
     slot, so every ground-truth row of the packed input is the base model's,
@@ -135,7 +156,6 @@ def gated_mtp_loss(student, batch: MTPBatch, mode: str = "hard",
         raise ValueError(f"mode must be one of {LOSSES}, got {mode!r}")
     B, M, k = batch.pred_index.shape
     N = batch.gt_index.shape[1]
-    valid = batch.valid                                  # (B, M, k)
 
     # 1. The ground-truth tokens alone, once, base model, no gradient: their
     # keys and values fill a cache (slot i holds ground-truth token i), and
@@ -172,10 +192,9 @@ def gated_mtp_loss(student, batch: MTPBatch, mode: str = "hard",
     s_logits = torch.cat([first, masks], dim=2)          # (B, M, k, V)
     proposals = s_logits.detach().argmax(-1)             # (B, M, k)
 
-    if mode == "gt":
-        targets = batch.targets
-        per_pred = cross_entropy(targets, s_logits)      # (B, M, k)
-    else:
+    t_logits = None
+    targets = batch.targets
+    if mode != "gt":
         # 4. The teacher, adapter off, no gradient: the slots again, slot j
         # holding the guess of prediction j-1 (padding stays padding).
         guesses = proposals[:, :, :-1].flatten(1)        # (B, n)
@@ -186,16 +205,7 @@ def gated_mtp_loss(student, batch: MTPBatch, mode: str = "hard",
             guessed = slot_logits(teacher_slots, False)
             t_logits = torch.cat([first, guessed], dim=2)
         targets = t_logits.argmax(-1)                    # (B, M, k)
-
-        # 5. Cross-entropy against the teacher's argmax or distribution,
-        # relative to its own, as in mtp_loss.
-        q = targets if mode == "hard" else t_logits.softmax(-1)
-        per_pred = cross_entropy(q, s_logits) - cross_entropy(q, t_logits)
-
-    # 6. The mean over valid predictions.
-    loss = masked_mean(per_pred, valid)
-    stats = {"mtp_loss": loss, "n_pred": valid.sum(), "k": k, "loss": loss}
-    return loss, host_stats(stats, proposals == targets, valid, read=host)
+    return s_logits, t_logits, targets, proposals
 
 
 # ---- saving and loading: a small folder that names its base model --------
