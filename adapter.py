@@ -30,6 +30,7 @@ import torch.nn as nn
 from data import PAD, MTPBatch
 from distill import LOSSES, cross_entropy, host_stats, masked_mean
 from model import KVCache, Linear, Transformer, attend
+from mtp.calibration import config_temperatures, set_mask_temperatures
 from mtp.folders import base_record
 from mtp.hf import atomic_save, read_json, write_json
 
@@ -265,12 +266,14 @@ def read_adapter_config(path) -> dict:
     return config
 
 
-def load_mask_adapter(model: Transformer, path):
+def load_mask_adapter(model: Transformer, path, calibrated: bool = True):
     """Attach the adapter saved in folder `path` to its base model (with <mask>
     added), frozen, for decoding. Its tensors stay float32 whatever the base's
     dtype, and Linear.forward computes the update in their dtype: a CPU multiplies
     a pass's few mask rows by the small matrices about 5x faster in float32 than in
-    bfloat16 (in training, autocast or FSDP2 choose the dtype)."""
+    bfloat16 (in training, autocast or FSDP2 choose the dtype). calibrated: the
+    confidences of its mask predictions use the folder's temperatures, where it has
+    them (mtp/calibration.py)."""
     from safetensors.torch import load_file
     config = read_adapter_config(path)
     ours = config["mask_token_id"]
@@ -291,4 +294,5 @@ def load_mask_adapter(model: Transformer, path):
         names = ", ".join(wrong[:3])
         raise ValueError(f"{file} does not match its config: {names}")
     model.load_state_dict(tensors, strict=False)
+    set_mask_temperatures(model, calibrated and config_temperatures(config, path))
     return model.requires_grad_(False)
