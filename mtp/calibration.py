@@ -13,7 +13,9 @@ what ConfAdapt keeps moves. Prediction 0, the model's own next token, is never s
 The fit streams over the rows: for each temperature of a grid (log T from -2 to 2 in steps of
 0.04), each slot's summed NLL and its confidences' ECE bins are added up batch by batch, so no
 logits are kept (a SmolLM2 row holds about 240 mask predictions of 49,152 logits each). T_j is
-the grid's best, within 2% of the exact minimum. The expected calibration error (ECE) is the
+the grid's best, within 2% of the exact minimum; a slot whose ECE on the rows
+that best does not lower keeps T_j = 1 (the NLL also weighs how unlikely the right token is
+when the guess is wrong, which the ECE does not see). The expected calibration error (ECE) is the
 mean gap between confidence and accuracy over 15 equal-width confidence bins, each weighted
 by its share of the predictions.
 
@@ -104,18 +106,30 @@ class Tally:
             self.confidence[j, g].index_add_(0, bins, conf)
             self.right[j, g].index_add_(0, bins, right.cpu())
 
-    def fit(self) -> dict:
-        """Each slot's best temperature and what it does to the ECE: per slot and pooled."""
+    def fit(self, temperatures=None) -> dict:
+        """Each slot's best temperature and what it does to the ECE: per slot and pooled.
+        temperatures: those of another fit, measured here (held-out rows) instead."""
         best = self.nll.argmin(1)                                          # (slots,)
         one = int((LOG_T_GRID.abs()).argmin())
+        tables = (self.count, self.confidence, self.right)
+        if temperatures is None:
+            # a slot whose calibration error its best NLL does not lower keeps T = 1
+            for j, g in enumerate(best.tolist()):
+                if ece(*(t[j, g] for t in tables)) >= ece(*(t[j, one] for t in tables)):
+                    best[j] = one
+        else:
+            # the grid's nearest, slots beyond them taking the last one
+            logs = torch.tensor([math.log(temperatures[min(j, len(temperatures) - 1)])
+                                 for j in range(len(best))])
+            best = (LOG_T_GRID[None] - logs[:, None]).abs().argmin(1)
         slots = range(len(best))
 
         def pick(table, g):
             # (slots, BINS): each slot's bins at its own grid index
             return torch.stack([table[j, g[j]] for j in slots])
 
-        before = [pick(t, [one] * len(best)) for t in (self.count, self.confidence, self.right)]
-        after = [pick(t, best.tolist()) for t in (self.count, self.confidence, self.right)]
+        before = [pick(t, [one] * len(best)) for t in tables]
+        after = [pick(t, best.tolist()) for t in tables]
         n = before[0].sum(1)
         return {
             "temperatures": [round(math.exp(LOG_T_GRID[g]), 4) for g in best.tolist()],
