@@ -121,21 +121,16 @@ def gated_mtp_loss(student, batch: MTPBatch, mode: str = "hard",
                    host: bool = True) -> tuple[torch.Tensor, dict]:
     """distill.mtp_loss(student, adapter_off_teacher(student), batch, mode,
     host=host) for a student with a gated mask adapter, in less work
-    (gated_predictions)."""
+    (gated_predictions): cross-entropy against the teacher's argmax or
+    distribution, relative to its own, as in mtp_loss, over valid predictions."""
     s_logits, t_logits, targets, proposals = gated_predictions(student, batch, mode)
-    if mode == "gt":
-        per_pred = cross_entropy(targets, s_logits)      # (B, M, k)
-    else:
-        # Cross-entropy against the teacher's argmax or distribution, relative
-        # to its own, as in mtp_loss.
-        q = targets if mode == "hard" else t_logits.softmax(-1)
-        per_pred = cross_entropy(q, s_logits) - cross_entropy(q, t_logits)
-
-    # The mean over valid predictions.
-    valid = batch.valid                                  # (B, M, k)
-    loss = masked_mean(per_pred, valid)
-    stats = {"mtp_loss": loss, "n_pred": valid.sum(), "k": batch.pred_index.shape[2], "loss": loss}
-    return loss, host_stats(stats, proposals == targets, valid, read=host)
+    q = targets if mode != "soft" else t_logits.softmax(-1)
+    per_pred = cross_entropy(q, s_logits)                # (B, M, k)
+    if mode != "gt":
+        per_pred = per_pred - cross_entropy(q, t_logits)
+    loss = masked_mean(per_pred, batch.valid)
+    stats = {"mtp_loss": loss, "n_pred": batch.valid.sum(), "k": s_logits.shape[2], "loss": loss}
+    return loss, host_stats(stats, proposals == targets, batch.valid, read=host)
 
 
 def gated_predictions(student, batch: MTPBatch, mode: str = "hard"):
@@ -271,9 +266,8 @@ def load_mask_adapter(model: Transformer, path, calibrated: bool = True):
     added), frozen, for decoding. Its tensors stay float32 whatever the base's
     dtype, and Linear.forward computes the update in their dtype: a CPU multiplies
     a pass's few mask rows by the small matrices about 5x faster in float32 than in
-    bfloat16 (in training, autocast or FSDP2 choose the dtype). calibrated: the
-    confidences of its mask predictions use the folder's temperatures, where it has
-    them (mtp/calibration.py)."""
+    bfloat16 (in training, autocast or FSDP2 choose the dtype). calibrated: with the
+    folder's temperatures, where it has them (mtp/calibration.py)."""
     from safetensors.torch import load_file
     config = read_adapter_config(path)
     ours = config["mask_token_id"]
