@@ -10,14 +10,16 @@ temperature that minimises the negative log-likelihood (NLL) of the right token 
 rows. Dividing by T_j > 0 keeps the argmax: greedy and lossless output stay as they are, only
 what ConfAdapt keeps moves. Prediction 0, the model's own next token, is never scaled.
 
+How well confidences match is the expected calibration error (ECE): the gap between mean
+confidence and accuracy in each of 15 equal-width confidence bins, weighted by the bin's share
+of the predictions; over all slots, the slots' ECEs weighted by their predictions.
+
 The fit streams over the rows: for each temperature of a grid (log T from -2 to 2 in steps of
-0.04), each slot's summed NLL and its confidences' ECE bins are added up batch by batch, so no
-logits are kept (a SmolLM2 row holds about 240 mask predictions of 49,152 logits each). T_j is
-the grid's best, within 2% of the exact minimum; a slot whose ECE on the rows
-that best does not lower keeps T_j = 1 (the NLL also weighs how unlikely the right token is
-when the guess is wrong, which the ECE does not see). The expected calibration error (ECE) is the
-mean gap between confidence and accuracy over 15 equal-width confidence bins, each weighted
-by its share of the predictions.
+0.04), each slot's summed NLL and its ECE bins are added up batch by batch, so no logits are
+kept (a SmolLM2 row holds about 240 mask predictions of 49,152 logits each). T_j is the grid's
+best, within 2% of the exact minimum. A slot whose ECE on the rows that T_j does not lower
+keeps T_j = 1: the NLL also weighs how unlikely the right token is where the guess is wrong,
+which the ECE does not see, so on few rows or a little-trained adapter the two can disagree.
 
 The temperatures live in the adapter's mask_adapter.json ("calibration"); a folder without
 them loads as before. A pass with more mask slots than were calibrated gives the extra ones
@@ -131,16 +133,20 @@ class Tally:
         before = [pick(t, [one] * len(best)) for t in tables]
         after = [pick(t, best.tolist()) for t in tables]
         n = before[0].sum(1)
+        ece_before = ece(*before)
+        ece_after = ece(*after)
         return {
             "temperatures": [round(math.exp(LOG_T_GRID[g]), 4) for g in best.tolist()],
             "predictions": [int(x) for x in n.tolist()],
             "accuracy": (before[2].sum(1) / n).tolist(),
             "confidence_before": (before[1].sum(1) / n).tolist(),
             "confidence_after": (after[1].sum(1) / n).tolist(),
-            "ece_before_per_slot": ece(*before).tolist(),
-            "ece_after_per_slot": ece(*after).tolist(),
-            "ece_before": float(ece(*(t.sum(0) for t in before))),
-            "ece_after": float(ece(*(t.sum(0) for t in after))),
+            "ece_before_per_slot": ece_before.tolist(),
+            "ece_after_per_slot": ece_after.tolist(),
+            # the slots' mean, weighted by their predictions: bins pooled over the slots
+            # would let one slot's over-confidence hide another's under-confidence
+            "ece_before": float((ece_before * n).sum() / n.sum()),
+            "ece_after": float((ece_after * n).sum() / n.sum()),
         }
 
 
@@ -222,5 +228,6 @@ def report(fit: dict) -> str:
                      f"{fit['confidence_before'][j]:10.3f}      {fit['confidence_after'][j]:10.3f}"
                      f"  {T:11.3f}  {fit['ece_before_per_slot'][j]:.3f}      "
                      f"{fit['ece_after_per_slot'][j]:.3f}")
-    lines.append(f"all slots: ECE {fit['ece_before']:.3f} -> {fit['ece_after']:.3f}")
+    lines.append(f"all slots (their mean, weighted by predictions): ECE {fit['ece_before']:.3f} "
+                 f"-> {fit['ece_after']:.3f}")
     return "\n".join(lines)

@@ -15,7 +15,7 @@ from confadapt import DecodeConfig
 from model import add_mask_token
 from mtp.calibration import BINS, Tally, set_mask_temperatures, slot_temperatures
 from mtp.cli import load, load_model, load_tokenizer
-from mtp.engine import generate
+from mtp.engine import generate, syncs_per_pass
 from mtp.finetune_cli import build_parser
 from mtp.hf import from_pretrained
 
@@ -120,7 +120,7 @@ def test_calibrate_writes_temperatures_that_load_with_the_folder(folders, capsys
 
     assert calibrate(adapter, data) == 0
     out = capsys.readouterr().out
-    assert "all slots: ECE" in out
+    assert "all slots (their mean, weighted by predictions): ECE" in out
     config = json.loads((adapter / ADAPTER_CONFIG).read_text())
     record = config.pop("calibration")
     # the rest of the config as it was
@@ -130,6 +130,9 @@ def test_calibrate_writes_temperatures_that_load_with_the_folder(folders, capsys
     assert record["rows"] == 16 and record["k"] == 4
     assert sum(record["predictions"]) > 0
     assert f"{record['ece_before']:.3f} -> {record['ece_after']:.3f}" in out
+    n = record["predictions"]
+    mean = sum(e * c for e, c in zip(record["ece_after_per_slot"], n)) / sum(n)
+    assert record["ece_after"] == pytest.approx(mean)
     # no slot's calibration error on the rows grows (a slot the fit does not help keeps T = 1)
     for before, after, T in zip(record["ece_before_per_slot"], record["ece_after_per_slot"],
                                 temps):
@@ -223,3 +226,16 @@ def test_calibration_moves_only_what_confadapt_keeps(folders):
     # T = 0.01 makes every mask guess sure: k_max tokens wherever prediction 0 clears tau
     for (_, many), (_, one) in zip(sure, unsure):
         assert max(many) == 6 and len(many) < len(one) / 2
+
+
+def test_calibrated_passes_wait_for_the_device_no_more_often(folders):
+    """The temperatures are made on the device each pass: no copy, no read."""
+    _, adapter, _ = folders
+    model, tok, _, _ = load_model(adapter)
+    prompts = [tok.encode("Tom has 3 apples and buys"), tok.encode("Ann reads 12 pages")]
+    mode = DecodeConfig("confadapt", tau=0.9, k_max=6)
+    counts = []
+    for temperatures in (None, [0.5, 0.7, 0.9]):
+        set_mask_temperatures(model, temperatures)
+        counts.append(set(syncs_per_pass(model, prompts, 12, mode)[0]))
+    assert counts[0] == counts[1]
