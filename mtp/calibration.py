@@ -109,7 +109,7 @@ class Tally:
             self.right[j, g].index_add_(0, bins, right.cpu())
 
     def fit(self, temperatures=None) -> dict:
-        """Each slot's best temperature and what it does to the ECE: per slot and pooled.
+        """Each slot's best temperature and what it does to the ECE, per slot and over all.
         temperatures: those of another fit, measured here (held-out rows) instead."""
         best = self.nll.argmin(1)                                          # (slots,)
         one = int((LOG_T_GRID.abs()).argmin())
@@ -160,7 +160,7 @@ def ece(count, confidence, right):
 def tally(model, batches, mask_id=None) -> Tally:
     """Every valid mask prediction (j >= 1) of `batches` (MTPBatch, on the model's device):
     the student's logits and the teacher's argmax, as gated_mtp_loss's hard mode scores them.
-    <mask> is never an output, as in decoding."""
+    <mask> is never an output, as in decoding (nor a target)."""
     # adapter.py imports this module (for the temperatures): imported when the fit runs
     from adapter import gated_predictions
     result = None
@@ -172,6 +172,8 @@ def tally(model, batches, mask_id=None) -> Tally:
             logits[..., mask_id] = float("-inf")
         for j in range(1, k):
             valid = batch.valid[:, :, j]                                    # (B, M)
+            if mask_id is not None:
+                valid = valid & (targets[:, :, j] != mask_id)
             if valid.any():
                 result.add(j - 1, logits[:, :, j][valid], targets[:, :, j][valid])
     return result
@@ -210,6 +212,10 @@ def calibrate(args):
             print(f"  {first + len(rows)}/{len(seqs)} rows", file=sys.stderr, flush=True)
 
     fit = tally(model, batches(), mask_id).fit()
+    if min(fit["predictions"]) == 0:
+        slot = fit["predictions"].index(0) + 1
+        raise ValueError(f"the rows of {' '.join(args.data)} give mask slot {slot} nothing to "
+                         "predict: give more rows, or longer ones (--seq-len)")
     print(report(fit))
     file = os.path.join(args.model, "mask_adapter.json")
     config = read_json(file, "mask adapter config")
