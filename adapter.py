@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from data import PAD, MTPBatch
 from distill import LOSSES, cross_entropy, host_stats, masked_mean
 from model import KVCache, Linear, Transformer, attend
+from mtp.calibration import config_temperatures, set_mask_temperatures
 from mtp.folders import base_record
 from mtp.hf import atomic_save, read_json, write_json
 
@@ -206,7 +207,23 @@ class ContextCache:
 def gated_mtp_loss(student, batch: MTPBatch, mode: str = "hard",
                    host: bool = True) -> tuple[torch.Tensor, dict]:
     """distill.mtp_loss(student, adapter_off_teacher(student), batch, mode,
-    host=host) for a student with a gated mask adapter, in less work.
+    host=host) for a student with a gated mask adapter, in less work
+    (gated_predictions): cross-entropy against the teacher's argmax or
+    distribution, relative to its own, as in mtp_loss, over valid predictions."""
+    s_logits, t_logits, targets, proposals = gated_predictions(student, batch, mode)
+    q = targets if mode != "soft" else t_logits.softmax(-1)
+    per_pred = cross_entropy(q, s_logits)                # (B, M, k)
+    if mode != "gt":
+        per_pred = per_pred - cross_entropy(q, t_logits)
+    loss = masked_mean(per_pred, batch.valid)
+    stats = {"mtp_loss": loss, "n_pred": batch.valid.sum(), "k": s_logits.shape[2], "loss": loss}
+    return loss, host_stats(stats, proposals == targets, batch.valid, read=host)
+
+
+def gated_predictions(student, batch: MTPBatch, mode: str = "hard"):
+    """What gated_mtp_loss scores: the student's logits s_logits (B, M, k, V),
+    the teacher's t_logits (None with mode gt), the targets (B, M, k) (the
+    teacher's argmax; gt: the ground truth) and the student's argmax.
 
     The adapter acts only at <mask> rows, and ground-truth rows never see a
     slot, so every ground-truth row of the packed input is the base model's,
@@ -222,7 +239,6 @@ def gated_mtp_loss(student, batch: MTPBatch, mode: str = "hard",
         raise ValueError(f"mode must be one of {LOSSES}, got {mode!r}")
     B, M, k = batch.pred_index.shape
     N = batch.gt_index.shape[1]
-    valid = batch.valid                                  # (B, M, k)
 
     # 1. The ground-truth tokens alone, once, base model, no gradient: their
     # keys and values fill a cache (slot i holds ground-truth token i), and
@@ -262,10 +278,9 @@ def gated_mtp_loss(student, batch: MTPBatch, mode: str = "hard",
     s_logits = torch.cat([first, masks], dim=2)          # (B, M, k, V)
     proposals = s_logits.detach().argmax(-1)             # (B, M, k)
 
-    if mode == "gt":
-        targets = batch.targets
-        per_pred = cross_entropy(targets, s_logits)      # (B, M, k)
-    else:
+    t_logits = None
+    targets = batch.targets
+    if mode != "gt":
         # 4. The teacher, adapter off, no gradient: the slots again, slot j
         # holding the guess of prediction j-1 (padding stays padding).
         guesses = proposals[:, :, :-1].flatten(1)        # (B, n)
@@ -276,16 +291,7 @@ def gated_mtp_loss(student, batch: MTPBatch, mode: str = "hard",
             guessed = slot_logits(teacher_slots, False)
             t_logits = torch.cat([first, guessed], dim=2)
         targets = t_logits.argmax(-1)                    # (B, M, k)
-
-        # 5. Cross-entropy against the teacher's argmax or distribution,
-        # relative to its own, as in mtp_loss.
-        q = targets if mode == "hard" else t_logits.softmax(-1)
-        per_pred = cross_entropy(q, s_logits) - cross_entropy(q, t_logits)
-
-    # 6. The mean over valid predictions.
-    loss = masked_mean(per_pred, valid)
-    stats = {"mtp_loss": loss, "n_pred": valid.sum(), "k": k, "loss": loss}
-    return loss, host_stats(stats, proposals == targets, valid, read=host)
+    return s_logits, t_logits, targets, proposals
 
 
 # ---- saving and loading: a small folder that names its base model --------
@@ -345,12 +351,13 @@ def read_adapter_config(path) -> dict:
     return config
 
 
-def load_mask_adapter(model: Transformer, path):
+def load_mask_adapter(model: Transformer, path, calibrated: bool = True):
     """Attach the adapter saved in folder `path` to its base model (with <mask>
     added), frozen, for decoding. Its tensors stay float32 whatever the base's
     dtype, and Linear.forward computes the update in their dtype: a CPU multiplies
     a pass's few mask rows by the small matrices about 5x faster in float32 than in
-    bfloat16 (in training, autocast or FSDP2 choose the dtype)."""
+    bfloat16 (in training, autocast or FSDP2 choose the dtype). calibrated: with the
+    folder's temperatures, where it has them (mtp/calibration.py)."""
     from safetensors.torch import load_file
     config = read_adapter_config(path)
     ours = config["mask_token_id"]
@@ -372,6 +379,7 @@ def load_mask_adapter(model: Transformer, path):
         names = ", ".join(wrong[:3])
         raise ValueError(f"{file} does not match its config: {names}")
     model.load_state_dict(tensors, strict=False)
+    set_mask_temperatures(model, calibrated and config_temperatures(config, path))
     model.requires_grad_(False)
     fuse_for_decoding(model)
     return model

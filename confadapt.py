@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mtp.calibration import slot_temperatures
 from mtp.chunks import chunk_texts, render_chunks, save_chunks_png
 from mtp.cli import (CliError, Parser, add_model_args, chat_stop_ids, check_model_folder,
                      encode_prompt, exactness, load, output_folder, positive_int,
@@ -145,13 +146,17 @@ def accept(mode: DecodeConfig, preds: list[int], confs: list[float],
     return tokens, n_verified, next_drafts
 
 
-def top1(logits, mask_id=None, confidences=True) -> tuple[list, list | None]:
+def top1(logits, mask_id=None, confidences=True, temperatures=None) -> tuple[list, list | None]:
     """The top prediction at each place, and its probability (None unless asked
     for: reading it waits for the device once more). <mask> is an input, never an
-    output: fed back, it would read as a mask slot."""
+    output: fed back, it would read as a mask slot. temperatures: place j's probability
+    is under softmax(logits / temperatures[j]) (mtp/calibration.py)."""
     if mask_id is not None:
         logits[..., mask_id] = float("-inf")
     confs, preds = logits.softmax(-1).max(-1)
+    if temperatures is not None and confidences:
+        scaled = (logits / temperatures[: logits.shape[-2], None]).softmax(-1)
+        confs = scaled.gather(-1, preds[..., None])[..., 0]
     return preds.tolist(), confs.tolist() if confidences else None
 
 
@@ -174,13 +179,15 @@ def generate_uncached(model, prompt: list[int], max_new_tokens: int, mode: Decod
     out = []
     chunks = []
     drafts = []
+    # one for each place a pass reads (lossless: drafts, then masks)
+    temperatures = slot_temperatures(model, 2 * mode.block)
     while len(out) < budget and not (out and out[-1] in stop_ids):
         drafts, tail = drafts_and_masks(mode, drafts, budget - len(out), mask_id)
         x = torch.tensor([prompt + out + tail], device=next(model.parameters()).device)
 
         # the predictions: at the last real token, then at each draft and mask
         logits = model(x)[0, len(prompt) + len(out) - 1:].float()   # (1 + len(tail), V)
-        preds, confs = top1(logits, mask_id)
+        preds, confs = top1(logits, mask_id, temperatures=temperatures)
         new, _, drafts = accept(mode, preds, confs, drafts, stop_ids)
 
         out += new
@@ -230,6 +237,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, mode: DecodeC
     outs = [[] for _ in prompts]
     chunks = [[] for _ in prompts]
     done = [False] * B
+    temperatures = slot_temperatures(model, 2 * mode.block)
 
     while not all(done):
         # 2) each row feeds its pending tokens, then drafts and masks
@@ -249,7 +257,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, mode: DecodeC
             if done[b]:
                 continue
             first = len(pending[b]) - 1
-            preds, confs = top1(logits[b, first:len(inputs[b])], mask_id)
+            preds, confs = top1(logits[b, first:len(inputs[b])], mask_id, temperatures=temperatures)
             new, n_verified, drafts[b] = accept(mode, preds, confs, drafts[b], stop_ids)
             outs[b] += new
             chunks[b].append(len(new))

@@ -12,7 +12,8 @@ The other commands measure and feed it: `eval` scores GSM8K as
 lm-evaluation-harness's gsm8k_cot over static k and ConfAdapt thresholds
 (tasks/gsm8k.py); `analyze` estimates before tuning what ConfAdapt could reach on
 a domain (mtp/analyze.py); `data` writes a model's own answers as training rows
-(mtp/training_rows.py). The flags and the checks made before any work:
+(mtp/training_rows.py); `calibrate` fits a gated adapter's confidences on held-out
+rows (mtp/calibration.py). The flags and the checks made before any work:
 mtp/finetune_cli.py.
 """
 
@@ -34,6 +35,7 @@ from data import default_n_regions, mtp_layout, sample_k_and_offset
 from distill import frozen_teacher, mtp_loss, read_stats
 from model import Transformer, add_mask_token
 from mtp.analyze import analyze
+from mtp.calibration import calibrate
 from mtp.cli import (Progress, format_seconds, input_path, load_tokenizer, read_checkpoint,
                      run_cli)
 from mtp.distributed import (Dist, average_gradients, check_same_run, latest_checkpoint,
@@ -520,7 +522,7 @@ def main(argv=None) -> int:
     """`python finetune_hf.py COMMAND ...`: mtp.finetune_cli parses and checks the
     flags, then runs the command."""
     commands = {"train": train, "eval": evaluate, "analyze": analyze, "data": make_data,
-                "export": export_checkpoint}
+                "calibrate": calibrate, "export": export_checkpoint}
     return run_cli(partial(run_command, commands), sys.argv[1:] if argv is None else argv)
 
 

@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from adapter_pass import pass_times  # noqa: E402
 from bench_modes import bench, forward_latency  # noqa: E402
-from mtp.cli import (CUDNN_ATTENTION, CliError, Parser, add_flags, apply_attention_backend,  # noqa: E402
+from mtp.cli import (CUDNN_ATTENTION, CliError, Parser, add_calibration_flag, add_flags, apply_attention_backend,  # noqa: E402
                      base_folder, check_model_folder, cpu_name, exactness, load_model, parse_device,
                      parse_dtype, positive_int, provenance, stop_ids_of)
 from confadapt import DecodeConfig, decode_modes  # noqa: E402
@@ -182,7 +182,7 @@ def load(args, device, dtype, need_mask: bool):
     A gated mask adapter's folder: ours is base + adapter, transformers' the untuned base (which
     is what our greedy and lossless modes print then).
     """
-    ours, tok, _, _ = load_model(args.model, device, dtype, args.base)
+    ours, tok, _, _ = load_model(args.model, device, dtype, args.base, not args.no_calibration)
     if ours.config.mask_token_id is None and tok.mask_id is not None:
         ours.config.mask_token_id = tok.mask_id
     grown = need_mask and ours.config.mask_token_id is None
@@ -282,7 +282,8 @@ def run(args) -> dict:
         for name in args.latency_dtypes or (["float32", "bfloat16"] if device.type == "cpu" else [dtype_name]):
             model = ours
             if name != dtype_name:
-                model = load_model(args.model, device, getattr(torch, name), args.base)[0]
+                model = load_model(args.model, device, getattr(torch, name), args.base,
+                                   not args.no_calibration)[0]
             repeats = args.latency_repeats
             curves = {bs: adapter_latency(model, bs, context, sizes, repeats) if adapter_k
                       else (forward_latency(model, bs, context, sizes, repeats), None)
@@ -491,6 +492,7 @@ def parse(argv):
                "prompt format (auto: the folder's trained format, else the one finetune_hf.py picks for this "
                "tokenizer)",
                {"choices": ("auto",) + FORMATS}))
+    add_calibration_flag(g)
     r = p.add_argument_group("workload (--quick: 4 prompts, 48 tokens, batch 1 and 4, one round, latency at 6 sizes)")
     r.add_argument("--quick", action="store_true", help="a smoke run in minutes, for checking the command")
     add_flags(r,

@@ -271,6 +271,7 @@ def add_model_args(p):
                    help="CPU threads for torch (default: torch's choice; small models "
                    "on a busy machine: 1 is fastest and steadiest)")
     add_flags(g, CUDNN_ATTENTION)
+    add_calibration_flag(g)
 
 
 def load_tokenizer(path):
@@ -310,16 +311,24 @@ def check_model_folder(args, raw=True, k_max_applies=True, defaults=True):
     check_format(args.format, load_tokenizer(base), base, raw=raw)
 
 
-def load_model(path, device="cpu", dtype=torch.float32, base=None):
+def add_calibration_flag(group):
+    """--no-calibration, the flag of every command that loads a model to decode."""
+    group.add_argument("--no-calibration", action="store_true",
+                       help="a gated mask adapter: ConfAdapt reads its mask predictions' "
+                       "confidences from the plain softmax, not through the temperatures "
+                       "finetune_hf.py calibrate stored in its folder")
+
+
+def load_model(path, device="cpu", dtype=torch.float32, base=None, calibrated=True):
     """Model (eval mode), tokenizer, mask id (None without one) and stop ids of a
     model folder, or of a gated mask adapter folder: its base model with <mask>
-    added, then the adapter."""
+    added, then the adapter (calibrated: with its temperatures, where it has them)."""
     base = base_folder(path, base)
     model = from_pretrained(base, device=device, dtype=dtype)
     tokenizer = load_tokenizer(base)
     if base != path:
         add_mask_token(model, tokenizer)
-        load_mask_adapter(model, path)
+        load_mask_adapter(model, path, calibrated)
 
     cfg = model.config
     mask_id = cfg.mask_token_id
@@ -350,7 +359,8 @@ def load(args, mode):
     device = parse_device(args.device)
     dtype = parse_dtype(args.dtype, device)
     apply_attention_backend(args.cudnn_attention, device)
-    model, tokenizer, mask_id, stop_ids = load_model(args.model, device, dtype, args.base)
+    model, tokenizer, mask_id, stop_ids = load_model(args.model, device, dtype, args.base,
+                                                     not args.no_calibration)
     if mode.block > 1 and mask_id is None:
         raise ValueError(f"model {args.model} has no mask token (no mask_token_id in "
                          "config.json, no <mask> in the tokenizer): only --greedy works; "

@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from adapter import check_slots
 from confadapt import DecodeConfig, accept, drafts_and_masks, top1
+from mtp.calibration import slot_temperatures
 from model import KVCache, Transformer, attend, kernel_mask
 
 aten = torch.ops.aten
@@ -417,7 +418,10 @@ def decode_step(model, cache, batch, mode, mask_id, pad_id, stop_ids):
     logits = decode_pass(model, cache, inputs, firsts=firsts, n_preds=n_preds, pad_id=pad_id)
     # (B, N, V) -> (B, N) each; confidences only for the rule that reads them
     confidences = any((r.mode or mode).kind == "confadapt" for r in batch)
-    preds, confs = top1(logits.float(), mask_id, confidences=confidences)
+    # a calibrated adapter's confidences (mtp/calibration.py): prediction j at mask slot j
+    temperatures = slot_temperatures(model, logits.shape[1])
+    preds, confs = top1(logits.float(), mask_id, confidences=confidences,
+                        temperatures=temperatures)
 
     # 2) each row keeps what the accept rule allows. Verified drafts were fed as
     # themselves, so their K/V stays; the other kept tokens become pending.

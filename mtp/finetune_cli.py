@@ -1,4 +1,4 @@
-"""finetune_hf.py's command line: its five commands' flags, the checks made before
+"""finetune_hf.py's command line: its six commands' flags, the checks made before
 any work, and the dispatch to the command; not part of the method, a learner can
 skip it.
 
@@ -18,12 +18,13 @@ import torch
 from mtp.tokenizer import default_format, end_token, FORMATS
 from tasks.word_problems import DOMAINS
 from distill import LOSSES
-from adapter import ADAPTER_TARGETS
-from mtp.hf import read_model_config
-from mtp.cli import (CUDNN_ATTENTION, CliError, Parser, add_flags, apply_attention_backend,
-                     base_folder, check_model_folder, count, input_path, load_model, number,
-                     output_folder, parse_device, parse_dtype, positive_float, positive_int,
-                     probability)
+from adapter import ADAPTER_CONFIG, ADAPTER_TARGETS, is_adapter_folder
+from mtp.calibration import CALIBRATION
+from mtp.hf import read_json, read_model_config
+from mtp.cli import (CUDNN_ATTENTION, CliError, Parser, add_calibration_flag, add_flags,
+                     apply_attention_backend, base_folder, check_model_folder, count,
+                     input_path, load_model, number, output_folder, parse_device, parse_dtype,
+                     positive_float, positive_int, probability)
 from mtp.folders import FolderLock
 
 DESCRIPTION = ("Fine-tune a Hugging Face Llama/Qwen/SmolLM2 checkpoint into a multi-token "
@@ -95,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--threads", type=positive_int,
                        help="CPU threads (default: one per core)")
         add_flags(c, CUDNN_ATTENTION)
+        if max_new_tokens:
+            add_calibration_flag(c)
 
     t = sub.add_parser("train",
                        help="MTP fine-tuning by self-distillation (torchrun: multi-GPU)")
@@ -228,6 +231,24 @@ def build_parser() -> argparse.ArgumentParser:
               ("--per-domain", positive_int, 100, "prompts per domain (fewer if it has fewer)"),
               ("--split", None, "train", "prompt split", {"choices": ("train", "test")}))
 
+    cal = sub.add_parser("calibrate",
+                         help="a gated mask adapter: fit one temperature per mask slot on "
+                         "held-out rows, so that ConfAdapt's confidences match how often its "
+                         "guesses are right; written into the adapter's folder")
+    common(cal, ": a gated mask adapter's folder (its mask_adapter.json gets the temperatures)")
+    cal.add_argument("--data", required=True, nargs="+",
+                     help="held-out rows (query or prompt, response), as train reads them: "
+                     "rows it did not train on (data --split test, say)")
+    add_flags(cal,
+              ("--limit-rows", count, 0, "use only the first N rows (0: all)"),
+              ("--seq-len", number(int, 2), 160, "tokens per row, as in train"),
+              ("--k-max", number(int, 2), None,
+               "mask slots + 1 to calibrate (default: the folder's trained k_max, else 16); "
+               "a pass with more slots gives the extra ones the last slot's temperature"),
+              ("--batch-size", positive_int, 8, "rows per forward pass"))
+    cal.add_argument("--force", action="store_true",
+                     help="replace the calibration the folder holds")
+
     x = sub.add_parser("export", help="a training checkpoint -> a Hugging Face folder")
     x.add_argument("--checkpoint", required=True,
                    help="a run's --out folder or one checkpoints/step_N folder")
@@ -250,10 +271,12 @@ def check_args(args, locks):
     # The model's config says most about a wrong folder.
     cfg = read_model_config(base_folder(args.model, args.base)) if "model" in a else None
     if "model" in a:
-        check_model_folder(args, raw=False, k_max_applies=args.command == "eval",
+        check_model_folder(args, raw=False, k_max_applies=args.command in ("eval", "calibrate"),
                            defaults=args.command != "train")
-    if args.command == "eval":
+    if args.command in ("eval", "calibrate"):
         args.k_max = args.k_max or 16
+    if args.command == "calibrate":
+        check_calibrate(args, cfg)
     # One file (eval, analyze) or several (train).
     data = a.get("data")
     if isinstance(data, str):
@@ -317,6 +340,21 @@ def check_args(args, locks):
               f"learning rate {how}", flush=True)
 
 
+def check_calibrate(args, cfg):
+    """calibrate writes into a gated mask adapter's folder, and over an earlier
+    calibration only with --force."""
+    if not is_adapter_folder(args.model):
+        raise CliError(f"--model {args.model} is not a gated mask adapter's folder (no "
+                       "mask_adapter.json): calibrate fits an adapter's mask predictions")
+    if CALIBRATION in read_json(os.path.join(args.model, ADAPTER_CONFIG), "mask adapter config"):
+        if not args.force:
+            raise CliError(f"--model {args.model} is calibrated already (mask_adapter.json "
+                           "holds a calibration): add --force to replace it")
+    if args.seq_len + args.k_max - 2 >= cfg.max_seq_len:
+        raise CliError(f"--seq-len {args.seq_len} with --k-max {args.k_max} needs positions "
+                       f"beyond the model's {cfg.max_seq_len}")
+
+
 def lock(args, folder, locks):
     """`folder`'s lock, into `locks`: held now if the folder exists (a run in it is
     told before any other check), else once every check has passed (run_command),
@@ -378,7 +416,8 @@ def load_for_inference(args):
     for the commands that decode (eval, analyze, data)."""
     device = parse_device(args.device)
     model, tok, mask_id, stop_ids = load_model(args.model, device,
-                                               parse_dtype(args.dtype, device), args.base)
+                                               parse_dtype(args.dtype, device), args.base,
+                                               not getattr(args, "no_calibration", False))
     fmt = args.format
     if fmt == "auto":
         fmt = default_format(tok, model.config.model_type)
