@@ -53,14 +53,10 @@ class GatedLowRank(nn.Module):
         self.down = nn.Parameter(down)
         self.up = nn.Parameter(torch.zeros(d_out, rank))
         self.scale = alpha / rank
-        # decoding: the frozen copy this adapter shares (fuse_for_decoding)
-        self.fused = None
 
     def forward(self, x, y, mask_rows):
         """y with the update added in place at mask_rows, computed in the
         adapter's dtype (y's backward does not need y)."""
-        if self.fused is not None:
-            return self.fused.add(self, x, y, mask_rows)
         # With no mask row a trained adapter still runs, on zero rows: its
         # tensors get a gradient (zeros), so every process of a distributed
         # step reduces the same ones.
@@ -72,59 +68,6 @@ class GatedLowRank(nn.Module):
         y.view(-1, y.shape[-1]).index_add_(0, mask_rows, update.to(y.dtype),
                                            alpha=self.scale)
         return y
-
-
-class SharedInput:
-    """A frozen copy, for decoding, of the adapters on projections that read
-    one input (q, k and v; gate and up): their down-projections stacked into
-    one matrix, so the first of them to run computes all their ranks in one
-    product for the mask rows, and each adds its own up-projection. The same
-    arithmetic as each alone (up to rounding), in fewer operations: a pass's
-    cost is in the count of small operations."""
-
-    def __init__(self, adapters: list[GatedLowRank]):
-        with torch.no_grad():
-            self.down = torch.cat([a.down for a in adapters])   # (sum r, d_in)
-            self.ups = {}
-            start = 0
-            for a in adapters:
-                rank = a.down.shape[0]
-                ranks = slice(start, start + rank)
-                self.ups[id(a)] = ranks, a.up.detach(), a.scale
-                start += rank
-        # the input and mask rows of the last product, and its result
-        self.seen = None
-        self.low = None
-
-    def add(self, adapter, x, y, mask_rows):
-        if len(mask_rows) == 0:
-            return y
-        # the first projection of this input in this pass computes all ranks
-        if self.seen is None or self.seen[0] is not x or self.seen[1] is not mask_rows:
-            x_mask = x.reshape(-1, x.shape[-1]).index_select(0, mask_rows)
-            self.low = F.linear(x_mask.to(self.down.dtype), self.down)
-            self.seen = x, mask_rows
-        ranks, up, scale = self.ups[id(adapter)]
-        update = F.linear(self.low[:, ranks], up)                # (n_mask, d_out)
-        y.view(-1, y.shape[-1]).index_add_(0, mask_rows, update.to(y.dtype),
-                                           alpha=scale)
-        return y
-
-
-def fuse_for_decoding(model: Transformer):
-    """Give a frozen adapter its decoding copy (SharedInput per input): in each
-    layer q, k, v share one, gate and up one, o and down one each."""
-    groups = {"wq": "attn", "wk": "attn", "wv": "attn", "gate": "mlp", "up": "mlp"}
-    for i, layer in enumerate(model.layers):
-        shared = {}
-        for name, module in layer.named_modules():
-            if isinstance(module, Linear) and module.adapter is not None:
-                short = name.rsplit(".", 1)[-1]
-                shared.setdefault(groups.get(short, short), []).append(module.adapter)
-        for adapters in shared.values():
-            group = SharedInput(adapters)
-            for a in adapters:
-                a.fused = group
 
 
 def add_mask_adapter(model: Transformer, rank: int, alpha: float,
@@ -380,6 +323,4 @@ def load_mask_adapter(model: Transformer, path, calibrated: bool = True):
         raise ValueError(f"{file} does not match its config: {names}")
     model.load_state_dict(tensors, strict=False)
     set_mask_temperatures(model, calibrated and config_temperatures(config, path))
-    model.requires_grad_(False)
-    fuse_for_decoding(model)
-    return model
+    return model.requires_grad_(False)
