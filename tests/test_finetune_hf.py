@@ -447,6 +447,35 @@ def test_gated_adapter_answers_as_the_untuned_model_word_for_word(adapter_run, t
     assert answers[1][len(greedy):] == greedy
 
 
+def test_slot_embeddings_train_save_and_refuse_more_slots_than_trained(one_thread, tiny_hf,
+                                                                        tmp_path, capsys):
+    """--adapter-slot-embeddings: k_max - 1 <mask> embeddings, each trained, saved with the
+    adapter; decoding with a larger k_max is refused in one line; resuming without the flag is
+    another run."""
+    from adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+    out = tmp_path / "slots"
+    slots = [*ADAPTER, "--k-max", "3", "--adapter-slot-embeddings"]
+    tune(tiny_hf, out, "--steps", "2", *slots)
+    final = out / "final"
+    assert json_file(final / ADAPTER_CONFIG)["mask_slots"] == 2
+    embedding = load_file(str(final / ADAPTER_WEIGHTS))["mask_embedding"]
+    assert embedding.shape[0] == 2
+    assert not torch.equal(embedding[0], embedding[1])
+    common = ["eval", "--model", str(final), "--data", str(tiny_hf / "wp" / "test.jsonl"),
+              "--prompt-style", "zeroshot", "--max-new-tokens", "4", "--limit", "2",
+              "--static-k", "1", "--taus", "0.5"]
+    assert finetune_hf.main(common + ["--k-max", "3", "--out", str(tmp_path / "e3")]) == 0
+    capsys.readouterr()
+    assert finetune_hf.main(common + ["--k-max", "4", "--out", str(tmp_path / "e4")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert [line for line in err if "error" in line] == [
+        "error: this adapter was trained with 2 <mask> slots: decode with k_max at most 3, "
+        "not 4"]
+    shared = train_args(tiny_hf, out, "--steps", "3", *slots[:-1], "--resume")
+    assert finetune_hf.main(shared) == 2
+    assert "--adapter-slot-embeddings True -> False" in capsys.readouterr().err
+
+
 def test_gated_adapter_refuses_the_prefix_loss_and_an_adapter_as_base(tiny_hf, tmp_path, capsys):
     """The prefix loss cannot train a gated adapter, and an adapter folder is no base
     model: one error line each."""
