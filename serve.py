@@ -40,7 +40,7 @@ import torch
 from adapter import check_slots
 from confadapt import DecodeConfig
 from mtp.cli import chat_stop_ids, check_model_folder, load, prompt_format, run_cli
-from mtp.engine import Row, decode_pass, decode_step, new_cache, prefill
+from mtp.engine import Row, decode_step, new_cache, prefill, time_passes
 from mtp import openai_api
 from mtp.openai_api import parser
 
@@ -93,29 +93,13 @@ class PassCosts:
     """C(k, B): seconds of a pass of k positions a row at B live rows. Timed at start-up for
     every k at B = 1, 2, 4, ... max_rows (a B in between shares the next larger one's cell),
     then the passes the server runs take over: a cell's first pass replaces its start-up time,
-    and every later one moves it a fifth of the way to its own. So
-    that a cell the rule has stopped choosing still follows the load, one pass in `every`
-    computes the k next to the rule's choice that was timed longest ago."""
+    and every later one moves it a fifth of the way to its own. So that a cell the rule has
+    stopped choosing still follows the load, one pass in `every` computes the k next to the
+    rule's choice that was timed longest ago."""
 
-    @torch.inference_mode()
-    def __init__(self, model, k_top: int, max_rows: int, context=128, every=32):
-        context = min(context, model.config.max_seq_len - k_top - 1)
+    def __init__(self, model, k_top: int, max_rows: int, every=32):
         self.sizes = sorted({min(2 ** i, max_rows) for i in range(max_rows.bit_length() + 1)})
-        self.seconds = {}
-        for b in self.sizes:
-            cache = new_cache(model, b, context + k_top)
-            for k in range(1, k_top + 1):
-                times = []
-                # the first pass of a shape is slow: the best of the next two
-                for _ in range(3):
-                    # every row holds `context` tokens (zeros: the time is the same)
-                    cache.rollback(0)
-                    cache.advance(context)
-                    start = time.perf_counter()
-                    decode_pass(model, cache, [[0] * k] * b, [0] * b, [k] * b, pad_id=0)
-                    times.append(time.perf_counter() - start)
-                # more positions never cost less (a timing that says so is noise)
-                self.seconds[k, b] = max(min(times[1:]), self.seconds.get((k - 1, b), 0))
+        self.seconds = time_passes(model, range(1, k_top + 1), self.sizes)
         self.every = every
         self.passes = 0
         # the pass count at which each cell was last timed
