@@ -198,7 +198,8 @@ def calibrate(args):
     k = args.k_max
     pad = padding_token(tok, fmt)
     pairs = training_pairs(args, Dist())
-    seqs, _ = training_sequences(pairs, tok, fmt, args.seq_len)
+    # the answers' tokens only: what ConfAdapt's masks guess when decoding
+    seqs, response = training_sequences(pairs, tok, fmt, args.seq_len)
     regions = default_n_regions(args.seq_len, k)
     region_len = args.seq_len // regions
     device = model.tok_emb.weight.device
@@ -206,9 +207,11 @@ def calibrate(args):
     def batches():
         for i, first in enumerate(range(0, len(seqs), args.batch_size)):
             rows = seqs[first:first + args.batch_size].long()
+            trained = response[first:first + args.batch_size]
             # the offsets cycle, so every place of a region is a prefix end somewhere
             yield mtp_layout(rows, k=k, offset=i % region_len, n_regions=regions,
-                             mask_id=mask_id, eos_id=pad, pad_id=pad).to(device)
+                             mask_id=mask_id, eos_id=pad, pad_id=pad,
+                             trained=trained).to(device)
             print(f"  {first + len(rows)}/{len(seqs)} rows", file=sys.stderr, flush=True)
 
     fit = tally(model, batches(), mask_id).fit()
