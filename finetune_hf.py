@@ -230,7 +230,7 @@ def load_student_and_teacher(args, dist: Dist, with_teacher: bool = True):
 def adapter_settings(args) -> tuple:
     """add_mask_adapter's rank, alpha, targets and slots (k_max - 1 slot
     embeddings with --adapter-slot-embeddings, else one shared)."""
-    slots = args.k_max - 1 if args.adapter_slot_embeddings else 0
+    slots = args.k_max - 1 if getattr(args, "adapter_slot_embeddings", False) else 0
     return args.adapter_rank, args.adapter_alpha, args.adapter_targets, slots
 
 

@@ -49,7 +49,8 @@ def one_step(dist: Dist, model, shard_base: str, micro: list) -> dict:
     base was sharded."""
     args = argparse.Namespace(
         model=str(model), adapter="gated-lora", adapter_rank=4, adapter_alpha=8.0,
-        adapter_targets=list(ADAPTER_TARGETS), shard_base=shard_base, mode="hard",
+        adapter_targets=list(ADAPTER_TARGETS), adapter_slot_embeddings=False,
+        shard_base=shard_base, mode="hard",
         regions=4, seq_len=SEQ_LEN, micro_batch=len(micro[0][0]), k_max=K, clip=1.0)
     student, _, _, mask_id = finetune_hf.load_student_and_teacher(args, dist, with_teacher=False)
     optimizer = student.configure_optimizer(1e-2, 0.0, (0.9, 0.95))
