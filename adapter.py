@@ -2,9 +2,10 @@
 text exact.
 
 An alternative to tuning every weight: freeze the model, and train only a
-low-rank update to chosen projections plus a <mask> embedding of its own,
-both acting only at the rows whose input token is <mask>. model.py holds
-the hook: the update in `Linear.forward`, the gate in `Transformer.embed`.
+low-rank update to chosen projections plus a <mask> embedding of its own
+(or one per mask slot), both acting only at the rows whose input token is
+<mask>. model.py holds the hooks: `Linear.forward` calls the update
+(`GatedLowRank.forward`), `Transformer.embed` is the gate.
 Ordinary tokens never attend to mask slots, in training and in decoding,
 so at every ordinary position the hidden states, cache entries and logits
 stay exactly the base model's:

@@ -38,7 +38,7 @@ from mtp.analyze import analyze
 from mtp.calibration import calibrate
 from mtp.cli import (Progress, format_seconds, input_path, load_tokenizer, read_checkpoint,
                      run_cli)
-from mtp.distributed import (Dist, average_gradients, check_same_run, latest_checkpoint,
+from mtp.distributed import (ABSENT, Dist, average_gradients, check_same_run, latest_checkpoint,
                              load_shards, replicate_from_rank0, setup_processes, shard_base,
                              shard_from_rank0, training_state_bytes)
 from mtp.finetune_cli import MODEL_CARD_TAGS, run_command
@@ -230,7 +230,7 @@ def load_student_and_teacher(args, dist: Dist, with_teacher: bool = True):
 def adapter_settings(args) -> tuple:
     """add_mask_adapter's rank, alpha, targets and slots (k_max - 1 slot
     embeddings with --adapter-slot-embeddings, else one shared)."""
-    slots = args.k_max - 1 if getattr(args, "adapter_slot_embeddings", False) else 0
+    slots = args.k_max - 1 if args.adapter_slot_embeddings else 0
     return args.adapter_rank, args.adapter_alpha, args.adapter_targets, slots
 
 
@@ -507,7 +507,8 @@ def export_checkpoint(args):
     if not (ckpt / "trainer.pt").is_file():
         raise FileNotFoundError(f"no training checkpoint (trainer.pt) in {args.checkpoint}")
     trainer = read_checkpoint(ckpt / "trainer.pt", "training checkpoint", weights_only=True)
-    saved = argparse.Namespace(**trainer["args"])
+    # a setting newer than the run has the value the run trained with: its default
+    saved = argparse.Namespace(**(ABSENT | trainer["args"]))
     input_path(saved.model, "the base model this checkpoint was tuned from", folder=True)
     student, _, tok, _ = load_student_and_teacher(saved, Dist(), with_teacher=False)
     # Optimizer and scheduler are unused, but load_checkpoint restores them.

@@ -207,6 +207,7 @@ RESUME_MUST_MATCH = ("model", "data", "format", "seq_len", "response_only", "mod
                      "warmup", "decay", "weight_decay", "beta1", "beta2", "seed")
 ADAPTER_SETTINGS = ("adapter_rank", "adapter_alpha", "adapter_targets",
                     "adapter_slot_embeddings")
+# what a run's saved arguments that lack a setting (runs from before it) trained with
 ABSENT = {"adapter": "none", "adapter_slot_embeddings": False}
 
 

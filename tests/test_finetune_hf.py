@@ -428,6 +428,20 @@ def test_gated_adapter_export_writes_the_adapter_again(adapter_run, tmp_path):
     assert same(saved, exported)
 
 
+def test_an_adapter_checkpoint_from_before_slot_embeddings_exports(adapter_run, tmp_path):
+    """A run saved before --adapter-slot-embeddings existed has no such argument: it trained
+    one shared <mask>, and exports as such."""
+    from adapter import ADAPTER_CONFIG
+    run = tmp_path / "old"
+    shutil.copytree(adapter_run[0], run)
+    step = run / "checkpoints" / "step_000004"
+    trainer = torch.load(step / "trainer.pt", weights_only=True)
+    del trainer["args"]["adapter_slot_embeddings"]
+    torch.save(trainer, step / "trainer.pt")
+    export(step, tmp_path / "exp")
+    assert json_file(tmp_path / "exp" / ADAPTER_CONFIG)["mask_slots"] == 0
+
+
 def test_gated_adapter_answers_as_the_untuned_model_word_for_word(adapter_run, tiny_hf,
                                                                    tmp_path):
     """eval reads base + adapter; its greedy answers, and its lossless ones, are the

@@ -62,7 +62,8 @@ def test_the_training_state_is_the_bytes_of_a_student_built_by_finetune_hf(mode,
     tok.save_pretrained(tmp_path)
     adapter = "none" if mode == "full" else "gated-lora"
     args = argparse.Namespace(model=str(tmp_path), adapter=adapter, adapter_rank=RANK,
-                              adapter_alpha=memory.ALPHA, adapter_targets=list(ADAPTER_TARGETS))
+                              adapter_alpha=memory.ALPHA, adapter_targets=list(ADAPTER_TARGETS),
+                              adapter_slot_embeddings=False)
     d = Dist(dtype=memory.COMPUTE)
     student, teacher, _, mask_id = finetune_hf.load_student_and_teacher(args, d)
     optimizer = student.configure_optimizer(lr=1e-3, weight_decay=0.0)
