@@ -11,16 +11,18 @@ queue requests and read back each one's tokens. Three things make it a server:
     the rule for k   how many positions each row computes in the next pass (below).
 
 The load-aware rule. A pass of k positions a row keeps E(k) tokens per row on average
-(measured: how often the j-th prediction is kept, given the one before it was), and costs
-C(k, B) seconds at B live rows. Each pass takes the k that maximises
+(measured: how often the j-th prediction is kept, given the one before it was), and feeds N(k)
+positions in all (each row's pending tokens, drafts and masks), which cost C(N) seconds. Each
+pass takes the k that maximises
 
-    sum over rows of E_row(k)  /  C(k, B)
+    sum over rows of E_row(k)  /  C(N(k))
 
 that is, tokens served per second. k = 1 is greedy (E = 1), so the rule falls back to greedy's
 cost when extra positions do not pay: few rows leave the processor idle and extra positions
 are nearly free; many rows keep it busy and every position costs. C starts from passes timed
-at start-up on an idle server, then follows the passes the server runs: under load (the HTTP
-side, the clients, other rows) costs move, and start-up ratios underprice extra positions.
+at start-up on an idle server, then follows the passes the server runs (PassCosts): under load
+(the HTTP side, the clients, other rows) costs move, and start-up ratios misprice extra
+positions.
 
     python serve.py --model DIR [--port 8000] [--api-key KEY] [--max-rows 16]
 
@@ -40,9 +42,10 @@ import torch
 from adapter import check_slots
 from confadapt import DecodeConfig
 from mtp.cli import chat_stop_ids, check_model_folder, load, prompt_format, run_cli
-from mtp.engine import Row, decode_step, new_cache, prefill, time_passes
+from mtp.engine import Row, decode_step, new_cache, prefill
 from mtp import openai_api
 from mtp.openai_api import parser
+from mtp.pass_costs import PassCosts
 
 GREEDY = DecodeConfig("static", k=1)
 
@@ -81,50 +84,14 @@ class Acceptance:
                 self.tried[j] += 1
                 self.kept[j] += n >= j
 
-    def expected(self, k: int) -> float:
-        e = p = 1.0
-        for j in range(2, k + 1):
-            p *= (self.kept[j] + 1) / (self.tried[j] + 2)
-            e += p
-        return e
-
-
-class PassCosts:
-    """C(k, B): seconds of a pass of k positions a row at B live rows. Timed at start-up for
-    every k at B = 1, 2, 4, ... max_rows (a B in between shares the next larger one's cell),
-    then the passes the server runs take over: a cell's first pass replaces its start-up time,
-    and every later one moves it a fifth of the way to its own. So that a cell the rule has
-    stopped choosing still follows the load, one pass in `every` computes the k next to the
-    rule's choice that was timed longest ago."""
-
-    def __init__(self, model, k_top: int, max_rows: int, every=32):
-        self.sizes = sorted({min(2 ** i, max_rows) for i in range(max_rows.bit_length() + 1)})
-        self.seconds = time_passes(model, range(1, k_top + 1), self.sizes)
-        self.every = every
-        self.passes = 0
-        # the pass count at which each cell was last timed
-        self.timed = {}
-
-    def __call__(self, k: int, B: int) -> float:
-        return self.seconds[k, self.cell(B)]
-
-    def cell(self, B: int) -> int:
-        return min(s for s in self.sizes if s >= B)
-
-    def observe(self, k: int, B: int, seconds: float):
-        """A pass the server ran: k positions a row, B rows, `seconds`."""
-        key = k, self.cell(B)
-        weight = 1 / 5 if key in self.timed else 1
-        self.seconds[key] += (seconds - self.seconds[key]) * weight
-        self.passes += 1
-        self.timed[key] = self.passes
-
-    def explore(self, best: int, B: int, top: int) -> int:
-        """The k to compute in this pass: mostly `best`, the rule's choice."""
-        if self.passes % self.every:
-            return best
-        near = [k for k in (best - 1, best + 1) if 1 <= k <= top] or [best]
-        return min(near, key=lambda k: self.timed.get((k, self.cell(B)), -1))
+    def curve(self, top: int) -> tuple[list[float], list[float]]:
+        """E = [0, E(1), ..., E(top)], and all = [1, 1, P(2 kept), ..., P(all top kept)]."""
+        e = [0.0, 1.0]
+        every = [1.0, 1.0]
+        for j in range(2, top + 1):
+            every.append(every[-1] * (self.kept[j] + 1) / (self.tried[j] + 2))
+            e.append(e[-1] + every[-1])
+        return e, every
 
 
 class Decoder:
@@ -215,47 +182,71 @@ class Decoder:
         return gone
 
     def choose_k(self) -> int:
-        """The load-aware rule: the k of most tokens per second (k = 1: greedy)."""
-        B = len(self.live)
-        fixed = max([r.mode.block for r in self.live if not r.load_aware], default=1)
+        """The load-aware rule: the k of most tokens per second (k = 1: greedy). Each k is
+        priced as if every row had decoded at it for a while: a row that kept n tokens feeds
+        them back in the next pass (lossless: only its own token, the drafts were fed), so
+        today's leftovers of an earlier, larger k do not make a smaller k look dear."""
         top = max(r.mode.block for r in self.live)
-        rates = {}
-        for k in range(1, top + 1):
-            kept = sum(self.expected(r, k) for r in self.live)
-            rates[k] = kept / self.costs(max(k, fixed), B)
-        return self.costs.explore(max(rates, key=rates.get), B, top)
+        kept = [0.0] * (top + 1)
+        fed = [0.0] * (top + 1)
+        curves = {}
+        for r in self.live:
+            key = rule_key(r.mode)
+            if key not in curves:
+                curves[key] = self.curve(r.mode, top)
+            e, every = curves[key]
+            wanted = r.row.budget - len(r.row.tokens)
+            for k in range(1, top + 1):
+                # the predictions the row makes at k: its own block if the rule is off for
+                # it, never more than the tokens it still wants
+                b = min(k if r.load_aware else r.mode.block, wanted)
+                kept[k] += e[b]
+                if r.mode.kind == "lossless":
+                    # its token, drafts when the last ones all held, and b - 1 masks
+                    fed[k] += 1 + (b - 1) * (1 + every[b])
+                else:
+                    # the tokens it kept, and b - 1 masks
+                    fed[k] += e[b] + b - 1
+        rates = {k: kept[k] / self.costs(fed[k]) for k in range(1, top + 1)}
+        return self.costs.explore(max(rates, key=rates.get), top)
 
-    def expected(self, r: Request, k: int) -> float:
-        m = at_most(r.mode, k if r.load_aware else r.mode.block)
-        if m.kind == "static":
-            return m.k
-        return self.acceptance.setdefault(rule_key(m), Acceptance()).expected(m.block)
+    def curve(self, mode: DecodeConfig, top: int):
+        """A rule's E and P(all kept) from 0 to top predictions (static k: all kept)."""
+        if mode.kind == "static":
+            return list(range(top + 1)), [1.0] * (top + 1)
+        return self.acceptance.setdefault(rule_key(mode), Acceptance()).curve(top)
+
+    def limit(self, r: Request, k: int) -> DecodeConfig:
+        """Request r's rule in a pass where the load-aware rule chose k."""
+        wanted = r.row.budget - len(r.row.tokens)
+        return at_most(r.mode, min(k if r.load_aware else r.mode.block, wanted))
 
     @torch.inference_mode()
     def step(self):
         # 1) each row's rule, limited to the k the load-aware rule chose
         k = self.choose_k()
+        tried = {}
         for r in self.live:
-            r.row.mode = at_most(r.mode, k if r.load_aware else r.mode.block)
+            r.row.mode = self.limit(r, k)
             # lossless drafts beyond the limit are dropped (they are only guesses)
             r.row.drafts = r.row.drafts[: r.row.mode.block - 1]
+            # the predictions this pass can keep: lossless, the drafts it verifies and one
+            tried[id(r)] = len(r.row.drafts) + 1 if r.mode.kind == "lossless" else r.row.mode.block
 
         # 2) one ragged pass of every live row
         rows = [r.row for r in self.live]
         start = time.perf_counter()
-        decode_step(self.model, self.cache, rows, GREEDY, mask_id=self.mask_id, pad_id=0,
-                    stop_ids=self.stop_ids)
-        # the pass's cost, at the most positions a row computed
-        widest = max(row.mode.block for row in rows)
-        self.costs.observe(widest, len(rows), time.perf_counter() - start)
+        fed = decode_step(self.model, self.cache, rows, GREEDY, mask_id=self.mask_id,
+                          pad_id=0, stop_ids=self.stop_ids)
+        self.costs.observe(fed, time.perf_counter() - start)
         self.metrics.pass_done(len(rows), sum(row.chunk_sizes[-1] for row in rows))
 
         # 3) every request gets its new tokens; finished rows leave
         for r in self.live:
             m = r.row.mode
             kept = r.row.chunk_sizes[-1]
-            if m.block > 1:
-                self.acceptance.setdefault(rule_key(m), Acceptance()).observe(m.block, kept)
+            if m.kind != "static" and tried[id(r)] > 1:
+                self.acceptance.setdefault(rule_key(m), Acceptance()).observe(tried[id(r)], kept)
             r.ks.append(m.block)
             r.send("tokens", r.row.tokens[-kept:])
             if r.row.done:
@@ -297,7 +288,7 @@ def build(args):
     # the most positions a row may compute: the cost table's range, a request's limit
     k_top = 1 if mask_id is None else max(args.k_max, args.static_k)
     check_slots(model, k_top)
-    costs = PassCosts(model, k_top, args.max_rows)
+    costs = PassCosts.timed(model, k_top, args.max_rows)
     decoder = Decoder(model, mask_id, stop_ids, args.max_rows, args.max_queue, costs,
                       openai_api.Metrics())
     app = openai_api.build_app(decoder, tokenizer, model, fmt, args, defaults, k_top)

@@ -529,28 +529,25 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int,
 # ---- counting the waits for the device --------------------------------------------------------
 
 @torch.inference_mode()
-def time_passes(model, ks, batch_sizes, context=128) -> dict:
+def time_passes(model, shapes, context=128) -> dict:
     """{(k, B): seconds} of one cached pass of k new positions in each of B rows over
-    `context` cached tokens, on an idle machine (serve.py's start-up costs)."""
-    k_top = max(ks)
-    context = min(context, model.config.max_seq_len - k_top - 1)
+    `context` cached tokens, for each (k, B) of `shapes`, on an idle machine (serve.py's
+    start-up costs)."""
     seconds = {}
-    for b in batch_sizes:
-        cache = new_cache(model, b, context + k_top)
-        for k in sorted(ks):
-            times = []
-            # the first pass of a shape is slow: the best of the next two
-            for _ in range(3):
-                # every row holds `context` tokens (zeros: the time is the same)
-                cache.rollback(0)
-                cache.advance(context)
-                start = time.perf_counter()
-                decode_pass(model, cache, [[0] * k] * b, [0] * b, [k] * b, pad_id=0)
-                synchronize(cache.lengths.device)
-                times.append(time.perf_counter() - start)
-            # more positions never cost less (a timing that says so is noise)
-            seconds[k, b] = max([min(times[1:])] + [t for (j, c), t in seconds.items()
-                                                    if c == b and j < k])
+    for k, b in shapes:
+        n = min(context, model.config.max_seq_len - k - 1)
+        cache = new_cache(model, b, n + k)
+        times = []
+        # the first pass of a shape is slow: the best of the next two
+        for _ in range(3):
+            # every row holds n tokens (zeros: the time is the same)
+            cache.rollback(0)
+            cache.advance(n)
+            start = time.perf_counter()
+            decode_pass(model, cache, [[0] * k] * b, [0] * b, [k] * b, pad_id=0)
+            synchronize(cache.lengths.device)
+            times.append(time.perf_counter() - start)
+        seconds[k, b] = min(times[1:])
     return seconds
 
 
