@@ -200,12 +200,16 @@ class Decoder:
                 # the predictions the row makes at k: its own block if the rule is off for
                 # it, never more than the tokens it still wants
                 b = min(k if r.load_aware else r.mode.block, wanted)
-                kept[k] += e[b]
                 if r.mode.kind == "lossless":
-                    # its token, drafts when the last ones all held, and b - 1 masks
-                    fed[k] += 1 + (b - 1) * (1 + every[b])
+                    # A pass has drafts only if the last one's all held, or it had none (its
+                    # masks drafted anew): a share 1 / (2 - P(all held)) of passes. One
+                    # without keeps 1 token; each feeds its token, drafts and b - 1 masks.
+                    drafted = 1 / (2 - every[b])
+                    kept[k] += drafted * e[b] + 1 - drafted
+                    fed[k] += 1 + (b - 1) * (1 + drafted)
                 else:
-                    # the tokens it kept, and b - 1 masks
+                    # what it kept comes back as pending tokens, then b - 1 masks
+                    kept[k] += e[b]
                     fed[k] += e[b] + b - 1
         rates = {k: kept[k] / self.costs(fed[k]) for k in range(1, top + 1)}
         return self.costs.explore(max(rates, key=rates.get), top)

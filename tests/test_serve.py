@@ -28,6 +28,8 @@ import serve  # noqa: E402
 from conftest import tiny_model  # noqa: E402
 from model import add_mask_token  # noqa: E402
 from mtp.hf import save_pretrained  # noqa: E402
+from confadapt import DecodeConfig  # noqa: E402
+from mtp.engine import Row  # noqa: E402
 from mtp.pass_costs import PassCosts  # noqa: E402
 from mtp.openai_api import TextStream  # noqa: E402
 from mtp.tokenizer import whole_token_tokenizer  # noqa: E402
@@ -270,6 +272,45 @@ def test_the_load_aware_rule_computes_fewer_positions_when_they_do_not_pay(folde
         _, u = chat(client(url), mtp_mode="static", static_k=4, max_tokens=12)
         assert u.model_extra["k_mean"] == 4
         assert u.model_extra["forward_passes"] == 3
+
+
+def decoder_with_rows(mode, n_rows, costs, pending=1, tried=(), kept=()):
+    """A Decoder (no model: choose_k only reads its rows, acceptance and costs) with n_rows live
+    rows of `mode`, each holding `pending` tokens to feed; the j-th prediction of the rule tried
+    tried[j - 2] times and kept kept[j - 2] times."""
+    decoder = serve.Decoder(None, 9, set(), n_rows, 4, costs, None)
+    for _ in range(n_rows):
+        r = serve.Request([1, 2], 64, mode, True, print)
+        r.row = Row([1, 2], budget=64, pending=[2] * pending)
+        decoder.live.append(r)
+    acceptance = decoder.acceptance.setdefault(serve.rule_key(mode), serve.Acceptance())
+    for j, (t, n) in enumerate(zip(tried, kept), start=2):
+        acceptance.tried[j], acceptance.kept[j] = t, n
+    return decoder
+
+
+def test_the_rule_prices_lossless_at_the_share_of_passes_that_have_drafts():
+    """32 lossless rows whose second prediction holds 2 times in 3, a pass costing 60 + N:
+    k = 2 keeps 1.67 tokens in a pass with drafts, but only 3 passes in 4 have them (a failed
+    draft leaves the next pass none), so 1.5 a pass, for 2.75 positions a row: 48 / 148 against
+    k = 1's 32 / 92, so k = 1. Pricing every pass as one with drafts (53 / 145) would take k = 2.
+    Where positions are cheaper (a pass costing 300 + N) k = 2 pays: 48 / 388 against 32 / 332."""
+    decoder = decoder_with_rows(DecodeConfig("lossless", k=4), 32, FixedCosts(lambda n: 60 + n),
+                                tried=(300, 200, 100), kept=(200, 60, 30))
+    assert decoder.choose_k() == 1
+    decoder.costs = FixedCosts(lambda n: 300 + n)
+    assert decoder.choose_k() == 2
+
+
+def test_the_rule_prices_each_k_as_if_rows_had_decoded_at_it():
+    """16 ConfAdapt rows that each kept 4 tokens in the last pass (k was 4 then) and keep 1.25
+    a pass at k = 2, a pass costing 20 + N. At k = 1 a row feeds 1 token once its 4 are in:
+    16 / 36 against k = 2's 20 / 56, so k = 1. Priced by today's pending tokens, k = 1 would
+    feed 64 (16 / 84) and lose to k = 2 (20 / 100)."""
+    decoder = decoder_with_rows(DecodeConfig("confadapt", tau=0.9, k_max=4), 16,
+                                FixedCosts(lambda n: 20 + n), pending=4,
+                                tried=(400, 100, 25), kept=(100, 25, 6))
+    assert decoder.choose_k() == 1
 
 
 def test_the_rule_follows_the_costs_of_the_passes_it_runs(folders, monkeypatch):
