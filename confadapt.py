@@ -10,7 +10,9 @@ of them to keep is the decoding rule:
                       at least tau, never fewer than one (the paper's main rule).
     lossless          mask predictions are only drafts, checked by the model's
                       own next-token predictions in the next pass: exactly plain
-                      greedy output, in fewer passes.
+                      greedy output, in fewer passes. With lookup, a pass the
+                      masks left without drafts (the last ones failed) copies
+                      them from earlier in the text instead (prompt lookup).
 
 The file reads in order: the rules and `generate_uncached`, their definition for
 one prompt without a cache; then `generate`, the same output for a batch of
@@ -22,7 +24,7 @@ costs more than one reading 1 (benchmarks/bench_modes.py measures both).
 
 Run:
     python confadapt.py --model DIR --prompt "1 2 3" \\
-        [--tau 0.9 --k-max 16 | --static-k 4 | --lossless]
+        [--tau 0.9 --k-max 16 | --static-k 4 | --lossless [--lookup]]
 
 References: MTP via Self-Distillation (arXiv 2602.06019);
 lossless: blockwise parallel decoding (arXiv 1811.03115).
@@ -56,6 +58,8 @@ class DecodeConfig:
     tau: float = 0.9
     # confadapt: most tokens per pass
     k_max: int = 16
+    # lossless: drafts from earlier in the text where the masks offer none
+    lookup: bool = False
 
     @property
     def block(self) -> int:
@@ -78,7 +82,7 @@ class DecodeConfig:
             return "greedy"
         return {
             "static": f"static k={self.k}",
-            "lossless": f"lossless k={self.k}",
+            "lossless": f"lossless k={self.k}" + (" + lookup" if self.lookup else ""),
             "confadapt": f"confadapt tau={self.tau:g} k_max={self.k_max}"
         }[self.kind]
 
@@ -160,12 +164,28 @@ def top1(logits, mask_id=None, confidences=True, temperatures=None) -> tuple[lis
     return preds.tolist(), confs.tolist() if confidences else None
 
 
-def drafts_and_masks(mode, drafts, wanted, mask_id):
+def drafts_and_masks(mode, drafts, wanted, mask_id, text=()):
     """What a pass feeds after the last real token, for at most `wanted`
-    predictions -> (the drafts it keeps, those drafts followed by masks)."""
+    predictions -> (the drafts it keeps, those drafts followed by masks). text:
+    the prompt and the tokens so far, where lookup copies drafts from."""
+    if mode.lookup and not drafts:
+        drafts = lookup_drafts(text, mode.block - 1)
     drafts = drafts[: wanted - 1]
     n_masks = min(mode.block - 1, wanted - 1 - len(drafts))
     return drafts, drafts + [mask_id] * n_masks
+
+
+def lookup_drafts(text, n: int, longest: int = 2) -> list[int]:
+    """Prompt lookup: the n tokens that followed the latest earlier place where the
+    text's last `longest` tokens (else fewer) appeared. Word problems repeat their
+    numbers and names; a draft costs a position, never a wrong token."""
+    text = list(text)
+    for size in range(min(longest, len(text) - 1), 0, -1):
+        tail = text[-size:]
+        for start in range(len(text) - size - 1, -1, -1):
+            if text[start:start + size] == tail:
+                return text[start + size:start + size + n]
+    return []
 
 
 @torch.no_grad()
@@ -182,7 +202,7 @@ def generate_uncached(model, prompt: list[int], max_new_tokens: int, mode: Decod
     # one for each place a pass reads (lossless: drafts, then masks)
     temperatures = slot_temperatures(model, 2 * mode.block)
     while len(out) < budget and not (out and out[-1] in stop_ids):
-        drafts, tail = drafts_and_masks(mode, drafts, budget - len(out), mask_id)
+        drafts, tail = drafts_and_masks(mode, drafts, budget - len(out), mask_id, prompt + out)
         x = torch.tensor([prompt + out + tail], device=next(model.parameters()).device)
 
         # the predictions: at the last real token, then at each draft and mask
@@ -248,7 +268,8 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, mode: DecodeC
                 inputs.append([])
                 continue
             wanted = budgets[b] - len(outs[b])
-            drafts[b], tail = drafts_and_masks(mode, drafts[b], wanted, mask_id)
+            drafts[b], tail = drafts_and_masks(mode, drafts[b], wanted, mask_id,
+                                               prompts[b] + outs[b])
             inputs.append(pending[b] + tail)
         logits = feed(model, cache, inputs)                       # (B, T, V)
 
@@ -294,6 +315,9 @@ def parser() -> Parser:
                      help="verify mask drafts: output == plain greedy")
     one.add_argument("--greedy", action="store_true",
                      help="plain greedy, one token per pass")
+    d.add_argument("--lookup", action="store_true",
+                   help="lossless: where the masks offer no drafts, copy them from "
+                   "earlier in the text (prompt lookup)")
 
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -315,10 +339,12 @@ def decode_config(args) -> DecodeConfig:
                        "(not with --static-k, --lossless or --greedy)")
     if kind == "static" and args.k_max is not None:
         raise CliError("--k-max applies to ConfAdapt and --lossless only")
+    if args.lookup and kind != "lossless":
+        raise CliError("--lookup applies to --lossless only")
     # both are positive when given: `or` only fills in the defaults
     k_max = args.k_max or 16
     k = 1 if args.greedy else args.static_k or k_max
-    return DecodeConfig(kind, k=k, tau=args.tau or 0.9, k_max=k_max)
+    return DecodeConfig(kind, k=k, tau=args.tau or 0.9, k_max=k_max, lookup=args.lookup)
 
 
 def summary(s, gen) -> str:

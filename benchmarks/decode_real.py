@@ -13,6 +13,7 @@ these decoders take turns (bench_modes.bench):
                                 user without a draft model picks today (batch 1 only: transformers'
                                 assisted generation takes one row)
     static k, ConfAdapt, lossless   ours, reading the tuned model's <mask> predictions
+    lossless + lookup           ours, lossless with prompt lookup's drafts where the masks offer none
 
 at batch sizes 1, 4 and 16 (transformers pads a static batch until its longest row ends; ours
 gives a finished row's place to the next prompt). Then the forward-pass latency curve: one cached
@@ -54,7 +55,7 @@ from model import add_mask_token  # noqa: E402
 from mtp.hf import save_pretrained, write_text  # noqa: E402
 
 HF_GREEDY, HF_LOOKUP = "transformers greedy", "transformers prompt lookup"
-MODE_CHOICES = ("greedy", "hf-greedy", "hf-lookup", "static", "confadapt", "lossless")
+MODE_CHOICES = ("greedy", "hf-greedy", "hf-lookup", "static", "confadapt", "lossless", "lossless-lookup")
 
 # ----------------------------------------------------------------------------------------------
 # Prompts: four chat domains, each asking for an answer of a few paragraphs, or word problems
@@ -217,6 +218,8 @@ def run(args) -> dict:
         modes += [m for k in args.k_max for m in decode_modes(taus=args.taus, k_max=k)]
     if "lossless" in args.modes:
         modes += decode_modes(lossless_k=args.lossless_k or max(args.k_max))
+    if "lossless-lookup" in args.modes:                # drafts from the text where masks offer none
+        modes.append(DecodeConfig("lossless", k=args.lossless_k or max(args.k_max), lookup=True))
     dtype = parse_dtype(args.dtype, device)
     ours, tok, hf = load(args, device, dtype, need_mask=any(m.block > 1 for m in modes))
     fmt = args.format if args.format != "auto" else default_format(tok, ours.config.model_type)

@@ -410,7 +410,8 @@ def decode_step(model, cache, batch, mode, mask_id, pad_id, stop_ids):
     n_preds = []
     for r in batch:
         wanted = r.budget - len(r.tokens)
-        r.drafts, tail = drafts_and_masks(r.mode or mode, r.drafts, wanted, mask_id)
+        r.drafts, tail = drafts_and_masks(r.mode or mode, r.drafts, wanted, mask_id,
+                                          r.prompt + r.tokens)
         inputs.append(r.pending + tail)
         n_preds.append(len(tail) + 1)
     # each row's first prediction is at its last pending token

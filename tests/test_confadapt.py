@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import confadapt
-from confadapt import DecodeConfig, accept_confadapt, generate_uncached, verify_drafts
+from confadapt import DecodeConfig, accept_confadapt, generate_uncached, lookup_drafts, verify_drafts
 from conftest import ONE_LAYER, tiny_model
 from model import ModelConfig, Transformer, add_mask_token
 from mtp.engine import decode_pass, generate, new_cache, prefill
@@ -50,6 +50,7 @@ EVERY_MODE = [
     DecodeConfig("confadapt", tau=0.9, k_max=8),
     DecodeConfig("confadapt", tau=0.99, k_max=16),
     *[DecodeConfig("lossless", k=k) for k in (2, 4, 8)],
+    DecodeConfig("lossless", k=4, lookup=True),
 ]
 
 # One mode of each kind.
@@ -328,6 +329,29 @@ def test_lossless_is_greedy_on_random_models(random_model, seed, k, device):
         _, chunks = uncached(random_model, p, 20, mode)
         assert gen.tokens == greedy
         assert stats.forward_passes == len(chunks)
+
+
+def test_lookup_copies_what_followed_the_texts_last_tokens_earlier():
+    # the last two tokens (5, 6) appeared at 0: what followed them
+    assert lookup_drafts([5, 6, 7, 8, 5, 6], 3) == [7, 8, 5]
+    # the latest place wins; the continuation may be shorter than asked
+    assert lookup_drafts([1, 2, 9, 1, 2, 3, 1, 2], 4) == [3, 1, 2]
+    # no earlier (2, 6): the last token alone
+    assert lookup_drafts([6, 0, 2, 6], 2) == [0, 2]
+    assert lookup_drafts([1, 2, 3], 2) == []
+    assert lookup_drafts([4], 2) == []
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_lossless_with_lookup_is_greedy_and_uses_its_drafts(random_model, k):
+    """A random model's greedy text soon repeats itself: copied drafts hold there, so lookup
+    takes fewer passes than lossless without it, and prints greedy's tokens."""
+    prompts = [[1, 2, 3, 1, 2], [7], [4, 4, 9, 0, 4, 4]]
+    greedy, _ = generate(random_model, prompts, 40, GREEDY)
+    plain, plain_stats = generate(random_model, prompts, 40, DecodeConfig("lossless", k=k))
+    gens, stats = generate(random_model, prompts, 40, DecodeConfig("lossless", k=k, lookup=True))
+    assert [g.tokens for g in gens] == [g.tokens for g in greedy]
+    assert stats.forward_passes < plain_stats.forward_passes
 
 
 @pytest.fixture(scope="module")
@@ -624,6 +648,7 @@ def cli(*args):
     (["--k-max", "0"], "--k-max: must be at least 1"),
     (["--static-k", "2", "--lossless"], "not allowed with"),
     (["--static-k", "2", "--tau", "0.5"], "ConfAdapt only"),
+    (["--lookup"], "--lossless only"),
 ])
 def test_cli_bad_arguments(capsys, argv, message):
     status = cli("x", "--model", "/nonexistent", *argv)
@@ -665,8 +690,9 @@ def model_dirs(tmp_path_factory):
     ([], DecodeConfig("confadapt", tau=0.9, k_max=16)),
     (["--static-k", "3"], DecodeConfig("static", k=3)),
     (["--lossless", "--k-max", "4"], DecodeConfig("lossless", k=4)),
+    (["--lossless", "--k-max", "4", "--lookup"], DecodeConfig("lossless", k=4, lookup=True)),
     (["--greedy"], GREEDY),
-], ids=["confadapt", "static", "lossless", "greedy"])
+], ids=["confadapt", "static", "lossless", "lookup", "greedy"])
 def test_cli_json_matches_generate(model_dirs, capsys, flags, mode):
     path = model_dirs["mtp"]
     args = ["--max-new-tokens", "9", "--json", *flags]
