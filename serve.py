@@ -10,19 +10,16 @@ queue requests and read back each one's tokens. Three things make it a server:
     one row's fault  ends that request only; the others and the server go on.
     the rule for k   how many positions each row computes in the next pass (below).
 
-The load-aware rule. A pass of k positions a row keeps E(k) tokens per row on average
-(measured: how often the j-th prediction is kept, given the one before it was), and feeds N(k)
-positions in all (each row's pending tokens, drafts and masks), which cost C(N) seconds. Each
-pass takes the k that maximises
+The load-aware rule. Each pass takes the k (positions a row) that serves most tokens a second:
 
-    sum over rows of E_row(k)  /  C(N(k))
+    sum over rows of E_row(k)  /  C(N(k), B)
 
-that is, tokens served per second. k = 1 is greedy (E = 1), so the rule falls back to greedy's
-cost when extra positions do not pay: few rows leave the processor idle and extra positions
-are nearly free; many rows keep it busy and every position costs. C starts from passes timed
-at start-up on an idle server, then follows the passes the server runs (PassCosts): under load
-(the HTTP side, the clients, other rows) costs move, and start-up ratios misprice extra
-positions.
+E_row(k): the tokens a row keeps from a pass at k (measured: how often the j-th prediction is
+kept when the one before it was); N(k): the positions the pass feeds to its B rows (pending
+tokens, drafts and masks); C(N, B): their cost in seconds (measured, mtp/load_rule.py). Both
+are taken as if the rows had decoded at k for a while. k = 1 is greedy (E = 1), so the rule
+falls back to greedy's cost when extra positions do not pay: few rows leave the processor idle
+and extra positions are nearly free; many rows keep it busy and every position costs.
 
     python serve.py --model DIR [--port 8000] [--api-key KEY] [--max-rows 16]
 
@@ -34,7 +31,6 @@ import queue
 import sys
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -45,7 +41,7 @@ from mtp.cli import chat_stop_ids, check_model_folder, load, prompt_format, run_
 from mtp.engine import Row, decode_step, new_cache, prefill
 from mtp import openai_api
 from mtp.openai_api import parser
-from mtp.pass_costs import PassCosts
+from mtp.load_rule import Acceptance, PassCosts
 
 GREEDY = DecodeConfig("static", k=1)
 
@@ -67,31 +63,6 @@ class Request:
     row: Row | None = None
     # positions computed per row in each of its passes
     ks: list[int] = field(default_factory=list)
-
-
-class Acceptance:
-    """E(k) for one rule: the tokens a row keeps from a pass of k positions. From every pass:
-    how often the j-th prediction is kept when the (j-1)-th was (starting from 1 in 2)."""
-
-    def __init__(self):
-        self.tried = Counter()
-        self.kept = Counter()
-
-    def observe(self, k: int, n: int):
-        # the j-th of k predictions was tried if the first j-1 were kept
-        for j in range(2, k + 1):
-            if n >= j - 1:
-                self.tried[j] += 1
-                self.kept[j] += n >= j
-
-    def curve(self, top: int) -> tuple[list[float], list[float]]:
-        """E = [0, E(1), ..., E(top)], and all = [1, 1, P(2 kept), ..., P(all top kept)]."""
-        e = [0.0, 1.0]
-        every = [1.0, 1.0]
-        for j in range(2, top + 1):
-            every.append(every[-1] * (self.kept[j] + 1) / (self.tried[j] + 2))
-            e.append(e[-1] + every[-1])
-        return e, every
 
 
 class Decoder:
@@ -211,7 +182,8 @@ class Decoder:
                     # what it kept comes back as pending tokens, then b - 1 masks
                     kept[k] += e[b]
                     fed[k] += e[b] + b - 1
-        rates = {k: kept[k] / self.costs(fed[k]) for k in range(1, top + 1)}
+        B = len(self.live)
+        rates = {k: kept[k] / self.costs(fed[k], B) for k in range(1, top + 1)}
         return self.costs.explore(max(rates, key=rates.get), top)
 
     def curve(self, mode: DecodeConfig, top: int):
@@ -242,7 +214,7 @@ class Decoder:
         start = time.perf_counter()
         fed = decode_step(self.model, self.cache, rows, GREEDY, mask_id=self.mask_id,
                           pad_id=0, stop_ids=self.stop_ids)
-        self.costs.observe(fed, time.perf_counter() - start)
+        self.costs.observe(fed, len(rows), time.perf_counter() - start)
         self.metrics.pass_done(len(rows), sum(row.chunk_sizes[-1] for row in rows))
 
         # 3) every request gets its new tokens; finished rows leave

@@ -30,7 +30,7 @@ from model import add_mask_token  # noqa: E402
 from mtp.hf import save_pretrained  # noqa: E402
 from confadapt import DecodeConfig  # noqa: E402
 from mtp.engine import Row  # noqa: E402
-from mtp.pass_costs import PassCosts  # noqa: E402
+from mtp.load_rule import Acceptance, PassCosts  # noqa: E402
 from mtp.openai_api import TextStream  # noqa: E402
 from mtp.tokenizer import whole_token_tokenizer  # noqa: E402
 
@@ -248,10 +248,10 @@ class FixedCosts:
     def __init__(self, cost):
         self.cost = cost
 
-    def __call__(self, n):
+    def __call__(self, n, B):
         return self.cost(n)
 
-    def observe(self, n, seconds):
+    def observe(self, n, B, seconds):
         pass
 
     def explore(self, best, top):
@@ -283,7 +283,7 @@ def decoder_with_rows(mode, n_rows, costs, pending=1, tried=(), kept=()):
         r = serve.Request([1, 2], 64, mode, True, print)
         r.row = Row([1, 2], budget=64, pending=[2] * pending)
         decoder.live.append(r)
-    acceptance = decoder.acceptance.setdefault(serve.rule_key(mode), serve.Acceptance())
+    acceptance = decoder.acceptance.setdefault(serve.rule_key(mode), Acceptance())
     for j, (t, n) in enumerate(zip(tried, kept), start=2):
         acceptance.tried[j], acceptance.kept[j] = t, n
     return decoder
@@ -330,7 +330,7 @@ def test_the_rule_follows_the_costs_of_the_passes_it_runs(folders, monkeypatch):
     argv = ["--model", folders["mtp"], "--device", "cpu", "--dtype", "float32",
             "--served-model-name", "tiny", "--max-rows", "4", "--k-max", "4"]
     with running_server(argv) as (url, decoder):
-        costs = PassCosts({n: 1e-3 for n in (1, 2, 4, 8)})
+        costs = PassCosts({1: {n: 1e-3 for n in (1, 2, 4, 8)}})
         decoder.costs = FixedCosts(lambda n: 1e-3)
         _, u = chat(client(url), mtp_mode="static", static_k=4, max_tokens=24)
         assert u.model_extra["k_mean"] == 4
@@ -340,44 +340,47 @@ def test_the_rule_follows_the_costs_of_the_passes_it_runs(folders, monkeypatch):
         assert first.model_extra["k_max_used"] == 4
         assert later.model_extra["k_mean"] < 1.5
         # the pass it ran most, as the clock says
-        assert costs(1) == pytest.approx(0.01, rel=0.05)
+        assert costs(1, 1) == pytest.approx(0.01, rel=0.05)
 
 
 def test_a_busy_spell_raises_every_cost_not_only_those_of_the_passes_it_ran():
     """Passes of 4 positions cost twice those of 1; then the machine gets twice as busy while
     only 1-position passes run. The cost of 4 positions follows (about 2 x 1.0 s, not the 1.0 s
     last seen), so the rule does not take it for as cheap as 1 position now is."""
-    costs = PassCosts({1: 0.5, 2: 0.75, 4: 1.0, 8: 2.0})
+    costs = PassCosts({1: {1: 0.5, 2: 0.75, 4: 1.0, 8: 2.0}})
     for _ in range(20):
-        costs.observe(1, 0.5)
-        costs.observe(4, 1.0)
-    assert costs(4) / costs(1) == pytest.approx(2.0, rel=0.05)
+        costs.observe(1, 1, 0.5)
+        costs.observe(4, 1, 1.0)
+    assert costs(4, 1) / costs(1, 1) == pytest.approx(2.0, rel=0.05)
     for _ in range(20):
-        costs.observe(1, 1.0)
-    assert costs(1) == pytest.approx(1.0, rel=0.05)
+        costs.observe(1, 1, 1.0)
+    assert costs(1, 1) == pytest.approx(1.0, rel=0.05)
     # a table of last-seen times would say 1.0 s and a ratio of 1
-    assert costs(4) > 1.6 and costs(4) / costs(1) > 1.6
+    assert costs(4, 1) > 1.6 and costs(4, 1) / costs(1, 1) > 1.6
 
 
-def test_the_shape_learns_between_and_beyond_its_points():
+def test_the_shape_learns_between_and_beyond_its_points_for_each_number_of_rows():
     """Passes of 3 positions that cost what start-up said of 4 pull the points around 3 up;
-    passes beyond the last point extrapolate from the last two."""
-    costs = PassCosts({1: 1.0, 2: 1.0, 4: 2.0})
-    assert costs(3) == pytest.approx(1.5)
-    assert costs(6) == pytest.approx(3.0)
+    passes beyond the last point extrapolate from the last two. The curve of 4 rows (and of 3,
+    which shares it) does not move with those of 1 row."""
+    costs = PassCosts({1: {1: 1.0, 2: 1.0, 4: 2.0}, 4: {4: 1.0, 8: 1.5, 16: 2.0}})
+    assert costs(3, 1) == pytest.approx(1.5)
+    assert costs(6, 1) == pytest.approx(3.0)
+    assert costs(6, 3) == pytest.approx(1.25)
     for _ in range(50):
-        costs.observe(1, 1.0)
-        costs.observe(3, 2.0)
-    assert costs(3) / costs(1) == pytest.approx(2.0, rel=0.05)
+        costs.observe(1, 1, 1.0)
+        costs.observe(3, 1, 2.0)
+    assert costs(3, 1) / costs(1, 1) == pytest.approx(2.0, rel=0.05)
+    assert costs(6, 3) / costs(4, 4) == pytest.approx(1.25)
 
 
 def test_one_pass_in_every_tries_a_neighbour_of_the_rules_choice():
-    costs = PassCosts({1: 0.01, 2: 0.02, 4: 0.04})
+    costs = PassCosts({1: {1: 0.01, 2: 0.02, 4: 0.04}})
     picks = []
     for _ in range(4 * costs.every):
         k = costs.explore(2, top=4)
         picks.append(k)
-        costs.observe(k, 0.01)
+        costs.observe(k, 1, 0.01)
     # k = 3 and k = 1 in turn, once in every `every` passes; never further than one away
     assert picks.count(3) == 2 and picks.count(1) == 2
     assert set(picks) == {1, 2, 3}

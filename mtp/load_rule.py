@@ -1,0 +1,136 @@
+"""What serve.py's load-aware rule measures as the server runs: the tokens a pass keeps
+(Acceptance) and what a pass costs (PassCosts).
+
+A pass's cost is modelled as load x shape_B(N), N the positions it feeds to B rows. The shape says how
+passes compare; the load, how busy the machine is now. Splitting the two keeps a point timed in
+a quiet spell from looking cheap in a busy one: with one last-seen time per point, the rule would
+take extra positions that no longer pay.
+"""
+
+from collections import Counter
+
+from mtp.engine import time_passes
+
+
+class Acceptance:
+    """E(k) for one rule: the tokens a row keeps from a pass of k positions. From every pass:
+    how often the j-th prediction is kept when the (j-1)-th was (starting from 1 in 2)."""
+
+    def __init__(self):
+        self.tried = Counter()
+        self.kept = Counter()
+
+    def observe(self, k: int, n: int):
+        # the j-th of k predictions was tried if the first j-1 were kept
+        for j in range(2, k + 1):
+            if n >= j - 1:
+                self.tried[j] += 1
+                self.kept[j] += n >= j
+
+    def curve(self, top: int) -> tuple[list[float], list[float]]:
+        """E = [0, E(1), ..., E(top)], and all = [1, 1, P(2 kept), ..., P(all top kept)]."""
+        e = [0.0, 1.0]
+        every = [1.0, 1.0]
+        for j in range(2, top + 1):
+            every.append(every[-1] * (self.kept[j] + 1) / (self.tried[j] + 2))
+            e.append(e[-1] + every[-1])
+        return e, every
+
+
+class PassCosts:
+    """C(N, B): seconds of a pass that feeds N positions in all (every row's pending tokens, drafts
+    and masks) to B rows, as the product of two things learnt from the passes the server runs:
+
+        shape_B(N)  what a pass costs relative to others: for each B = 1, 2, 4, ... max_rows (a B
+                    in between takes the next larger one's), piecewise linear in N between points
+                    at N = B, 2B, 4B, ..., first timed at start-up on an idle server;
+        load        how much slower than its shape every pass runs now (the HTTP side, the
+                    clients, whatever else shares the machine).
+
+    The rule compares k's at one moment, so load cancels from its choice: a busy spell moves
+    load, not the shapes, and a point timed in a quiet spell does not look cheap later. N and B
+    both count: the projections and the MLP run on the N positions packed, but each row's
+    attention reads its own cache. To keep the shape near the rule's choice current, one pass
+    in `every` computes a k next to it."""
+
+    def __init__(self, points: dict, every=10):
+        # {B: {N: [shape, weight of the passes seen there lately]}}
+        self.curves = {b: {n: [s, 0.5] for n, s in sorted(ps.items())}
+                       for b, ps in sorted(points.items())}
+        self.load = 1.0
+        self.every = every
+        self.passes = 0
+        # whether the next pass is one explore() chose
+        self.exploring = False
+
+    @classmethod
+    def timed(cls, model, k_top: int, max_rows: int) -> "PassCosts":
+        """Start-up timings: B rows of k = 1, 2, 4, ... positions, up to what a row may feed (a
+        full block of pending tokens and k_top - 1 masks)."""
+        sizes = sorted({min(2 ** i, max_rows) for i in range(max_rows.bit_length() + 1)})
+        ks = [2 ** i for i in range((2 * k_top - 2).bit_length() + 1)]
+        points = {}
+        for (k, b), s in time_passes(model, [(k, b) for b in sizes for k in ks]).items():
+            points.setdefault(b, {})[k * b] = s
+        return cls(points)
+
+    def __call__(self, n: float, B: int) -> float:
+        return self.load * shape(self.curve(B), n)
+
+    def curve(self, B: int) -> dict:
+        return self.curves[min((b for b in self.curves if b >= B), default=max(self.curves))]
+
+    def observe(self, n: float, B: int, seconds: float):
+        """A pass the server ran: N positions over B rows in `seconds`."""
+        points = self.curve(B)
+        if len(points) > 1:
+            # The two points around N move toward this pass at the current load, each by its
+            # share over its weight: the passes seen there lately (each weighs 2% less with
+            # every pass the server runs). A point the rule runs all the time moves by a
+            # fiftieth, so a busy spell goes to the load; one it runs now and then, by most of
+            # the way.
+            lo, hi, w = bracket(points, n)
+            error = seconds / self.load - shape(points, n)
+            for curve in self.curves.values():
+                for point in curve.values():
+                    point[1] *= 0.98
+            for m, share in ((lo, 1 - min(w, 1)), (hi, min(w, 1))):
+                point = points[m]
+                point[1] += share
+                point[0] = max(1e-6, point[0] + error * share / point[1])
+        if not self.exploring:
+            # the passes of the rule's own choice set the load; an explored one, timed against
+            # them, teaches only the shape
+            self.load += (seconds / shape(points, n) - self.load) / 2
+        self.exploring = False
+        self.passes += 1
+
+    def explore(self, best: int, top: int) -> int:
+        """The k to compute in this pass: mostly `best`, the rule's choice; one pass in
+        `every` the k above it, the next such pass the k below (where they exist)."""
+        if (self.passes + 1) % self.every:
+            return best
+        up = self.passes // self.every % 2 == 0
+        near = [k for k in ((best + 1, best - 1) if up else (best - 1, best + 1))
+                if 1 <= k <= top]
+        self.exploring = bool(near)
+        return near[0] if near else best
+
+
+def bracket(points: dict, n: float):
+    """The two points around n and the share of the upper one (beyond the last: the last two,
+    extrapolated; below the first: the first two)."""
+    ns = list(points)
+    hi = next((m for m in ns[1:] if m >= n), ns[-1])
+    lo = ns[ns.index(hi) - 1]
+    return lo, hi, (n - lo) / (hi - lo)
+
+
+def shape(points: dict, n: float) -> float:
+    """A curve's shape at n, linear between its points."""
+    if len(points) == 1:
+        return next(iter(points.values()))[0]
+    lo, hi, w = bracket(points, n)
+    s_lo, s_hi = points[lo][0], points[hi][0]
+    # more positions never cost less (a timing that says so is noise)
+    return max(s_lo, s_lo + w * (s_hi - s_lo))
