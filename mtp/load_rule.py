@@ -118,12 +118,12 @@ class PassCosts:
 
 
 def bracket(points: dict, n: float):
-    """The two points around n and the share of the upper one (beyond the last: the last two,
-    extrapolated; below the first: the first two)."""
+    """The two points around n and the share of the upper one: beyond the last, the last two
+    and a share above 1 (extrapolated); below the first, the first two and a share of 0."""
     ns = list(points)
     hi = next((m for m in ns[1:] if m >= n), ns[-1])
     lo = ns[ns.index(hi) - 1]
-    return lo, hi, (n - lo) / (hi - lo)
+    return lo, hi, max(0.0, (n - lo) / (hi - lo))
 
 
 def shape(points: dict, n: float) -> float:

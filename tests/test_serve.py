@@ -372,6 +372,13 @@ def test_the_shape_learns_between_and_beyond_its_points_for_each_number_of_rows(
         costs.observe(3, 1, 2.0)
     assert costs(3, 1) / costs(1, 1) == pytest.approx(2.0, rel=0.05)
     assert costs(6, 3) / costs(4, 4) == pytest.approx(1.25)
+    # 3 rows of one position each: below the curve's first point, which takes it whole
+    before = {n: p[0] for n, p in costs.curves[4].items()}
+    for _ in range(50):
+        costs.observe(3, 3, 0.9 * costs(4, 4))
+        costs.observe(4, 4, costs(4, 4))
+    assert costs(3, 3) == costs(4, 4)
+    assert costs.curves[4][8][0] == before[8]
 
 
 def test_one_pass_in_every_tries_a_neighbour_of_the_rules_choice():
