@@ -1,10 +1,10 @@
 """What serve.py's load-aware rule measures as the server runs: the tokens a pass keeps
 (Acceptance) and what a pass costs (PassCosts).
 
-A pass's cost is modelled as load x shape_B(N), N the positions it feeds to B rows. The shape says how
-passes compare; the load, how busy the machine is now. Splitting the two keeps a point timed in
-a quiet spell from looking cheap in a busy one: with one last-seen time per point, the rule would
-take extra positions that no longer pay.
+A pass's cost is modelled as load x shape_B(N), N the positions it feeds to B rows. The shape
+says how passes compare; the load, how busy the machine is now. Splitting the two keeps a point
+timed in a quiet spell from looking cheap in a busy one: with one last-seen time per point, the
+rule would take extra positions that no longer pay.
 """
 
 from collections import Counter
@@ -28,7 +28,7 @@ class Acceptance:
                 self.kept[j] += n >= j
 
     def curve(self, top: int) -> tuple[list[float], list[float]]:
-        """E = [0, E(1), ..., E(top)], and all = [1, 1, P(2 kept), ..., P(all top kept)]."""
+        """E = [0, E(1), ..., E(top)] and every = [1, 1, P(first 2 kept), ..., P(all top kept)]."""
         e = [0.0, 1.0]
         every = [1.0, 1.0]
         for j in range(2, top + 1):

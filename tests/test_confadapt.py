@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 import confadapt
-from confadapt import DecodeConfig, accept_confadapt, generate_uncached, lookup_drafts, verify_drafts
+from confadapt import (DecodeConfig, accept_confadapt, generate_uncached, lookup_drafts,
+                       verify_drafts)
 from conftest import ONE_LAYER, tiny_model
 from model import ModelConfig, Transformer, add_mask_token
 from mtp.engine import decode_pass, generate, new_cache, prefill
