@@ -150,11 +150,12 @@ def test_benchmark_runs_end_to_end(runs):
     assert {m for b, m in rows if b == 1} == {"greedy", "static k=4", "confadapt tau=0.9 k_max=4",
                                                "confadapt tau=0.7 k_max=4", "confadapt tau=0.9 k_max=2",
                                                "confadapt tau=0.7 k_max=2", "lossless k=4",
-                                               "transformers greedy", lookup}
+                                               "lossless k=4 + lookup", "transformers greedy", lookup}
     assert max(map(int, rows[1, "confadapt tau=0.7 k_max=2"]["accept_hist"])) <= 2     # tokens per pass
     assert (4, lookup) not in rows and (4, "transformers greedy") in rows        # prompt lookup: batch 1 only
     for bs in (1, 4):
         assert rows[bs, "lossless k=4"]["equals_greedy"] and rows[bs, "transformers greedy"]["equals_greedy"]
+        assert rows[bs, "lossless k=4 + lookup"]["equals_greedy"]
         assert rows[bs, "greedy"]["speedup"] == 1.0
         assert rows[bs, "transformers greedy"]["speedup_vs_transformers"] == 1.0
         assert rows[bs, "static k=4"]["effective_k"] == 4.0
