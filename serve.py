@@ -166,11 +166,8 @@ class Decoder:
             if key not in curves:
                 curves[key] = self.curve(r.mode, top)
             e, every = curves[key]
-            wanted = r.row.budget - len(r.row.tokens)
             for k in range(1, top + 1):
-                # the predictions the row makes at k: its own block if the rule is off for
-                # it, never more than the tokens it still wants
-                b = min(k if r.load_aware else r.mode.block, wanted)
+                b = self.predictions(r, k)
                 if r.mode.kind == "lossless":
                     # A pass has drafts only if the last one's all held, or it had none (its
                     # masks drafted anew): a share 1 / (2 - P(all held)) of passes. One
@@ -192,10 +189,11 @@ class Decoder:
             return list(range(top + 1)), [1.0] * (top + 1)
         return self.acceptance.setdefault(rule_key(mode), Acceptance()).curve(top)
 
-    def limit(self, r: Request, k: int) -> DecodeConfig:
-        """Request r's rule in a pass where the load-aware rule chose k."""
+    def predictions(self, r: Request, k: int) -> int:
+        """The predictions row r makes in a pass where the rule chose k: its own block if the
+        rule is off for it, never more than the tokens it still wants."""
         wanted = r.row.budget - len(r.row.tokens)
-        return at_most(r.mode, min(k if r.load_aware else r.mode.block, wanted))
+        return min(k if r.load_aware else r.mode.block, wanted)
 
     @torch.inference_mode()
     def step(self):
@@ -203,7 +201,7 @@ class Decoder:
         k = self.choose_k()
         tried = {}
         for r in self.live:
-            r.row.mode = self.limit(r, k)
+            r.row.mode = at_most(r.mode, self.predictions(r, k))
             # lossless drafts beyond the limit are dropped (they are only guesses)
             r.row.drafts = r.row.drafts[: r.row.mode.block - 1]
             # the predictions this pass can keep: lossless, the drafts it verifies and one
