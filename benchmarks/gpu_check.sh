@@ -9,10 +9,11 @@
 # recorded as skipped, with the reason. The budget (GPU_CHECK_BUDGET seconds) is 300 by default,
 # 1800 for --dry-run, where every section must run on a slower CPU. The sections that decide most
 # (host syncs, bfloat16, attention kernels) run first. Nothing is downloaded (HF_HUB_OFFLINE,
-# TRANSFORMERS_OFFLINE). OUT_DIR (new or empty) receives three files:
+# TRANSFORMERS_OFFLINE). OUT_DIR (new or empty) receives four files:
 #   gpu_check.json  each section: ran / skipped (why) / failed (one line), its seconds and figures
 #   gpu_check.log   every command and everything it printed
 #   latency.png     the forward latency curves (the `latency` section)
+#   serve_load.png  serve.py's output tokens/s against concurrent streams (the `serve_load` section)
 # Scratch (models, checkpoints) goes to a temporary folder, deleted at the end.
 # GPU_CHECK_SCALE multiplies every section's time limit (a slow or busy machine; default 1, 3 for
 # --dry-run).
@@ -131,12 +132,24 @@ section adapter_sharded 120 smoke_model "$PY" -m torch.distributed.run --standal
   --adapter gated-lora --shard-base yes --out "$W/adapter_sharded"
 section adapter_decode 60 adapter_train "$PY" confadapt.py --model "$W/adapter/final" \
   --device "$DEV" --prompt "Tom has 3 apples." --lossless --k-max 4 --json
+section adapter_lookup 60 adapter_train "$PY" confadapt.py --model "$W/adapter/final" \
+  --device "$DEV" --prompt "Tom has 3 apples." --lossless --lookup --k-max 4 --json
+# what one lossless pass with the adapter costs against the base's one-token pass (on a GPU every
+# small product of the adapter is a kernel launch): the trained one, and a fresh rank 16 on q, v
+section adapter_pass 60 adapter_train bash -c '"$@" --model "$0/adapter/final" --out "$0/pass/trained" &&
+  "$@" --model "$0/smoke" --rank 16 --targets wq wv --out "$0/pass/qv16"' "$W" "$PY" \
+  benchmarks/adapter_pass.py --device "$DEV"
 # 4. Decoding through the command lines.
 section confadapt 60 ft_train "$PY" confadapt.py --model "$W/full/final" --device "$DEV" \
   --prompt "Tom has 3 apples." --tau 0.9 --k-max 4 --json
 section decode_real 150 ft_train "$PY" benchmarks/decode_real.py --model "$W/full/final" \
   --out "$W/decode_real" --device "$DEV" --quick --k-max 4
-# 5. train_toy.py end to end (the laptop users' command, --quick), last: the longest.
+# 5. serve.py on the device, under 1, 4 and 16 streams of the openai client (the load-aware rule
+#    times its passes there at start-up and learns their costs as it runs).
+section serve_load 120 ft_train "$PY" benchmarks/serve_load.py --model "$W/full/final" \
+  --device "$DEV" --out "$W/serve" --concurrency 1 4 16 --max-tokens 32 --prompts-per-domain 1 \
+  --requests-per-stream 1 --modes greedy confadapt confadapt-off lossless
+# 6. train_toy.py end to end (the laptop users' command, --quick), last: the longest.
 section train_toy 180 - "$PY" train_toy.py --device "$DEV" --quick --out "$W/toy"
 
 "$PY" - "$OUT" "$W" "$DRY" <<'EOF'
@@ -160,15 +173,27 @@ if os.path.isfile(tests):
     counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
     by_name = {s["section"]: s for s in sections}
     by_name["gpu_tests"]["figures"] = {**counts, "failed": failed}
-for name, file in (("decode_real", "decode_real/results.json"), ("train_toy", "toy/results.json")):
+for name, file in (("decode_real", "decode_real/results.json"), ("train_toy", "toy/results.json"),
+                   ("serve_load", "serve/results.json")):
     path = os.path.join(work, file)
     if os.path.isfile(path):
         r = json.load(open(path))
         if name == "decode_real":
             keep = r.get("decoding")
+        elif name == "serve_load":
+            keep = [{k: p.get(k) for k in ("concurrency", "decoder", "tokens_per_second",
+                                           "tokens_per_pass", "k_mean")} for p in r["phases"]]
         else:
             keep = {k: r.get(k) for k in ("seconds", "device", "quick")}
         next(s for s in sections if s["section"] == name)["figures"] = keep
+passes = {n: os.path.join(work, "pass", n, "adapter_pass.json") for n in ("trained", "qv16")}
+if any(os.path.isfile(f) for f in passes.values()):
+    next(s for s in sections if s["section"] == "adapter_pass")["figures"] = {
+        n: {k: json.load(open(f))[k] for k in ("ms", "ratios")}
+        for n, f in passes.items() if os.path.isfile(f)}
+if os.path.isfile(os.path.join(work, "serve", "load.png")):
+    import shutil
+    shutil.copy(os.path.join(work, "serve", "load.png"), os.path.join(out, "serve_load.png"))
 latency = os.path.join(work, "latency.json")
 if os.path.isfile(latency):
     import matplotlib

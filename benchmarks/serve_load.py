@@ -171,6 +171,8 @@ def load_run(args) -> dict:
              "--served-model-name", "model"]
     if args.threads:
         flags += ["--threads", str(args.threads)]
+    if args.device:
+        flags += ["--device", args.device]
     report = {"meta": {"model": args.model, "server_flags": flags, "cpu": cpu_name(),
                        "server_threads": args.threads, "client": "one process, asyncio, "
                        "openai.AsyncOpenAI, on the same machine",
@@ -281,6 +283,8 @@ def shadow_run(args) -> dict:
              "--k-max", str(args.k_max)]
     if args.threads:
         flags += ["--threads", str(args.threads)]
+    if args.device:
+        flags += ["--device", args.device]
     with contextlib.ExitStack() as stack:
         log = stack.enter_context(open(out / "shadow_servers.log", "w"))
         urls = [u if u.startswith("http") else stack.enter_context(served(u, flags, log))
@@ -359,6 +363,7 @@ def parser() -> Parser:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--threads", type=positive_int, default=None,
                    help="each server's CPU threads (default: torch's choice)")
+    p.add_argument("--device", default=None, help="each server's --device (default: serve.py's)")
     p.add_argument("--max-tokens", type=positive_int, default=100)
     g = p.add_argument_group("load")
     g.add_argument("--model", help="the model folder to serve")

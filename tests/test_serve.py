@@ -242,6 +242,34 @@ def test_eight_concurrent_requests_equal_the_same_requests_one_by_one(server, mo
         assert sum(n for _, n in together) < sum(r["max_tokens"] for r in requests)
 
 
+@pytest.mark.gpu
+def test_a_server_on_the_suites_device_answers_as_it_streams_and_together_as_alone(folders,
+                                                                                   device):
+    """The GPU suite's server, on CUDA there (else on the CPU with CUDA's attention layout), with
+    the load-aware rule on: its start-up timings and live pass costs run on the device."""
+    argv = ["--model", folders["mtp"], "--device", device.type, "--dtype", "float32",
+            "--served-model-name", "tiny", "--max-rows", "8", "--k-max", "4"]
+    with running_server(argv) as (url, _):
+        c = client(url)
+        greedy, g = chat(c, mtp_mode="greedy", max_tokens=32)
+        lossless, _ = chat(c, mtp_mode="lossless", max_tokens=32)
+        _, s = chat(c, mtp_mode="static", static_k=4, load_aware=False, max_tokens=32)
+        assert lossless == greedy and g.model_extra["forward_passes"] == 32
+        assert s.model_extra["forward_passes"] == 8
+        extra = {"mtp_mode": "confadapt", "tau": 0.3, "load_aware": False}
+        text, _ = chat(c, **extra)
+        stream = c.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hello world"}], max_tokens=24,
+            stream=True, extra_body=extra)
+        assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == text
+        words = ["hello", "the cat", "world", "sat", "é", "日本 cat"]
+        requests = [{"text": w, "max_tokens": 10 + 3 * i, "mtp_mode": "lossless"}
+                    for i, w in enumerate(words)]
+        together = concurrently(url, requests)
+        alone = [concurrently(url, [r])[0] for r in requests]
+        assert [t for t, _ in together] == [t for t, _ in alone]
+
+
 class FixedCosts:
     """A cost the passes do not move, C(N) = cost(N), and no exploring."""
 
