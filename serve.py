@@ -18,8 +18,9 @@ E_row(k): the tokens a row keeps from a pass at k (measured: how often the j-th 
 kept when the one before it was); N(k): the positions the pass feeds to its B rows (pending
 tokens, drafts and masks); C(N, B): their cost in seconds (measured, mtp/load_rule.py). Both
 are taken as if the rows had decoded at k for a while. k = 1 is greedy (E = 1), so the rule
-falls back to greedy's cost when extra positions do not pay: few rows leave the processor idle
-and extra positions are nearly free; many rows keep it busy and every position costs.
+falls back to greedy's cost when extra positions do not pay (or promise less than 3% more):
+few rows leave the processor idle and extra positions are nearly free; many rows keep it busy
+and every position costs.
 
     python serve.py --model DIR [--port 8000] [--api-key KEY] [--max-rows 16]
 
@@ -44,6 +45,8 @@ from mtp.openai_api import parser
 from mtp.load_rule import Acceptance, PassCosts
 
 GREEDY = DecodeConfig("static", k=1)
+# k > 1 only where it promises this much more than greedy's tokens a second
+MARGIN = 0.03
 
 
 @dataclass
@@ -181,7 +184,12 @@ class Decoder:
                     fed[k] += e[b] + b - 1
         B = len(self.live)
         rates = {k: kept[k] / self.costs(fed[k], B) for k in range(1, top + 1)}
-        return self.costs.explore(max(rates, key=rates.get), top)
+        best = max(rates, key=rates.get)
+        # Both prices are estimates. A wrong k > 1 serves slower than greedy; k = 1 never
+        # does. So extra positions must promise a margin over greedy's rate.
+        if rates[best] < (1 + MARGIN) * rates[1]:
+            best = 1
+        return self.costs.explore(best, top)
 
     def curve(self, mode: DecodeConfig, top: int):
         """A rule's E and P(all kept) from 0 to top predictions (static k: all kept)."""

@@ -185,12 +185,13 @@ def load_run(args) -> dict:
         for name in args.modes:
             extra = extra_body(name, args.tau, args.k_max)
             asyncio.run(phase(url, "model", prompts, 4, 4, args.max_tokens, extra))
-        # the decoders take turns at each N, `rounds` times; each phase keeps its fastest round
-        # (a busy moment of the machine then slows one round, not one decoder)
+        # the decoders take turns at each N, `rounds` times, in the opposite order every other
+        # round; each phase keeps its fastest round (a busy moment of the machine then slows one
+        # round, not one decoder)
         best = {}
-        for _ in range(args.rounds):
+        for i in range(args.rounds):
             for c in args.concurrency:
-                for name in args.modes:
+                for name in args.modes[::-1] if i % 2 else args.modes:
                     extra = extra_body(name, args.tau, args.k_max)
                     n = max(len(prompts), args.requests_per_stream * c)
                     r = asyncio.run(phase(url, "model", prompts, c, n, args.max_tokens, extra))
@@ -222,8 +223,7 @@ def save_load(report, out: Path):
 
 def load_markdown(report) -> str:
     m = report["meta"]
-    greedy = {p["concurrency"]: p["tokens_per_second"] for p in report["phases"]
-              if p["decoder"] == "greedy"}
+    greedy = {p["concurrency"]: p["rounds"] for p in report["phases"] if p["decoder"] == "greedy"}
     lines = [f"### serve.py under load: {m['model']} on {m['cpu']}", "",
              f"Server: `serve.py {' '.join(m['server_flags'])}`; client: {m['client']}; "
              f"{len(m['prompts'])} prompts, max_tokens {m['max_tokens']}; "
@@ -233,17 +233,25 @@ def load_markdown(report) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for p in report["phases"]:
         base = greedy.get(p["concurrency"])
-        vs = f"{p['tokens_per_second'] / base:.2f}x" if base else ""
+        vs = f"{paired_ratio(p['rounds'], base):.2f}x" if base else ""
         lines.append(f"| {p['concurrency']} | {p['decoder']} | {p['tokens_per_second']:.1f} "
                      f"| {vs} | {p['requests_per_second']:.2f} "
                      f"| {p['ttft_p50']:.2f} / {p['ttft_p95']:.2f} "
                      f"| {p['tpot_p50'] * 1e3:.0f} / {p['tpot_p95'] * 1e3:.0f} "
                      f"| {p['tokens_per_pass']:.2f} | {p['k_mean']:.2f} |")
     lines += ["", "tokens/s: output tokens over the phase's wall time (first request sent to "
-              "last answer read); TPOT: seconds per output token after the first; "
+              "last answer read), the fastest round; vs greedy: the median over rounds of its "
+              "tokens/s over greedy's in the same round; TPOT: seconds per output token after "
+              "the first; "
               "tokens/pass: output tokens per forward pass of a row; mean k: positions a row "
               "computed per pass (the load-aware rule's choice; -off: the rule off).", ""]
     return "\n".join(lines)
+
+
+def paired_ratio(rounds, base_rounds) -> float:
+    """A decoder's tokens/s over greedy's, round by round (the two ran minutes apart at most,
+    so a machine that drifts between rounds moves both), the median over rounds."""
+    return statistics.median(a / b for a, b in zip(rounds, base_rounds))
 
 
 def plot(report, path):

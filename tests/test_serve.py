@@ -330,6 +330,18 @@ def test_the_rule_prices_lossless_at_the_share_of_passes_that_have_drafts():
     assert decoder.choose_k() == 2
 
 
+def test_extra_positions_must_promise_a_margin_over_greedy():
+    """The rows of the test above, a pass costing 85 + N: k = 2 promises 1.4% more tokens a
+    second than k = 1, inside the rule's margin, so k = 1 (greedy's own pass); at 95 + N it
+    promises 4.0% more and takes k = 2."""
+    decoder = decoder_with_rows(DecodeConfig("lossless", k=4), 32, FixedCosts(lambda n: 85 + n),
+                                tried=(300, 200, 100), kept=(200, 60, 30))
+    assert serve.MARGIN == 0.03
+    assert decoder.choose_k() == 1
+    decoder.costs = FixedCosts(lambda n: 95 + n)
+    assert decoder.choose_k() == 2
+
+
 def test_the_rule_prices_each_k_as_if_rows_had_decoded_at_it():
     """16 ConfAdapt rows that each kept 4 tokens in the last pass (k was 4 then) and keep 1.25
     a pass at k = 2, a pass costing 20 + N. At k = 1 a row feeds 1 token once its 4 are in:
@@ -590,7 +602,7 @@ def test_serve_load_runs_load_and_shadow_and_stops_its_servers(folders, tmp_path
               "--max-tokens", "6"]
     load, shadow, bad = run_script(
         script,
-        [*common, "--model", folders["mtp"], "--concurrency", "1", "2",
+        [*common, "--model", folders["mtp"], "--concurrency", "1", "2", "--rounds", "2",
          "--prompts-per-domain", "1", "--modes", "greedy", "lossless", "confadapt-off"],
         ["shadow", *common, "--a", folders["mtp"], "--b", folders["mtp"],
          "--b-mode", "lossless"],
@@ -604,6 +616,12 @@ def test_serve_load_runs_load_and_shadow_and_stops_its_servers(folders, tmp_path
     assert phases[2, "lossless"]["texts"] == phases[2, "greedy"]["texts"]
     assert all(p["output_tokens"] == 6 * p["requests"] for p in phases.values())
     assert (tmp_path / "load.png").stat().st_size > 0
+    # the fastest round's tokens/s; "vs greedy" pairs each round with greedy's in that round
+    table = (tmp_path / "results.md").read_text()
+    for (c, d), p in phases.items():
+        ratios = [a / b for a, b in zip(p["rounds"], phases[c, "greedy"]["rounds"])]
+        assert len(ratios) == 2 and p["tokens_per_second"] == max(p["rounds"])
+        assert f"| {c} | {d} | {p['tokens_per_second']:.1f} | {sum(ratios) / 2:.2f}x |" in table
     assert shadow.returncode == 0, shadow.stderr
     result = json.loads((tmp_path / "shadow.json").read_text())
     assert result["identical"] == 1.0
