@@ -50,8 +50,8 @@ class PassCosts:
     The rule compares k's at one moment, so load cancels from its choice: a busy spell moves
     load, not the shapes, and a point timed in a quiet spell does not look cheap later. N and B
     both count: the projections and the MLP run on the N positions packed, but each row's
-    attention reads its own cache. To keep the shape near the rule's choice current, one pass
-    in `every` computes a k next to it."""
+    attention reads its own cache. To keep the shape near the rule's choice and at greedy's
+    current, one pass in `every` computes a k next to it or k = 1."""
 
     def __init__(self, points: dict, every=10):
         # {B: {N: [shape, weight of the passes seen there lately]}}
@@ -107,14 +107,15 @@ class PassCosts:
 
     def explore(self, best: int, top: int) -> int:
         """The k to compute in this pass: mostly `best`, the rule's choice; one pass in
-        `every` the k above it, the next such pass the k below (where they exist)."""
+        `every` the k above it, the next such pass the k below, then k = 1, in turn (where
+        they exist): greedy's price, the one the rule must never do worse than, stays current
+        however far the rule's choice is from it."""
         if (self.passes + 1) % self.every:
             return best
-        up = self.passes // self.every % 2 == 0
-        near = [k for k in ((best + 1, best - 1) if up else (best - 1, best + 1))
-                if 1 <= k <= top]
+        near = [k for k in dict.fromkeys((best + 1, best - 1, 1)) if 1 <= k <= top and k != best]
         self.exploring = bool(near)
-        return near[0] if near else best
+        turn = (self.passes + 1) // self.every - 1
+        return near[turn % len(near)] if near else best
 
 
 def bracket(points: dict, n: float):

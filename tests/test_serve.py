@@ -421,7 +421,7 @@ def test_the_shape_learns_between_and_beyond_its_points_for_each_number_of_rows(
     assert costs.curves[4][8][0] == before[8]
 
 
-def test_one_pass_in_every_tries_a_neighbour_of_the_rules_choice():
+def test_one_pass_in_every_tries_a_neighbour_of_the_rules_choice_or_greedy():
     costs = PassCosts({1: {1: 0.01, 2: 0.02, 4: 0.04}})
     picks = []
     for _ in range(4 * costs.every):
@@ -432,6 +432,13 @@ def test_one_pass_in_every_tries_a_neighbour_of_the_rules_choice():
     assert picks.count(3) == 2 and picks.count(1) == 2
     assert set(picks) == {1, 2, 3}
     assert {costs.explore(1, top=1) for _ in range(2 * costs.every)} == {1}
+    # further from greedy: the k above, the k below and k = 1 (greedy) in turn
+    picks = []
+    for _ in range(3 * costs.every):
+        k = costs.explore(3, top=4)
+        picks.append(k)
+        costs.observe(k, 1, 0.01)
+    assert sorted(k for k in picks if k != 3) == [1, 2, 4]
 
 
 # ---- bad input --------------------------------------------------------------------------------
