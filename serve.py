@@ -18,7 +18,7 @@ E_row(k): the tokens a row keeps from a pass at k (measured: how often the j-th 
 kept when the one before it was); N(k): the positions the pass feeds to its B rows (pending
 tokens, drafts and masks); C(N, B): their cost in seconds (measured, mtp/load_rule.py). Both
 are taken as if the rows had decoded at k for a while. k = 1 is greedy (E = 1), so the rule
-falls back to greedy's cost when extra positions do not pay (or promise less than 3% more):
+falls back to greedy's cost when extra positions do not pay (or promise less than 10% more):
 few rows leave the processor idle and extra positions are nearly free; many rows keep it busy
 and every position costs.
 
@@ -46,7 +46,7 @@ from mtp.load_rule import Acceptance, PassCosts
 
 GREEDY = DecodeConfig("static", k=1)
 # k > 1 only where it promises this much more than greedy's tokens a second
-MARGIN = 0.03
+MARGIN = 0.10
 
 
 @dataclass

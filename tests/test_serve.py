@@ -331,14 +331,14 @@ def test_the_rule_prices_lossless_at_the_share_of_passes_that_have_drafts():
 
 
 def test_extra_positions_must_promise_a_margin_over_greedy():
-    """The rows of the test above, a pass costing 85 + N: k = 2 promises 1.4% more tokens a
-    second than k = 1, inside the rule's margin, so k = 1 (greedy's own pass); at 95 + N it
-    promises 4.0% more and takes k = 2."""
-    decoder = decoder_with_rows(DecodeConfig("lossless", k=4), 32, FixedCosts(lambda n: 85 + n),
+    """The rows of the test above, a pass costing 110 + N: k = 2 promises 7.5% more tokens a
+    second than k = 1, inside the rule's margin, so k = 1 (greedy's own pass); at 130 + N it
+    promises 11.4% more and takes k = 2."""
+    decoder = decoder_with_rows(DecodeConfig("lossless", k=4), 32, FixedCosts(lambda n: 110 + n),
                                 tried=(300, 200, 100), kept=(200, 60, 30))
-    assert serve.MARGIN == 0.03
+    assert serve.MARGIN == 0.10
     assert decoder.choose_k() == 1
-    decoder.costs = FixedCosts(lambda n: 95 + n)
+    decoder.costs = FixedCosts(lambda n: 130 + n)
     assert decoder.choose_k() == 2
 
 
