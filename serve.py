@@ -45,7 +45,8 @@ from mtp.openai_api import parser
 from mtp.load_rule import Acceptance, PassCosts
 
 GREEDY = DecodeConfig("static", k=1)
-# k > 1 only where it promises this much more than greedy's tokens a second
+# k > 1 only where it promises this much more than greedy's tokens a second: both prices are
+# estimates, and a wrong k > 1 serves slower than greedy, which k = 1 never does
 MARGIN = 0.10
 
 
@@ -182,11 +183,8 @@ class Decoder:
                     # what it kept comes back as pending tokens, then b - 1 masks
                     kept[k] += e[b]
                     fed[k] += e[b] + b - 1
-        B = len(self.live)
-        rates = {k: kept[k] / self.costs(fed[k], B) for k in range(1, top + 1)}
+        rates = {k: kept[k] / self.costs(fed[k], len(self.live)) for k in range(1, top + 1)}
         best = max(rates, key=rates.get)
-        # Both prices are estimates. A wrong k > 1 serves slower than greedy; k = 1 never
-        # does. So extra positions must promise a margin over greedy's rate.
         if rates[best] < (1 + MARGIN) * rates[1]:
             best = 1
         return self.costs.explore(best, top)
