@@ -15,6 +15,11 @@ Both read the UNTUNED model's confidences, and tuning sharpens them: the hard
 teacher's targets are the model's own argmax predictions, one-hot, which the
 student learns to make at mask positions with growing confidence. Read them as a
 floor of what tuning can give, not a forecast.
+
+A gated mask adapter (adapter.py) is the exception: its first prediction of a pass
+is the untuned model's own, so c_t is never sharpened. Its ceiling:
+  gated (a ceiling)       a pass keeps k_max tokens where c_t >= tau (every mask
+                          guess sure, and right), one elsewhere.
 """
 
 import math
@@ -42,6 +47,17 @@ def simulated_passes(conf: list[float], tau: float, k_max: int, joint: bool) -> 
         if joint:
             window = [math.prod(window[:j + 1]) for j in range(len(window))]
         t += accept_confadapt(window, tau)
+        passes += 1
+    return passes
+
+
+def gated_ceiling_passes(conf: list[float], tau: float, k_max: int) -> int:
+    """Forward passes ConfAdapt(tau, k_max) needs at best with a gated adapter: the
+    first prediction's confidence is the base model's own c_t, the masks' are 1."""
+    t = 0
+    passes = 0
+    while t < len(conf):
+        t += k_max if conf[t] >= tau else 1
         passes += 1
     return passes
 
@@ -81,8 +97,8 @@ def analyze(args) -> dict:
     md = [f"### Predictability for {model_name(args.model)}", "",
           f"Greedy answers (at most {min(args.max_new_tokens, model.config.max_seq_len)} "
           f"tokens) to held-out prompts, {fmt} format; "
-          f"ConfAdapt k_max = {args.k_max}; effective k estimated from the untuned model's "
-          "confidences (a floor: tuning sharpens them), joint to per-token.",
+          f"ConfAdapt k_max = {args.k_max}; effective k estimated from the model's own "
+          "confidences (of an untuned model, a floor: tuning sharpens them), joint to per-token.",
           "",
           f"| prompts | answers | tokens | mean confidence | {taus} |",
           "|---|---|---|---|" + "---|" * len(args.taus)]
@@ -91,7 +107,12 @@ def analyze(args) -> dict:
                             for e in r["estimates"])
         md.append(f"| {name} | {r['answers']} | {r['tokens']} "
                   f"| {r['mean_confidence']:.3f} | {ranges} |")
-    md += [""] + [f"- {name}: {r['verdict']}" for name, r in reports.items()] + [""]
+    md += [""] + [f"- {name}: {r['verdict']}" for name, r in reports.items()]
+    md += [f"- {name}: a gated adapter on this model keeps at most "
+           + ", ".join(f"{e['effective_k_gated_ceiling']:.2f} at tau {e['tau']:g}"
+                       for e in r["estimates"])
+           + " (the model's own confidence gates each pass; every mask guess sure)"
+           for name, r in reports.items()] + [""]
 
     print("\n".join(md))
     report = {"model": args.model, "format": fmt, "k_max": args.k_max,
@@ -118,11 +139,13 @@ def predictability(confs, taus, k_max):
 
     rows = [{"tau": tau, "share_confident": sum(c >= tau for c in flat) / len(flat),
              "effective_k_per_token": effective_k(tau, joint=False),
-             "effective_k_joint": effective_k(tau, joint=True)} for tau in taus]
+             "effective_k_joint": effective_k(tau, joint=True),
+             "effective_k_gated_ceiling": len(flat) / sum(
+                 gated_ceiling_passes(cs, tau, k_max) for cs in confs)} for tau in taus]
 
     ref = min(rows, key=lambda r: abs(r["tau"] - 0.9))
     worth = ref["effective_k_per_token"] >= 2.0
-    verdict = (f"at tau={ref['tau']:g} the untuned model's own confidences already allow "
+    verdict = (f"at tau={ref['tau']:g} the model's own confidences already allow "
                f"about {ref['effective_k_joint']:.1f} (joint) to "
                f"{ref['effective_k_per_token']:.1f} (per token) tokens per pass; ")
     if worth:

@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 import finetune_hf
-from mtp.analyze import predictability, simulated_passes
+from mtp.analyze import gated_ceiling_passes, predictability, simulated_passes
 
 # conftest.py
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -28,6 +28,20 @@ def test_simulated_passes_stop_where_confadapt_would():
     assert simulated_passes([1.0] * 10, 0.9, 4, joint=True) == 3
 
 
+def test_a_gated_adapters_ceiling_is_gated_by_the_untuned_models_own_confidence():
+    """With a gated adapter a pass's first prediction is the untuned model's: where it is
+    at least tau sure, the pass keeps k_max tokens at best (every mask guess sure), where
+    not, one, however sure the tokens after it are."""
+    # [.95 .2 .2 .2] [.5] [.95 .95]: k_max 4, the last pass cut by the answer's end
+    conf = [0.95, 0.2, 0.2, 0.2, 0.5, 0.95, 0.95]
+    assert gated_ceiling_passes(conf, 0.9, 4) == 3
+    # per token the same answer takes 1 + 1 + 1 + 1 + 1 + 1 passes
+    assert simulated_passes(conf, 0.9, 4, joint=False) == 6
+    # an unsure first token: one token a pass, even if all after it are sure
+    assert gated_ceiling_passes([0.5] + [0.99] * 3, 0.9, 4) == 2
+    assert gated_ceiling_passes([0.5] * 3, 0.9, 4) == 3
+
+
 def test_predictability_is_tokens_per_simulated_pass_with_the_verdict_of_tau_0_9():
     """Effective k = answer tokens / simulated passes over all answers, per token (the
     optimistic bound) and joint (the conservative one); the verdict reads tau 0.9."""
@@ -40,6 +54,8 @@ def test_predictability_is_tokens_per_simulated_pass_with_the_verdict_of_tau_0_9
     assert at_09["effective_k_per_token"] == 8 / 4
     assert at_09["effective_k_joint"] == 8 / 5
     assert at_09["share_confident"] == 6 / 8
+    # gated ceiling, k_max 16: [.95 .95 .95 .95] and [.5] [.95 .95 .5]
+    assert at_09["effective_k_gated_ceiling"] == 8 / 3
     # tau 0.5: per token [4] [4]; joint [4] [0.5] [.95 .95] [0.5], as .5 * .95 < 0.5.
     assert at_05["effective_k_per_token"] == 8 / 2
     assert at_05["effective_k_joint"] == 8 / 4
@@ -74,7 +90,10 @@ def test_analyze_writes_the_estimates_of_a_file_of_prompts(analysis):
     est = report["estimates"][0]
     row = (f"| test.jsonl | 2 | {report['tokens']} | {report['mean_confidence']:.3f} "
            f"| {est['effective_k_joint']:.2f}-{est['effective_k_per_token']:.2f} |")
-    assert row in (analysis / "analysis.md").read_text()
+    md = (analysis / "analysis.md").read_text()
+    assert row in md
+    assert (f"test.jsonl: a gated adapter on this model keeps at most {est['effective_k_gated_ceiling']:.2f} "
+            "at tau 0.9") in md
 
 
 def test_analyze_of_domains_replaces_an_earlier_analysis_only_with_overwrite(
