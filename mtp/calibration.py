@@ -21,11 +21,15 @@ best, within 2% of the exact minimum. A slot whose ECE on the rows that T_j does
 keeps T_j = 1: the NLL also weighs how unlikely the right token is where the guess is wrong,
 which the ECE does not see, so on few rows or a little-trained adapter the two can disagree.
 
+`--check ROWS` measures the fitted temperatures on rows the fit did not see (a fit on few rows
+can lower the ECE of those rows alone), stored beside the fit.
+
 The temperatures live in the adapter's mask_adapter.json ("calibration"); a folder without
 them loads as before. A pass with more mask slots than were calibrated gives the extra ones
 the last slot's temperature.
 """
 
+import argparse
 import math
 import os
 import sys
@@ -197,33 +201,50 @@ def calibrate(args):
     model, tok, mask_id, fmt, _ = load_for_inference(args)
     k = args.k_max
     pad = padding_token(tok, fmt)
-    pairs = training_pairs(args, Dist())
-    # the answers' tokens only: what ConfAdapt's masks guess when decoding
-    seqs, response = training_sequences(pairs, tok, fmt, args.seq_len)
     regions = default_n_regions(args.seq_len, k)
     region_len = args.seq_len // regions
     device = model.tok_emb.weight.device
 
-    def batches():
-        for i, first in enumerate(range(0, len(seqs), args.batch_size)):
-            rows = seqs[first:first + args.batch_size].long()
-            trained = response[first:first + args.batch_size]
-            # the offsets cycle, so every place of a region is a prefix end somewhere
-            yield mtp_layout(rows, k=k, offset=i % region_len, n_regions=regions,
-                             mask_id=mask_id, eos_id=pad, pad_id=pad,
-                             trained=trained).to(device)
-            print(f"  {first + len(rows)}/{len(seqs)} rows", file=sys.stderr, flush=True)
+    def tallied(data, limit_rows) -> tuple[Tally, int]:
+        """The mask predictions of `data`'s rows, laid out as train lays them, and the rows."""
+        pairs = training_pairs(argparse.Namespace(data=data, limit_rows=limit_rows), Dist())
+        # the answers' tokens only: what ConfAdapt's masks guess when decoding
+        seqs, response = training_sequences(pairs, tok, fmt, args.seq_len)
 
-    fit = tally(model, batches(), mask_id).fit()
-    if min(fit["predictions"]) == 0:
-        slot = fit["predictions"].index(0) + 1
-        raise ValueError(f"the rows of {' '.join(args.data)} give mask slot {slot} nothing to "
-                         "predict: give more rows, or longer ones (--seq-len)")
+        def batches():
+            for i, first in enumerate(range(0, len(seqs), args.batch_size)):
+                rows = seqs[first:first + args.batch_size].long()
+                trained = response[first:first + args.batch_size]
+                # the offsets cycle, so every place of a region is a prefix end somewhere
+                yield mtp_layout(rows, k=k, offset=i % region_len, n_regions=regions,
+                                 mask_id=mask_id, eos_id=pad, pad_id=pad,
+                                 trained=trained).to(device)
+                print(f"  {first + len(rows)}/{len(seqs)} rows", file=sys.stderr, flush=True)
+
+        return tally(model, batches(), mask_id), len(seqs)
+
+    def measured(data, limit_rows=0, temperatures=None) -> tuple[dict, int]:
+        seen, rows = tallied(data, limit_rows)
+        fit = seen.fit(temperatures)
+        if min(fit["predictions"]) == 0:
+            slot = fit["predictions"].index(0) + 1
+            raise ValueError(f"the rows of {' '.join(data)} give mask slot {slot} nothing to "
+                             "predict: give more rows, or longer ones (--seq-len)")
+        return fit, rows
+
+    fit, rows = measured(args.data, args.limit_rows)
     print(report(fit))
+    record = {**fit, "rows": rows, "k": k, "seq_len": args.seq_len, "format": fmt,
+              "data": list(args.data)}
+    if args.check:
+        # the same temperatures on rows the fit did not see: does the fit carry over?
+        check, rows = measured(args.check, temperatures=fit["temperatures"])
+        print(f"the same temperatures on --check's {rows} rows, not fitted on:")
+        print(report(check))
+        record["check"] = {**check, "rows": rows, "data": list(args.check)}
     file = os.path.join(args.model, "mask_adapter.json")
     config = read_json(file, "mask adapter config")
-    config[CALIBRATION] = {**fit, "rows": len(seqs), "k": k, "seq_len": args.seq_len,
-                           "format": fmt, "data": list(args.data)}
+    config[CALIBRATION] = record
     write_json(file, config)
     print(f"wrote the temperatures into {file} (decoding uses them; --no-calibration: not)")
 

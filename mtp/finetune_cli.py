@@ -239,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--data", required=True, nargs="+",
                      help="held-out rows (query or prompt, response), as train reads them: "
                      "rows it did not train on (data --split test, say)")
+    cal.add_argument("--check", nargs="+",
+                     help="more held-out rows, not fitted on (all of them): the ECE the "
+                     "temperatures give there too, stored beside the fit")
     add_flags(cal,
               ("--limit-rows", count, 0, "use only the first N rows (0: all)"),
               ("--seq-len", number(int, 2), 160, "tokens per row, as in train"),
@@ -353,6 +356,8 @@ def check_calibrate(args, cfg):
     if args.seq_len + args.k_max - 2 >= cfg.max_seq_len:
         raise CliError(f"--seq-len {args.seq_len} with --k-max {args.k_max} needs positions "
                        f"beyond the model's {cfg.max_seq_len}")
+    for path in args.check or []:
+        input_path(path, "--check")
 
 
 def lock(args, folder, locks):

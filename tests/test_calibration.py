@@ -145,6 +145,33 @@ def test_calibrate_writes_temperatures_that_load_with_the_folder(folders, capsys
     assert load_model(adapter, calibrated=False)[0].mask_temperatures is None
 
 
+def test_check_measures_the_fitted_temperatures_on_rows_the_fit_did_not_see(folders, tmp_path,
+                                                                           capsys):
+    """--check: the fit's temperatures, unchanged, on other rows (all of them): there, ECE
+    before is those rows' own (what a fit on them alone starts from), after is at the fit's
+    temperatures, not theirs."""
+    _, adapter, data = folders
+    rows = json.loads(data.read_text())
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps(r) + "\n" for r in rows[16:40]))
+    assert calibrate(adapter, data, "--check", str(other)) == 0
+    out = capsys.readouterr().out
+    record = json.loads((adapter / ADAPTER_CONFIG).read_text())["calibration"]
+    check = record["check"]
+    assert check["rows"] == 24 and check["data"] == [str(other)]
+    assert check["temperatures"] == record["temperatures"]
+    assert "the same temperatures on --check's 24 rows, not fitted on:" in out
+    assert f"{check['ece_before']:.3f} -> {check['ece_after']:.3f}" in out
+
+    # the other rows fitted on their own: the same ECE before, their own temperatures
+    assert calibrate(adapter, other, "--limit-rows", "0", "--force") == 0
+    alone = json.loads((adapter / ADAPTER_CONFIG).read_text())["calibration"]
+    assert alone["rows"] == 24 and "check" not in alone
+    assert alone["predictions"] == check["predictions"]
+    assert alone["ece_before"] == pytest.approx(check["ece_before"])
+    assert record["ece_before"] != pytest.approx(check["ece_before"])
+
+
 def test_no_calibration_leaves_the_temperatures_out(folders):
     _, adapter, data = folders
     assert calibrate(adapter, data) == 0
@@ -159,15 +186,18 @@ def test_no_calibration_leaves_the_temperatures_out(folders):
     assert build_parser().parse_args(eval_argv).no_calibration
 
 
-@pytest.mark.parametrize("problem", ["not an adapter", "missing data", "calibrated already",
-                                     "bad temperatures"])
+@pytest.mark.parametrize("problem", ["not an adapter", "missing data", "missing check",
+                                     "calibrated already", "bad temperatures"])
 def test_calibrate_refuses_bad_input_in_one_line(folders, problem, capsys):
     base, adapter, data = folders
     model = adapter
+    more = ()
     if problem == "not an adapter":
         model = base
     elif problem == "missing data":
         data = data.parent / "nowhere.jsonl"
+    elif problem == "missing check":
+        more = ("--check", str(data.parent / "nowhere.jsonl"))
     elif problem == "calibrated already":
         assert calibrate(adapter, data) == 0
         capsys.readouterr()
@@ -183,7 +213,7 @@ def test_calibrate_refuses_bad_input_in_one_line(folders, problem, capsys):
         assert calibrate(adapter, data, "--force") == 0
         assert json.loads((adapter / ADAPTER_CONFIG).read_text())["calibration"]["k"] == 4
         return
-    assert calibrate(model, data) == 2
+    assert calibrate(model, data, *more) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1
     assert (adapter / ADAPTER_CONFIG).read_text() == written
