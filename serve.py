@@ -187,7 +187,9 @@ class Decoder:
         best = max(rates, key=rates.get)
         if rates[best] < (1 + MARGIN) * rates[1]:
             best = 1
-        return self.costs.explore(best, top)
+        # a lossless row's drafts are verified a pass later: a k explored holds for two
+        lossless = any(r.mode.kind == "lossless" and r.load_aware for r in self.live)
+        return self.costs.explore(best, top, span=2 if lossless else 1)
 
     def curve(self, mode: DecodeConfig, top: int):
         """A rule's E and P(all kept) from 0 to top predictions (static k: all kept)."""

@@ -62,6 +62,8 @@ class PassCosts:
         self.passes = 0
         # whether the next pass is one explore() chose
         self.exploring = False
+        # an explored k still held, and for how many more passes
+        self.held = None
 
     @classmethod
     def timed(cls, model, k_top: int, max_rows: int) -> "PassCosts":
@@ -105,17 +107,27 @@ class PassCosts:
         self.exploring = False
         self.passes += 1
 
-    def explore(self, best: int, top: int) -> int:
+    def explore(self, best: int, top: int, span: int = 1) -> int:
         """The k to compute in this pass: mostly `best`, the rule's choice; one pass in
         `every` the k above it, the next such pass the k below, then k = 1, in turn (where
         they exist): greedy's price, the one the rule must never do worse than, stays current
-        however far the rule's choice is from it."""
+        however far the rule's choice is from it. An explored k above 1 holds for `span`
+        passes: a lossless row's masks only draft, and the pass after verifies the drafts
+        (tried for one pass from k = 1, they would be dropped unread)."""
+        if self.held:
+            k, left = self.held
+            self.held = (k, left - 1) if left > 1 else None
+            self.exploring = True
+            return k
         if (self.passes + 1) % self.every:
             return best
         near = [k for k in dict.fromkeys((best + 1, best - 1, 1)) if 1 <= k <= top and k != best]
         self.exploring = bool(near)
         turn = (self.passes + 1) // self.every - 1
-        return near[turn % len(near)] if near else best
+        k = near[turn % len(near)] if near else best
+        if k > 1 and span > 1 and near:
+            self.held = (k, span - 1)
+        return k
 
 
 def bracket(points: dict, n: float):

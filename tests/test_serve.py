@@ -282,7 +282,7 @@ class FixedCosts:
     def observe(self, n, B, seconds):
         pass
 
-    def explore(self, best, top):
+    def explore(self, best, top, span=1):
         return best
 
 
@@ -439,6 +439,36 @@ def test_one_pass_in_every_tries_a_neighbour_of_the_rules_choice_or_greedy():
         picks.append(k)
         costs.observe(k, 1, 0.01)
     assert sorted(k for k in picks if k != 3) == [1, 2, 4]
+
+
+def test_an_explored_k_above_one_holds_for_two_passes_so_lossless_drafts_are_verified():
+    """span=2 (lossless rows live): a k above 1 tried from greedy computes masks whose drafts
+    only the next pass verifies, so it holds for two passes; k = 1 needs no drafts and is
+    tried for one. Neither moves the load, which follows the rule's own passes."""
+    costs = PassCosts({1: {1: 0.01, 2: 0.02, 4: 0.04}})
+    picks = []
+    for _ in range(3 * costs.every + 1):
+        k = costs.explore(1, top=4, span=2)
+        picks.append(k)
+        # explored passes far slower than their shape: counted, they would move the load
+        costs.observe(k, 1, 0.01 if k == 1 else 0.5)
+    runs = "".join(map(str, picks)).replace("1", " ").split()
+    assert runs == ["22"] * 3
+    assert costs.load == pytest.approx(1.0)
+    # from k = 3: k = 4 and k = 2 for two passes each, k = 1 for one
+    picks = []
+    for _ in range(3 * costs.every):
+        k = costs.explore(3, top=4, span=2)
+        picks.append(k)
+        costs.observe(k, 1, 0.01)
+    assert sorted(k for k in picks if k != 3) == [1, 2, 2, 4, 4]
+    # span=1 (no lossless row): one pass each, as before
+    assert costs.held is None
+    picks = []
+    for _ in range(costs.every + 1):
+        picks.append(costs.explore(1, top=4))
+        costs.observe(picks[-1], 1, 0.01)
+    assert picks.count(2) == 1
 
 
 # ---- bad input --------------------------------------------------------------------------------
