@@ -36,28 +36,21 @@ from mtp.cli import compute_dtype, provenance, read_rows
 from mtp.finetune_cli import load_for_inference, model_name
 
 
-def simulated_passes(conf: list[float], tau: float, k_max: int, joint: bool) -> int:
+def simulated_passes(conf: list[float], tau: float, k_max: int, joint: bool,
+                     gated: bool = False) -> int:
     """Forward passes ConfAdapt(tau, k_max) needs for an answer with these
-    confidences (per token or joint)."""
+    confidences (per token or joint; gated: the first of a pass the model's own,
+    every mask sure, a gated adapter's ceiling)."""
     t = 0
     passes = 0
     while t < len(conf):
         window = conf[t:t + k_max]
+        if gated:
+            window = window[:1] + [1.0] * (len(window) - 1)
         # Joint: c_t, c_t c_{t+1}, c_t c_{t+1} c_{t+2}, ...
-        if joint:
+        elif joint:
             window = [math.prod(window[:j + 1]) for j in range(len(window))]
         t += accept_confadapt(window, tau)
-        passes += 1
-    return passes
-
-
-def gated_ceiling_passes(conf: list[float], tau: float, k_max: int) -> int:
-    """Forward passes ConfAdapt(tau, k_max) needs at best with a gated adapter: the
-    first prediction's confidence is the base model's own c_t, the masks' are 1."""
-    t = 0
-    passes = 0
-    while t < len(conf):
-        t += k_max if conf[t] >= tau else 1
         passes += 1
     return passes
 
@@ -133,15 +126,15 @@ def predictability(confs, taus, k_max):
     if not flat:
         raise ValueError("the model produced no answer tokens")
 
-    def effective_k(tau: float, joint: bool) -> float:
-        passes = sum(simulated_passes(cs, tau, k_max=k_max, joint=joint) for cs in confs)
+    def effective_k(tau: float, joint: bool, gated: bool = False) -> float:
+        passes = sum(simulated_passes(cs, tau, k_max, joint, gated) for cs in confs)
         return len(flat) / passes
 
     rows = [{"tau": tau, "share_confident": sum(c >= tau for c in flat) / len(flat),
              "effective_k_per_token": effective_k(tau, joint=False),
              "effective_k_joint": effective_k(tau, joint=True),
-             "effective_k_gated_ceiling": len(flat) / sum(
-                 gated_ceiling_passes(cs, tau, k_max) for cs in confs)} for tau in taus]
+             "effective_k_gated_ceiling": effective_k(tau, joint=False, gated=True)}
+            for tau in taus]
 
     ref = min(rows, key=lambda r: abs(r["tau"] - 0.9))
     worth = ref["effective_k_per_token"] >= 2.0

@@ -51,7 +51,7 @@ class PassCosts:
     load, not the shapes, and a point timed in a quiet spell does not look cheap later. N and B
     both count: the projections and the MLP run on the N positions packed, but each row's
     attention reads its own cache. To keep the shape near the rule's choice and at greedy's
-    current, one pass in `every` computes a k next to it or k = 1 (explore)."""
+    current, one pass in `every` computes a k next to it or k = 1 (`explore`)."""
 
     def __init__(self, points: dict, every=10):
         # {B: {N: [shape, weight of the passes seen there lately]}}
@@ -127,7 +127,7 @@ class PassCosts:
         self.exploring = bool(near)
         turn = (self.passes + 1) // self.every - 1
         k = near[turn % len(near)] if near else best
-        if k > 1 and span > 1 and near:
+        if k > 1 and span > 1:
             self.held = (k, span - 1)
         return k
 

@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 import finetune_hf
-from mtp.analyze import gated_ceiling_passes, predictability, simulated_passes
+from mtp.analyze import predictability, simulated_passes
 
 # conftest.py
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -34,12 +34,12 @@ def test_a_gated_adapters_ceiling_is_gated_by_the_untuned_models_own_confidence(
     not, one, however sure the tokens after it are."""
     # [.95 .2 .2 .2] [.5] [.95 .95]: k_max 4, the last pass cut by the answer's end
     conf = [0.95, 0.2, 0.2, 0.2, 0.5, 0.95, 0.95]
-    assert gated_ceiling_passes(conf, 0.9, 4) == 3
+    assert simulated_passes(conf, 0.9, 4, joint=False, gated=True) == 3
     # per token the same answer takes 1 + 1 + 1 + 1 + 1 + 1 passes
     assert simulated_passes(conf, 0.9, 4, joint=False) == 6
     # an unsure first token: one token a pass, even if all after it are sure
-    assert gated_ceiling_passes([0.5] + [0.99] * 3, 0.9, 4) == 2
-    assert gated_ceiling_passes([0.5] * 3, 0.9, 4) == 3
+    assert simulated_passes([0.5] + [0.99] * 3, 0.9, 4, joint=False, gated=True) == 2
+    assert simulated_passes([0.5] * 3, 0.9, 4, joint=False, gated=True) == 3
 
 
 def test_predictability_is_tokens_per_simulated_pass_with_the_verdict_of_tau_0_9():
@@ -92,8 +92,8 @@ def test_analyze_writes_the_estimates_of_a_file_of_prompts(analysis):
            f"| {est['effective_k_joint']:.2f}-{est['effective_k_per_token']:.2f} |")
     md = (analysis / "analysis.md").read_text()
     assert row in md
-    assert (f"test.jsonl: a gated adapter on this model keeps at most {est['effective_k_gated_ceiling']:.2f} "
-            "at tau 0.9") in md
+    ceiling = est["effective_k_gated_ceiling"]
+    assert f"test.jsonl: a gated adapter on this model keeps at most {ceiling:.2f} at tau 0.9" in md
 
 
 def test_analyze_of_domains_replaces_an_earlier_analysis_only_with_overwrite(
