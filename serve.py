@@ -4,9 +4,10 @@ One decoding thread owns the model and its KV cache and runs passes over every l
 row); the HTTP handlers (mtp/openai_api.py: schemas, server-sent events, metrics, API key) only
 queue requests and read back each one's tokens. Three things make it a server:
 
-    admission        between two passes, waiting requests take the free rows (continuous
-                     batching: mtp/engine.py's ragged passes); a full queue answers 429, and a
-                     client that leaves frees its row before the next pass.
+    admission        between two passes, waiting requests take the free rows, and the next
+                     pass feeds their prompts beside the others' tokens (continuous batching:
+                     mtp/engine.py's ragged passes); a full queue answers 429, and a client
+                     that leaves frees its row before the next pass.
     one row's fault  ends that request only; the others and the server go on.
     the rule for k   how many positions each row computes in the next pass (below).
 
@@ -39,7 +40,7 @@ import torch
 from adapter import check_slots
 from confadapt import DecodeConfig
 from mtp.cli import chat_stop_ids, check_model_folder, load, prompt_format, run_cli
-from mtp.engine import Row, decode_step, new_cache, prefill
+from mtp.engine import Row, decode_step, new_cache
 from mtp import openai_api
 from mtp.openai_api import parser
 from mtp.load_rule import Acceptance, PassCosts
@@ -124,25 +125,25 @@ class Decoder:
         if not joining:
             return
         try:
-            self.prefill(joining)
+            self.join(joining)
         except Exception as e:
             for r in joining:
                 r.send("error", f"{type(e).__name__}: {e}")
             self.keep(lambda r: r.row is not None)
 
-    def prefill(self, joining):
-        """New rows at the end of the cache, each holding its prompt but the last token."""
-        first = len(self.live)
+    def join(self, joining):
+        """New, empty rows at the end of the cache, each with its whole prompt pending: the next
+        pass feeds it beside the other rows' tokens and predicts from its last token. A pass of
+        its own would cost a row almost a pass of every row (on a processor), and rows that
+        finish at different passes, as multi-token rows do, join one or two at a time."""
         self.live += joining
         # room for every row's prompt and budget, and one pass beyond it
         longest = max(len(r.prompt) + r.budget + 2 * r.mode.block for r in self.live)
         if self.cache is None:
             self.cache = new_cache(self.model, 0, longest)
         self.cache.grow(len(self.live), longest)
-        prompts = {first + i: r.prompt for i, r in enumerate(joining)}
-        prefill(self.model, self.cache, prompts, pad_id=0)
         for r in joining:
-            r.row = Row(r.prompt, budget=r.budget, pending=[r.prompt[-1]])
+            r.row = Row(r.prompt, budget=r.budget, pending=list(r.prompt))
 
     def keep(self, wanted) -> list[Request]:
         """Only the live rows `wanted` keeps stay, in the cache too -> the others."""

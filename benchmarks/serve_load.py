@@ -186,28 +186,40 @@ def load_run(args) -> dict:
             extra = extra_body(name, args.tau, args.k_max)
             asyncio.run(phase(url, "model", prompts, 4, 4, args.max_tokens, extra))
         # the decoders take turns at each N, `rounds` times, in the opposite order every other
-        # round; each phase keeps its fastest round (a busy moment of the machine then slows one
-        # round, not one decoder)
+        # round, greedy opening and closing each turn (turn_order); each phase keeps its
+        # fastest round (a busy moment of the machine then slows one round, not one decoder)
         best = {}
+        began = time.monotonic()
         for i in range(args.rounds):
             for c in args.concurrency:
-                for name in args.modes[::-1] if i % 2 else args.modes:
+                for name in turn_order(args.modes, i):
                     extra = extra_body(name, args.tau, args.k_max)
                     n = max(len(prompts), args.requests_per_stream * c)
+                    start = time.monotonic() - began
                     r = asyncio.run(phase(url, "model", prompts, c, n, args.max_tokens, extra))
                     r["decoder"] = name
                     print(f"{c:>3} streams  {name:<14} {r['tokens_per_second']:7.1f} tokens/s  "
                           f"TTFT p50 {r['ttft_p50']:.2f} s  TPOT p50 {r['tpot_p50'] * 1e3:.0f} "
                           f"ms  {r['tokens_per_pass']:.2f} tokens/pass  k {r['k_mean']:.2f}",
                           file=sys.stderr, flush=True)
+                    # every phase run: its round, its middle moment (s) and its tokens/s
                     r["rounds"] = best.get((c, name), {}).get("rounds", []) + [
-                        r["tokens_per_second"]]
-                    if r["tokens_per_second"] >= max(r["rounds"]):
+                        [i, start + r["seconds"] / 2, r["tokens_per_second"]]]
+                    if r["tokens_per_second"] >= max(x[2] for x in r["rounds"]):
                         best[c, name] = r
                     best[c, name]["rounds"] = r["rounds"]
                     report["phases"] = list(best.values())
                     save_load(report, out)
     return report
+
+
+def turn_order(modes, i) -> list[str]:
+    """Round i's turns at one N: the decoders in order (reversed in odd rounds), and with
+    greedy among them, greedy first and last, so that every other decoder ran between two
+    greedy phases a minute or two apart."""
+    others = [m for m in modes if m != "greedy"]
+    others = others[::-1] if i % 2 else others
+    return ["greedy", *others, "greedy"] if "greedy" in modes else others
 
 
 def commit():
@@ -241,7 +253,8 @@ def load_markdown(report) -> str:
                      f"| {p['tokens_per_pass']:.2f} | {p['k_mean']:.2f} |")
     lines += ["", "tokens/s: output tokens over the phase's wall time (first request sent to "
               "last answer read), the fastest round; vs greedy: the median over rounds of its "
-              "tokens/s over greedy's in the same round; TPOT: seconds per output token after "
+              "tokens/s over greedy's at the same moment (greedy opens and closes each round's "
+              "turns; between them, a straight line); TPOT: seconds per output token after "
               "the first; "
               "tokens/pass: output tokens per forward pass of a row; mean k: positions a row "
               "computed per pass (the load-aware rule's choice; -off: the rule off).", ""]
@@ -249,9 +262,16 @@ def load_markdown(report) -> str:
 
 
 def paired_ratio(rounds, base_rounds) -> float:
-    """A decoder's tokens/s over greedy's, round by round (the two ran minutes apart at most,
-    so a machine that drifts between rounds moves both), the median over rounds."""
-    return statistics.median(a / b for a, b in zip(rounds, base_rounds))
+    """A decoder's tokens/s over greedy's at the same moment, the median over rounds. Greedy
+    opened and closed each round's turns (turn_order): its tokens/s at a phase's middle moment
+    is read off the line between those two greedy phases, so a machine whose speed drifts
+    steadily over the round moves both alike. Rounds are [round, moment, tokens/s]."""
+    ratios = []
+    for i, at, tps in rounds:
+        base = sorted((t, g) for j, t, g in base_rounds if j == i)
+        (t0, g0), (t1, g1) = base[0], base[-1]
+        ratios.append(tps / (g0 + (g1 - g0) * (at - t0) / (t1 - t0) if t1 > t0 else g0))
+    return statistics.median(ratios)
 
 
 def plot(report, path):

@@ -164,29 +164,47 @@ class RaggedPass:
         self.cells = ragged_cells(lengths, fed, T)
         # where row b's packed tokens start
         self.starts = list(itertools.accumulate(fed, initial=0))
-        # the mask in the dtype of the first layer's queries, made there (kernel_mask)
-        self.layer_mask = None
+        # a ragged pass's rows attend in one group or two (attention_groups): (rows, T, S)
+        self.groups = [(list(range(len(fed))), T, self.S)]
+        if self.ragged:
+            self.groups = []
+            for rows in attention_groups(fed):
+                longest = max(new_lengths[b] for b in rows)
+                S_g = min(cache.max_len, -(-longest // block) * block)
+                self.groups.append((rows, max(fed[b] for b in rows), S_g))
 
     def upload(self, *more):
         """The pass's indices on the device, with `more` lists of ints, in one copy (each
         torch.tensor(list) is a copy the device's queue waits for) -> `more` as tensors."""
-        live, rows, slots, grid, index = self.cells
-        T = self.T
-        # causal by slot: grid cell (i, t) sees the slots up to its own position
-        starts = [self.cache.host_lengths[b] for b in live]
-        lists = [rows, slots, grid, index, live, self.new_lengths, starts, *more]
+        _, rows, slots, _, index = self.cells
+        host = self.cache.host_lengths
+        # each group: its rows, its packed tokens, their cells of its (rows, T_g) grid and
+        # the rows' first slots (causal by slot: cell (i, t) sees the slots up to its own)
+        groups = []
+        for g, T_g, _ in self.groups:
+            # (a pass that is not ragged attends in place: no tokens to move)
+            moved = range(len(g)) if self.ragged else ()
+            groups += [g, [self.starts[g[i]] + t for i in moved for t in range(self.fed[g[i]])],
+                       [i * T_g + t for i in moved for t in range(self.fed[g[i]])],
+                       [host[b] for b in g]]
+        lists = [rows, slots, index, self.new_lengths, *groups, *more]
         flat = torch.tensor(list(itertools.chain(*lists)), dtype=torch.long,
                             device=self.cache.lengths.device)
         tensors = flat.split([len(x) for x in lists])
-        self.rows, self.slots, self.grid, self.index, live, self.lengths, starts = tensors[:7]
+        self.rows, self.slots, self.index, self.lengths = tensors[:4]
         # each token's RoPE position is its slot: (1, N) packed, else (B, T)
-        self.positions = self.slots.view(1, -1) if self.ragged else self.slots.view(-1, T)
-        # only the rows that feed tokens attend (all: a view, not a copy)
-        self.live = slice(None) if len(live) == len(self.fed) else live
-        positions = starts[:, None] + torch.arange(T, device=flat.device)   # (B', T)
-        mask = torch.arange(self.S, device=flat.device) <= positions[:, :, None]
-        self.mask = mask[:, None]                                    # (B', 1, T, S)
-        return tensors[7:]
+        self.positions = self.slots.view(1, -1) if self.ragged else self.slots.view(-1, self.T)
+        self.attention = []
+        for i, (g, T_g, S_g) in enumerate(self.groups):
+            live, tokens, grid, starts = tensors[4 + 4 * i: 8 + 4 * i]
+            positions = starts[:, None] + torch.arange(T_g, device=flat.device)   # (B', T_g)
+            mask = torch.arange(S_g, device=flat.device) <= positions[:, :, None]
+            # only the rows that feed tokens attend (all: a view, not a copy)
+            live = slice(None) if len(g) == len(self.fed) else live
+            # [rows, packed tokens, grid cells, T, S, (B', 1, T, S) mask]; attend adds the
+            # mask as the kernel takes it, once a pass (kernel_mask)
+            self.attention.append([live, tokens, grid, T_g, S_g, mask[:, None]])
+        return tensors[4 + 4 * len(self.groups):]
 
     def pack(self, x):
         """(B, T) -> (1, N): a ragged pass's real tokens in one row."""
@@ -205,12 +223,13 @@ class RaggedPass:
 
         return [[packed(b, t) for t in row] for b, row in enumerate(places)]
 
-    def spread(self, x, cells, n_rows: int):
+    @staticmethod
+    def spread(x, cells, n_rows: int, T: int):
         """Packed (N, ...) -> (n_rows, T, ...): x[i] at flat cell cells[i], zeros
         elsewhere."""
         shape = x.shape[1:]
-        out = x.new_zeros(n_rows * self.T, *shape).index_copy_(0, cells, x)
-        return out.view(n_rows, self.T, *shape)
+        out = x.new_zeros(n_rows * T, *shape).index_copy_(0, cells, x)
+        return out.view(n_rows, T, *shape)
 
     def attend(self, layer: int, q, k, v):
         """Write k, v (B, n_kv, T, hd) into the cache, then attend with q
@@ -222,20 +241,31 @@ class RaggedPass:
         values = self.cache.v[layer]
         keys[self.rows, :, self.slots] = k_new.to(keys.dtype)
         values[self.rows, :, self.slots] = v_new.to(values.dtype)
-        # the first S slots of the live rows, in the pass's dtype (a cache built
-        # from FSDP2's float32 shards holds float32; the pass computes in bfloat16)
-        k = keys[self.live, :, : self.S].to(q.dtype)             # (B', n_kv, S, hd)
-        v = values[self.live, :, : self.S].to(q.dtype)
-        if self.layer_mask is None:
-            self.layer_mask = kernel_mask(self.mask, q.shape[1] // k.shape[1], q.dtype)
-        if not self.ragged:
-            return attend(q, k, v, self.layer_mask)
-
-        # spread the packed queries out to the (B', T) grid of their rows, and back
-        q = self.spread(q[0].transpose(0, 1), self.grid, len(self.mask))
-        y = attend(q.transpose(1, 2), k, v, self.layer_mask)     # (B', n_heads, T, hd)
-        y = y.transpose(1, 2).flatten(0, 1).index_select(0, self.grid)
-        return y[None].transpose(1, 2)                            # (1, n_heads, N, hd)
+        # each group attends over the first S slots of its rows, in the pass's dtype (a cache
+        # built from FSDP2's float32 shards holds float32; the pass computes in bfloat16)
+        g = q.shape[1] // keys.shape[1]
+        if self.ragged:
+            # (1, n_heads, N, hd) -> the packed (N, n_heads, hd)
+            q = q[0].transpose(0, 1)
+            out = q.new_empty(q.shape) if len(self.attention) > 1 else None
+        for group in self.attention:
+            live, tokens, grid, T, S, mask = group[:6]
+            if len(group) == 6:
+                group.append(kernel_mask(mask, g, q.dtype))
+            k = keys[live, :, :S].to(q.dtype)                     # (B', n_kv, S, hd)
+            v = values[live, :, :S].to(q.dtype)
+            if not self.ragged:
+                return attend(q, k, v, group[6])
+            # spread the group's packed queries out to the (B', T) grid of its rows, and back
+            x = q if out is None else q.index_select(0, tokens)
+            x = self.spread(x, grid, len(mask), T)                # (B', T, n_heads, hd)
+            y = attend(x.transpose(1, 2), k, v, group[6])         # (B', n_heads, T, hd)
+            y = y.transpose(1, 2).flatten(0, 1).index_select(0, grid)
+            if out is None:
+                out = y
+            else:
+                out.index_copy_(0, tokens, y)
+        return out[None].transpose(1, 2)                          # (1, n_heads, N, hd)
 
     def advance(self, T: int):
         """Transformer.forward's call after the last layer: every row's new length, built
@@ -244,6 +274,27 @@ class RaggedPass:
         self.cache.lengths.copy_(self.lengths)
         self.cache.host_lengths = self.new_lengths
         self.cache.longest = max(self.new_lengths)
+
+
+def attention_groups(fed: list[int]) -> list[list[int]]:
+    """The rows that feed tokens, in one attention group or two. A group attends over a grid of
+    (its rows) x (its longest feed) query cells, so one long row (a prompt joining a server's
+    batch of one-token rows) would make every row's grid that long: the rows that feed most
+    attend apart where that at least halves the cells.
+
+    attention_groups([1, 1, 0, 57, 1]) == [[0, 1, 4], [3]]: 3 + 57 cells, not 4 x 57
+    """
+    live = [b for b, n in enumerate(fed) if n]
+    if len(live) < 2:
+        return [live]
+    order = sorted(live, key=lambda b: fed[b])
+    # (cells, i): the i rows that feed least apart from the others (i = all: one group)
+    cells, cut = min((i * fed[order[i - 1]] + (len(order) - i) * fed[order[-1]], i)
+                     for i in range(1, len(order) + 1))
+    if 2 * cells > len(live) * fed[order[-1]]:
+        return [live]
+    short = set(order[:cut])
+    return [[b for b in live if b in short], [b for b in live if b not in short]]
 
 
 def cached_forward(model: Transformer, tokens, cache: DecodeCache, n_tokens=None,

@@ -12,14 +12,14 @@ from adapter import add_mask_adapter
 from confadapt import DecodeConfig
 from conftest import tiny_model
 from mtp import engine
-from mtp.engine import (HostSyncs, RaggedPass, cached_forward, generate, new_cache,
-                        ragged_cells)
+from mtp.engine import (HostSyncs, RaggedPass, attention_groups, cached_forward, generate,
+                        new_cache, ragged_cells)
 
 VOCAB = 97
 
-# The tokens each of three rows feeds, pass after pass: rows of different lengths, and a row
-# that feeds none.
-FEEDS = [[5, 1, 9], [3, 7, 0], [1, 12, 4], [9, 2, 2]]
+# The tokens each of three rows feeds, pass after pass: rows of different lengths, a row that
+# feeds none, and one row feeding far more than the others (it attends in a group of its own).
+FEEDS = [[5, 1, 9], [3, 7, 0], [1, 12, 4], [9, 2, 2], [1, 14, 1]]
 
 # The token that pads the shorter rows of a pass.
 PAD = 96
@@ -217,6 +217,14 @@ def test_a_pass_makes_its_attention_mask_once_in_the_queries_dtype(monkeypatch):
 def test_ragged_cells_is_its_worked_example():
     cells = ragged_cells([3, 5, 4], fed=[2, 0, 1], T=2)
     assert cells == ([0, 2], [0, 0, 2], [3, 4, 4], [0, 1, 2], [0, 1, 4])
+
+
+def test_a_row_feeding_far_more_than_the_others_attends_apart():
+    assert attention_groups([1, 1, 0, 57, 1]) == [[0, 1, 4], [3]]
+    assert attention_groups(FEEDS[-1]) == [[0, 2], [1]]
+    # apart only where that at least halves the grid (27 cells -> 13, but 27 -> 19 is not)
+    assert [len(attention_groups(f)) for f in FEEDS] == [1, 1, 1, 2, 2]
+    assert attention_groups([4, 4, 4]) == [[0, 1, 2]] and attention_groups([0, 3]) == [[1]]
 
 
 def test_engine_cache_overflow_is_an_error():
