@@ -216,12 +216,13 @@ class Decoder:
             # the predictions this pass can keep: lossless, the drafts it verifies and one
             tried[id(r)] = len(r.row.drafts) + 1 if r.mode.kind == "lossless" else r.row.mode.block
 
-        # 2) one ragged pass of every live row
+        # 2) one ragged pass of every live row (one feeding a joining prompt is not priced)
         rows = [r.row for r in self.live]
+        joins = any(not row.chunk_sizes for row in rows)
         start = time.perf_counter()
         fed = decode_step(self.model, self.cache, rows, GREEDY, mask_id=self.mask_id,
                           pad_id=0, stop_ids=self.stop_ids)
-        self.costs.observe(fed, len(rows), time.perf_counter() - start)
+        self.costs.observe(fed, len(rows), None if joins else time.perf_counter() - start)
         self.metrics.pass_done(len(rows), sum(row.chunk_sizes[-1] for row in rows))
 
         # 3) every request gets its new tokens; finished rows leave

@@ -82,8 +82,15 @@ class PassCosts:
     def curve(self, B: int) -> dict:
         return self.curves[min((b for b in self.curves if b >= B), default=max(self.curves))]
 
-    def observe(self, n: float, B: int, seconds: float):
-        """A pass the server ran: N positions over B rows in `seconds`."""
+    def observe(self, n: float, B: int, seconds: float | None):
+        """A pass the server ran: N positions over B rows in `seconds` (None: a pass that also
+        fed a joining row's prompt; it costs what a prompt does, and teaches nothing of k)."""
+        if seconds is not None:
+            self.learn(n, B, seconds)
+        self.exploring = False
+        self.passes += 1
+
+    def learn(self, n: float, B: int, seconds: float):
         points = self.curve(B)
         if len(points) > 1:
             # The two points around N move toward this pass at the current load, each by its
@@ -104,8 +111,6 @@ class PassCosts:
             # the passes of the rule's own choice set the load; an explored one, timed against
             # them, teaches only the shape
             self.load += (seconds / shape(points, n) - self.load) / 2
-        self.exploring = False
-        self.passes += 1
 
     def explore(self, best: int, top: int, span: int = 1) -> int:
         """The k to compute in this pass: mostly `best`, the rule's choice; one pass in

@@ -422,6 +422,29 @@ def test_the_shape_learns_between_and_beyond_its_points_for_each_number_of_rows(
     assert costs.curves[4][8][0] == before[8]
 
 
+def test_a_pass_that_feeds_a_joining_prompt_teaches_the_costs_nothing(folders):
+    """A joining request's prompt rides in the next pass: that pass costs what the prompt does,
+    so the server does not price it; every later pass of the request is priced."""
+    seen = []
+
+    class Spy(FixedCosts):
+        def observe(self, n, B, seconds):
+            seen.append((n, seconds))
+
+    argv = ["--model", folders["mtp"], "--device", "cpu", "--dtype", "float32",
+            "--served-model-name", "tiny", "--max-rows", "4"]
+    with running_server(argv) as (url, decoder):
+        decoder.costs = Spy(lambda n: 1e-3)
+        _, u = chat(client(url), mtp_mode="static", static_k=2, max_tokens=6, load_aware=False)
+    assert len(seen) == u.model_extra["forward_passes"] == 3
+    # the first pass fed the whole prompt (and a mask), the others 2 pending tokens and a mask
+    assert seen[0][0] == u.prompt_tokens + 1 and seen[0][1] is None
+    assert [n for n, _ in seen[1:]] == [3, 3] and all(t > 0 for _, t in seen[1:])
+    costs = PassCosts({1: {1: 1.0, 2: 1.0, 4: 2.0}})
+    costs.observe(4, 1, None)
+    assert costs(4, 1) == 2.0 and costs.load == 1.0 and costs.passes == 1
+
+
 def test_one_pass_in_every_tries_a_neighbour_of_the_rules_choice_or_greedy():
     costs = PassCosts({1: {1: 0.01, 2: 0.02, 4: 0.04}})
     picks = []
