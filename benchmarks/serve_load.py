@@ -128,23 +128,36 @@ async def stream(client, model, messages, max_tokens, extra) -> dict:
 
 
 async def phase(url, model, prompts, concurrency, n_requests, max_tokens, extra) -> dict:
-    """n_requests streams, `concurrency` at a time -> the phase's figures."""
+    """n_requests streams, `concurrency` at a time -> the phase's figures. Its steady part ends
+    when a stream first finds no request left: from then on fewer than `concurrency` run, and
+    the phase ends with its slowest stream."""
     import openai
 
     gate = asyncio.Semaphore(concurrency)
+    started = 0
+    steady = {}
     async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=os.environ.get(
             "OPENAI_API_KEY", "none"), timeout=600, max_retries=0) as client:
         async def one(i):
+            nonlocal started
             async with gate:
+                started += 1
                 messages = [{"role": "user", "content": prompts[i % len(prompts)]}]
-                return await stream(client, model, messages, max_tokens, extra)
+                r = await stream(client, model, messages, max_tokens, extra)
+            if started == n_requests and not steady:
+                steady["end"] = time.perf_counter()
+                steady["tokens"] = await asyncio.to_thread(tokens_decoded, url)
+            return r
 
+        before = await asyncio.to_thread(tokens_decoded, url)
         start = time.perf_counter()
         done = await asyncio.gather(*(one(i) for i in range(n_requests)))
         seconds = time.perf_counter() - start
     tokens = sum(r["tokens"] for r in done)
     return {"concurrency": concurrency, "requests": n_requests, "seconds": seconds,
             "output_tokens": tokens, "tokens_per_second": tokens / seconds,
+            # the server's tokens while every stream had a request (its own count: /metrics)
+            "steady_tokens_per_second": (steady["tokens"] - before) / (steady["end"] - start),
             "requests_per_second": n_requests / seconds,
             "ttft_p50": pct([r["ttft"] for r in done], 50),
             "ttft_p95": pct([r["ttft"] for r in done], 95),
@@ -153,6 +166,15 @@ async def phase(url, model, prompts, concurrency, n_requests, max_tokens, extra)
             "tokens_per_pass": tokens / max(1, sum(r["passes"] for r in done)),
             "k_mean": statistics.mean(r["k_mean"] for r in done),
             "texts": [r["text"] for r in done]}
+
+
+def tokens_decoded(url) -> float:
+    """The server's count of the tokens it has decoded (/metrics)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("mtp_tokens_total "):
+                return float(line.split()[1])
+    raise CliError(f"{url}/metrics has no mtp_tokens_total")
 
 
 def pct(xs, q) -> float:
@@ -202,9 +224,11 @@ def load_run(args) -> dict:
                           f"TTFT p50 {r['ttft_p50']:.2f} s  TPOT p50 {r['tpot_p50'] * 1e3:.0f} "
                           f"ms  {r['tokens_per_pass']:.2f} tokens/pass  k {r['k_mean']:.2f}",
                           file=sys.stderr, flush=True)
-                    # every phase run: its round, its middle moment (s) and its tokens/s
+                    # every phase run: its round, its middle moment (s), its tokens/s and its
+                    # steady part's
                     r["rounds"] = best.get((c, name), {}).get("rounds", []) + [
-                        [i, start + r["seconds"] / 2, r["tokens_per_second"]]]
+                        [i, start + r["seconds"] / 2, r["tokens_per_second"],
+                         r["steady_tokens_per_second"]]]
                     if r["tokens_per_second"] >= max(x[2] for x in r["rounds"]):
                         best[c, name] = r
                     best[c, name]["rounds"] = r["rounds"]
@@ -240,35 +264,42 @@ def load_markdown(report) -> str:
              f"Server: `serve.py {' '.join(m['server_flags'])}`; client: {m['client']}; "
              f"{len(m['prompts'])} prompts, max_tokens {m['max_tokens']}; "
              f"the fastest of {m['rounds']} round(s) of turns.", "",
-             "| streams | decoder | tokens/s | vs greedy | requests/s | TTFT p50 / p95 (s) "
-             "| TPOT p50 / p95 (ms) | tokens/pass | mean k |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| streams | decoder | tokens/s | vs greedy | steady: vs greedy | requests/s "
+             "| TTFT p50 / p95 (s) | TPOT p50 / p95 (ms) | tokens/pass | mean k |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for p in report["phases"]:
         base = greedy.get(p["concurrency"])
-        vs = f"{paired_ratio(p['rounds'], base):.2f}x" if base else ""
+        vs = steady = ""
+        if base:
+            vs = f"{paired_ratio(p['rounds'], base):.2f}x"
+            steady = f"{paired_ratio(p['rounds'], base, steady=True):.2f}x"
         lines.append(f"| {p['concurrency']} | {p['decoder']} | {p['tokens_per_second']:.1f} "
-                     f"| {vs} | {p['requests_per_second']:.2f} "
+                     f"| {vs} | {steady} | {p['requests_per_second']:.2f} "
                      f"| {p['ttft_p50']:.2f} / {p['ttft_p95']:.2f} "
                      f"| {p['tpot_p50'] * 1e3:.0f} / {p['tpot_p95'] * 1e3:.0f} "
                      f"| {p['tokens_per_pass']:.2f} | {p['k_mean']:.2f} |")
     lines += ["", "tokens/s: output tokens over the phase's wall time (first request sent to "
               "last answer read), the fastest round; vs greedy: the median over rounds of its "
               "tokens/s over greedy's at the same moment (greedy opens and closes each round's "
-              "turns; between them, a straight line); TPOT: seconds per output token after "
-              "the first; "
+              "turns; between them, a straight line); steady: the same for the tokens the "
+              "server decoded until a stream first found no request left (every stream busy); "
+              "TPOT: seconds per output token after the first; "
               "tokens/pass: output tokens per forward pass of a row; mean k: positions a row "
               "computed per pass (the load-aware rule's choice; -off: the rule off).", ""]
     return "\n".join(lines)
 
 
-def paired_ratio(rounds, base_rounds) -> float:
+def paired_ratio(rounds, base_rounds, steady=False) -> float:
     """A decoder's tokens/s over greedy's at the same moment, the median over rounds. Greedy
     opened and closed each round's turns (turn_order): its tokens/s at a phase's middle moment
     is read off the line between those two greedy phases, so a machine whose speed drifts
-    steadily over the round moves both alike. Rounds are [round, moment, tokens/s]."""
+    steadily over the round moves both alike. Rounds are [round, moment, tokens/s, steady
+    part's tokens/s]; steady: the steady parts'."""
+    k = 3 if steady else 2
     ratios = []
-    for i, at, tps in rounds:
-        base = sorted((t, g) for j, t, g in base_rounds if j == i)
+    for i, at, *tps in rounds:
+        tps = tps[k - 2]
+        base = sorted((x[1], x[k]) for x in base_rounds if x[0] == i)
         (t0, g0), (t1, g1) = base[0], base[-1]
         ratios.append(tps / (g0 + (g1 - g0) * (at - t0) / (t1 - t0) if t1 > t0 else g0))
     return statistics.median(ratios)

@@ -10,7 +10,9 @@ What it adds for throughput:
   <mask>s), each row its own number. Only attention mixes rows, so a pass packs the real tokens
   of all rows into one row and never computes the right-padding: `RaggedPass` is the `cache` of
   `Transformer.forward` that writes each packed token at its row's slot and spreads the queries
-  back onto their rows for attention.
+  back onto their rows for attention. A row that feeds far more than the others (a prompt
+  joining a server's batch) attends in a group of its own (`attention_groups`), so the others'
+  queries are not spread over its length.
 - Continuous batching. A finished row's cache row goes to the next waiting prompt, and with none
   left the batch shrinks (`DecodeCache.keep_rows`).
 - Few waits for the device. The cache keeps its lengths on the host as well, so a pass builds
@@ -182,11 +184,12 @@ class RaggedPass:
         # the rows' first slots (causal by slot: cell (i, t) sees the slots up to its own)
         groups = []
         for g, T_g, _ in self.groups:
-            # (a pass that is not ragged attends in place: no tokens to move)
-            moved = range(len(g)) if self.ragged else ()
-            groups += [g, [self.starts[g[i]] + t for i in moved for t in range(self.fed[g[i]])],
-                       [i * T_g + t for i in moved for t in range(self.fed[g[i]])],
-                       [host[b] for b in g]]
+            # (group row i, cache row b, step t) of each token; a pass that is not ragged
+            # attends in place, with no tokens to move
+            cells = [(i, b, t) for i, b in enumerate(g) for t in range(self.fed[b])]
+            cells = cells if self.ragged else []
+            groups += [g, [self.starts[b] + t for _, b, t in cells],
+                       [i * T_g + t for i, _, t in cells], [host[b] for b in g]]
         lists = [rows, slots, index, self.new_lengths, *groups, *more]
         flat = torch.tensor(list(itertools.chain(*lists)), dtype=torch.long,
                             device=self.cache.lengths.device)
