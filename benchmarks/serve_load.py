@@ -297,11 +297,11 @@ def paired_ratio(rounds, base_rounds, steady=False) -> float:
     part's tokens/s]; steady: the steady parts'."""
     k = 3 if steady else 2
     ratios = []
-    for i, at, *tps in rounds:
-        tps = tps[k - 2]
-        base = sorted((x[1], x[k]) for x in base_rounds if x[0] == i)
+    for x in rounds:
+        base = sorted((y[1], y[k]) for y in base_rounds if y[0] == x[0])
         (t0, g0), (t1, g1) = base[0], base[-1]
-        ratios.append(tps / (g0 + (g1 - g0) * (at - t0) / (t1 - t0) if t1 > t0 else g0))
+        greedy = g0 + (g1 - g0) * (x[1] - t0) / (t1 - t0) if t1 > t0 else g0
+        ratios.append(x[k] / greedy)
     return statistics.median(ratios)
 
 
