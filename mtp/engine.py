@@ -16,8 +16,8 @@ What it adds for throughput:
 - Continuous batching. A finished row's cache row goes to the next waiting prompt, and with none
   left the batch shrinks (`DecodeCache.keep_rows`).
 - Few waits for the device. The cache keeps its lengths on the host as well, so a pass builds
-  every index, and its attention mask, from host lists, sends them to the device in one copy,
-  and sets the new lengths without waiting for the layers. The mask is made once a pass, in the
+  every index, and its attention masks, from host lists, sends them to the device in one copy,
+  and sets the new lengths without waiting for the layers. Each mask is made once a pass, in the
   pass's dtype, for every layer. A decoding pass waits for the device at most 4 times (the
   copy, the predictions and, ConfAdapt alone, their confidences, the rollback's lengths), 5
   with the gated adapter (the rows that hold <mask>).
