@@ -134,8 +134,8 @@ class Decoder:
     def join(self, joining):
         """New, empty rows at the end of the cache, each with its whole prompt pending: the next
         pass feeds it beside the other rows' tokens and predicts from its last token. A pass of
-        its own would cost a row almost a pass of every row (on a processor), and rows that
-        finish at different passes, as multi-token rows do, join one or two at a time."""
+        its own would cost about a pass of every row (on a processor), and rows that finish at
+        different passes, as multi-token rows do, join one or two at a time."""
         self.live += joining
         # room for every row's prompt and budget, and one pass beyond it
         longest = max(len(r.prompt) + r.budget + 2 * r.mode.block for r in self.live)

@@ -166,9 +166,11 @@ class RaggedPass:
         self.cells = ragged_cells(lengths, fed, T)
         # where row b's packed tokens start
         self.starts = list(itertools.accumulate(fed, initial=0))
-        # a ragged pass's rows attend in one group or two (attention_groups): (rows, T, S)
-        self.groups = [(list(range(len(fed))), T, self.S)]
-        if self.ragged:
+        # the rows attend in one group, or a ragged pass's in two (attention_groups): each
+        # group's (rows, T, S)
+        if not self.ragged:
+            self.groups = [(list(range(len(fed))), T, self.S)]
+        else:
             self.groups = []
             for rows in attention_groups(fed):
                 longest = max(new_lengths[b] for b in rows)
@@ -186,8 +188,8 @@ class RaggedPass:
         for g, T_g, _ in self.groups:
             # (group row i, cache row b, step t) of each token; a pass that is not ragged
             # attends in place, with no tokens to move
-            cells = [(i, b, t) for i, b in enumerate(g) for t in range(self.fed[b])]
-            cells = cells if self.ragged else []
+            cells = ([(i, b, t) for i, b in enumerate(g) for t in range(self.fed[b])]
+                     if self.ragged else [])
             groups += [g, [self.starts[b] + t for _, b, t in cells],
                        [i * T_g + t for i, _, t in cells], [host[b] for b in g]]
         lists = [rows, slots, index, self.new_lengths, *groups, *more]
@@ -204,9 +206,9 @@ class RaggedPass:
             mask = torch.arange(S_g, device=flat.device) <= positions[:, :, None]
             # only the rows that feed tokens attend (all: a view, not a copy)
             live = slice(None) if len(g) == len(self.fed) else live
-            # [rows, packed tokens, grid cells, T, S, (B', 1, T, S) mask]; attend adds the
-            # mask as the kernel takes it, once a pass (kernel_mask)
-            self.attention.append([live, tokens, grid, T_g, S_g, mask[:, None]])
+            # [rows, packed tokens, grid cells, T, S, (B', 1, T, S) mask, the mask as the
+            # kernel takes it: made by the first layer, in its dtype (kernel_mask)]
+            self.attention.append([live, tokens, grid, T_g, S_g, mask[:, None], None])
         return tensors[4 + 4 * len(self.groups):]
 
     def pack(self, x):
@@ -247,27 +249,23 @@ class RaggedPass:
         # each group attends over the first S slots of its rows, in the pass's dtype (a cache
         # built from FSDP2's float32 shards holds float32; the pass computes in bfloat16)
         g = q.shape[1] // keys.shape[1]
-        if self.ragged:
-            # (1, n_heads, N, hd) -> the packed (N, n_heads, hd)
-            q = q[0].transpose(0, 1)
-            out = q.new_empty(q.shape) if len(self.attention) > 1 else None
         for group in self.attention:
-            live, tokens, grid, T, S, mask = group[:6]
-            if len(group) == 6:
-                group.append(kernel_mask(mask, g, q.dtype))
+            if group[6] is None:
+                group[6] = kernel_mask(group[5], g, q.dtype)
+        if not self.ragged:
+            live, _, _, _, S, _, mask = self.attention[0]
+            return attend(q, keys[live, :, :S].to(q.dtype), values[live, :, :S].to(q.dtype),
+                          mask)
+
+        # each group spreads its packed queries out to the (B', T) grid of its rows, and back
+        q = q[0].transpose(0, 1)                                  # (N, n_heads, hd)
+        out = q.new_empty(q.shape)
+        for live, tokens, grid, T, S, rows_mask, mask in self.attention:
             k = keys[live, :, :S].to(q.dtype)                     # (B', n_kv, S, hd)
             v = values[live, :, :S].to(q.dtype)
-            if not self.ragged:
-                return attend(q, k, v, group[6])
-            # spread the group's packed queries out to the (B', T) grid of its rows, and back
-            x = q if out is None else q.index_select(0, tokens)
-            x = self.spread(x, grid, len(mask), T)                # (B', T, n_heads, hd)
-            y = attend(x.transpose(1, 2), k, v, group[6])         # (B', n_heads, T, hd)
-            y = y.transpose(1, 2).flatten(0, 1).index_select(0, grid)
-            if out is None:
-                out = y
-            else:
-                out.index_copy_(0, tokens, y)
+            x = self.spread(q.index_select(0, tokens), grid, len(rows_mask), T)
+            y = attend(x.transpose(1, 2), k, v, mask)             # (B', n_heads, T, hd)
+            out.index_copy_(0, tokens, y.transpose(1, 2).flatten(0, 1).index_select(0, grid))
         return out[None].transpose(1, 2)                          # (1, n_heads, N, hd)
 
     def advance(self, T: int):
