@@ -270,9 +270,15 @@ def load_markdown(report) -> str:
     for p in report["phases"]:
         base = greedy.get(p["concurrency"])
         vs = steady = ""
-        if base:
-            vs = f"{paired_ratio(p['rounds'], base):.2f}x"
-            steady = f"{paired_ratio(p['rounds'], base, steady=True):.2f}x"
+        if base and p["decoder"] == "greedy":
+            # greedy against itself: its closing phase over its opening one, each round
+            for col in (2, 3):
+                drift = [close[col] / open_[col] for open_, close in turns(base)]
+                cell = f"close/open {min(drift):.2f}-{max(drift):.2f}"
+                vs, steady = (cell, steady) if col == 2 else (vs, cell)
+        elif base:
+            vs, steady = (spread(paired_ratios(p["rounds"], base, steady=col == 3))
+                          for col in (2, 3))
         lines.append(f"| {p['concurrency']} | {p['decoder']} | {p['tokens_per_second']:.1f} "
                      f"| {vs} | {steady} | {p['requests_per_second']:.2f} "
                      f"| {p['ttft_p50']:.2f} / {p['ttft_p95']:.2f} "
@@ -281,7 +287,9 @@ def load_markdown(report) -> str:
     lines += ["", "tokens/s: output tokens over the phase's wall time (first request sent to "
               "last answer read), the fastest round; vs greedy: the median over rounds of its "
               "tokens/s over greedy's at the same moment (greedy opens and closes each round's "
-              "turns; between them, a straight line); steady: the same for the tokens the "
+              "turns; between them, a straight line), with its range over rounds; greedy's own "
+              "row: how far its closing phase was from its opening one, the machine's drift "
+              "and noise within a round; steady: the same for the tokens the "
               "server decoded until a stream first found no request left (every stream busy); "
               "TPOT: seconds per output token after the first; "
               "tokens/pass: output tokens per forward pass of a row; mean k: positions a row "
@@ -289,12 +297,12 @@ def load_markdown(report) -> str:
     return "\n".join(lines)
 
 
-def paired_ratio(rounds, base_rounds, steady=False) -> float:
-    """A decoder's tokens/s over greedy's at the same moment, the median over rounds. Greedy
-    opened and closed each round's turns (turn_order): its tokens/s at a phase's middle moment
-    is read off the line between those two greedy phases, so a machine whose speed drifts
-    steadily over the round moves both alike. Rounds are [round, moment, tokens/s, steady
-    part's tokens/s]; steady: the steady parts'."""
+def paired_ratios(rounds, base_rounds, steady=False) -> list[float]:
+    """A decoder's tokens/s over greedy's at the same moment, each round. Greedy opened and
+    closed each round's turns (turn_order): its tokens/s at a phase's middle moment is read off
+    the line between those two greedy phases, so a machine whose speed drifts steadily over the
+    round moves both alike. Rounds are [round, moment, tokens/s, steady part's tokens/s];
+    steady: the steady parts'."""
     k = 3 if steady else 2
     ratios = []
     for x in rounds:
@@ -302,7 +310,20 @@ def paired_ratio(rounds, base_rounds, steady=False) -> float:
         (t0, g0), (t1, g1) = base[0], base[-1]
         greedy = g0 + (g1 - g0) * (x[1] - t0) / (t1 - t0) if t1 > t0 else g0
         ratios.append(x[k] / greedy)
-    return statistics.median(ratios)
+    return ratios
+
+
+def spread(ratios) -> str:
+    """The median and the range of a decoder's ratios over rounds."""
+    return f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
+def turns(base_rounds) -> list[tuple[list, list]]:
+    """Greedy's (opening, closing) phase of each round."""
+    by_round = {}
+    for x in sorted(base_rounds, key=lambda x: x[1]):
+        by_round.setdefault(x[0], []).append(x)
+    return [(xs[0], xs[-1]) for xs in by_round.values()]
 
 
 def plot(report, path):

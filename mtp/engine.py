@@ -281,7 +281,8 @@ def attention_groups(fed: list[int]) -> list[list[int]]:
     """The rows that feed tokens, in one attention group or two. A group attends over a grid of
     (its rows) x (its longest feed) query cells, so one long row (a prompt joining a server's
     batch of one-token rows) would make every row's grid that long: the rows that feed most
-    attend apart where that at least halves the cells.
+    attend apart where that at least halves the cells and they feed 8 tokens or more (a second
+    group is a second attention call, which a few more cells of a short feed cost less than).
 
     attention_groups([1, 1, 0, 57, 1]) == [[0, 1, 4], [3]]: 3 + 57 cells, not 4 x 57
     """
@@ -292,7 +293,7 @@ def attention_groups(fed: list[int]) -> list[list[int]]:
     # (cells, i): the i rows that feed least apart from the others (i = all: one group)
     cells, cut = min((i * fed[order[i - 1]] + (len(order) - i) * fed[order[-1]], i)
                      for i in range(1, len(order) + 1))
-    if 2 * cells > len(live) * fed[order[-1]]:
+    if 2 * cells > len(live) * fed[order[-1]] or fed[order[-1]] < 8:
         return [live]
     short = set(order[:cut])
     return [[b for b in live if b in short], [b for b in live if b not in short]]
