@@ -43,8 +43,8 @@ class PassCosts:
 
         shape_B(N)  what a pass costs relative to others: for each B = 1, 2, 4, ... max_rows (a B
                     in between takes the next larger one's), piecewise linear in N between points
-                    at N = B, 2B, 4B, ..., first timed at start-up on an idle server, N rounded
-                    up to a whole tile of the matrix kernels (TILE);
+                    at N = B, 2B, 4B, ..., first timed at start-up on an idle server; beyond
+                    16 positions N is rounded up to a whole tile of the matrix kernels (TILE);
         load        how much slower than its shape every pass runs now (the HTTP side, the
                     clients, whatever else shares the machine).
 
@@ -139,17 +139,18 @@ class PassCosts:
 
 
 # Matrix kernels take a matrix's rows (here: positions) in tiles, oneDNN's AMX kernels 16 at a
-# time: on a processor 17 positions cost about what 32 do, and 33 what 48 do.
+# time: on a processor 17 positions cost about what 32 do, and 33 what 48 do. Within the first
+# tile a pass's cost grows only with its attention and pointwise work.
 TILE = 16
 
 
 def bracket(points: dict, n: float):
-    """The two points around n, rounded up to whole tiles (never past the next point: a curve of
-    few rows has several inside one tile), and the share of the upper one: beyond the last, the
-    last two and a share above 1 (extrapolated); below the first, the first two and a share of
-    0."""
+    """The two points around n, beyond the first tile rounded up to a whole one, and the share
+    of the upper one: beyond the last, the last two and a share above 1 (extrapolated); below
+    the first, the first two and a share of 0."""
     ns = list(points)
-    n = min([-(-n // TILE) * TILE] + [m for m in ns if m >= n])
+    if n > TILE:
+        n = -(-n // TILE) * TILE
     hi = next((m for m in ns[1:] if m >= n), ns[-1])
     lo = ns[ns.index(hi) - 1]
     return lo, hi, max(0.0, (n - lo) / (hi - lo))
