@@ -21,7 +21,7 @@ tokens, drafts and masks); C(N, B): their cost in seconds (measured, mtp/load_ru
 are taken as if the rows had decoded at k for a while. k = 1 is greedy (E = 1), so the rule
 falls back to greedy's cost when extra positions do not pay (or promise less than 10% more):
 few rows leave the processor idle and extra positions are nearly free; many rows keep it busy
-and every position costs.
+and every position costs (on a processor, in tiles: 17 positions cost what 32 do).
 
     python serve.py --model DIR [--port 8000] [--api-key KEY] [--max-rows 16]
 
