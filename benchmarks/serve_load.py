@@ -271,11 +271,7 @@ def load_markdown(report) -> str:
         base = greedy.get(p["concurrency"])
         vs = steady = ""
         if base and p["decoder"] == "greedy":
-            # greedy against itself: its closing phase over its opening one, each round
-            for col in (2, 3):
-                drift = [close[col] / open_[col] for open_, close in turns(base)]
-                cell = f"close/open {min(drift):.2f}-{max(drift):.2f}"
-                vs, steady = (cell, steady) if col == 2 else (vs, cell)
+            vs, steady = (drift(base, steady=col == 3) for col in (2, 3))
         elif base:
             vs, steady = (spread(paired_ratios(p["rounds"], base, steady=col == 3))
                           for col in (2, 3))
@@ -318,12 +314,15 @@ def spread(ratios) -> str:
     return f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
-def turns(base_rounds) -> list[tuple[list, list]]:
-    """Greedy's (opening, closing) phase of each round."""
+def drift(base_rounds, steady=False) -> str:
+    """Greedy against itself: its closing phase's tokens/s over its opening one's, the range
+    over rounds (how much the machine moved within a round)."""
+    k = 3 if steady else 2
     by_round = {}
     for x in sorted(base_rounds, key=lambda x: x[1]):
-        by_round.setdefault(x[0], []).append(x)
-    return [(xs[0], xs[-1]) for xs in by_round.values()]
+        by_round.setdefault(x[0], []).append(x[k])
+    ratios = [xs[-1] / xs[0] for xs in by_round.values()]
+    return f"close/open {min(ratios):.2f}-{max(ratios):.2f}"
 
 
 def plot(report, path):

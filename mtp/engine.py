@@ -282,7 +282,7 @@ def attention_groups(fed: list[int]) -> list[list[int]]:
     (its rows) x (its longest feed) query cells, so one long row (a prompt joining a server's
     batch of one-token rows) would make every row's grid that long: the rows that feed most
     attend apart where that at least halves the cells and they feed 8 tokens or more (a second
-    group is a second attention call, which a few more cells of a short feed cost less than).
+    group is a second attention call, dearer than a short feed's few extra cells).
 
     attention_groups([1, 1, 0, 57, 1]) == [[0, 1, 4], [3]]: 3 + 57 cells, not 4 x 57
     """
