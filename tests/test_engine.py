@@ -226,7 +226,8 @@ def test_a_row_feeding_far_more_than_the_others_attends_apart():
     assert [len(attention_groups(f)) for f in FEEDS] == [1, 1, 1, 2, 2]
     assert attention_groups([4, 4, 4]) == [[0, 1, 2]] and attention_groups([0, 3]) == [[1]]
     # a short feed attends with the others, though apart it would halve the grid: a second
-    # attention call costs more (on SmolLM2, 16 rows: 54 ms a pass in one group, 60 in two)
+    # attention call costs more (benchmarks/pass_shapes.py, SmolLM2, 16 rows: 98 ms a pass in
+    # one group, 111 in two)
     assert attention_groups([1] * 14 + [3] * 2) == [list(range(16))]
     assert len(attention_groups([1] * 14 + [8] * 2)) == 2
 

@@ -423,9 +423,9 @@ def test_the_shape_learns_between_and_beyond_its_points_for_each_number_of_rows(
 
 
 def test_positions_are_priced_in_whole_tiles_of_the_matrix_kernels():
-    """Matrix kernels compute positions 16 at a time (oneDNN's AMX tiles): on SmolLM2 here a
-    1536 x 576 layer took 188 us for 16 positions, 232 for 17 and 243 for 32, a whole pass of 16
-    rows feeding 17 as much as one feeding 32. So beyond the first tile N is priced rounded up
+    """Matrix kernels compute positions 16 at a time (oneDNN's AMX tiles): a 1536 x 576 product
+    of SmolLM2 took 269 us for 16 positions, 316 for 17 and 328 for 32 (benchmarks/pass_shapes.py
+    on a 2-core Xeon). So beyond the first tile N is priced rounded up
     to a whole one, and a pass teaches the points around its whole tiles; within the first, a
     curve of a few rows stays linear between its points."""
     costs = PassCosts({16: {16: 1.0, 32: 1.5, 64: 2.5}, 4: {4: 0.5, 8: 0.6, 16: 0.7, 32: 1.1}})
