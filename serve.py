@@ -146,9 +146,14 @@ class Decoder:
             r.row = Row(r.prompt, budget=r.budget, pending=list(r.prompt))
 
     def keep(self, wanted) -> list[Request]:
-        """Only the live rows `wanted` keeps stay, in the cache too -> the others."""
-        rows = [i for i, r in enumerate(self.live) if wanted(r)]
-        gone = [r for r in self.live if not wanted(r)]
+        """Only the live rows `wanted` keeps stay, in the cache too -> the others. The last
+        rows take the places of those that leave: only they move in the cache."""
+        # asked once a row: a client may cancel meanwhile
+        stays = [wanted(r) for r in self.live]
+        n = sum(stays)
+        last = iter(i for i in range(n, len(stays)) if stays[i])
+        rows = [i if stays[i] else next(last) for i in range(n)]
+        gone = [r for r, s in zip(self.live, stays) if not s]
         if gone and self.cache is not None:
             self.cache.keep_rows(rows)
         self.live = [self.live[i] for i in rows]
@@ -190,7 +195,8 @@ class Decoder:
             best = 1
         # a lossless row's drafts are verified a pass later: a k explored holds for two
         lossless = any(r.mode.kind == "lossless" and r.load_aware for r in self.live)
-        return self.costs.explore(best, top, span=2 if lossless else 1)
+        near_pays = rates.get(2, 0) >= (1 - MARGIN) * rates[1]
+        return self.costs.explore(best, top, span=2 if lossless else 1, near_pays=near_pays)
 
     def curve(self, mode: DecodeConfig, top: int):
         """A rule's E and P(all kept) from 0 to top predictions (static k: all kept)."""

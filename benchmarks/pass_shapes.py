@@ -2,8 +2,8 @@
 
 1. Tiles. A layer's matrix product (SmolLM2's 1536 x 576 MLP weight, 60 copies read in turn so
    the weights come from memory as in a pass) for M = 1 .. 128 positions: matrix kernels take
-   rows in tiles (oneDNN's AMX kernels 16 at a time), so 17 positions cost about what 32 do
-   (mtp/load_rule.py's TILE).
+   rows in tiles (oneDNN's AMX kernels 16 at a time), so 17 positions cost about what 32 do;
+   on AVX-512 without AMX the cost grows smoothly (mtp/load_rule.py's measure_tile).
 2. Attention groups. Whole passes of 16 rows over 150 cached tokens, for feeds such as
    14 rows of 1 token and 2 of 3: in one attention group, as mtp/engine.py's attention_groups
    keeps a short feed, and split in two, as it splits a prompt from one-token rows.

@@ -46,20 +46,32 @@ aten = torch.ops.aten
 # ---- the cache and one ragged pass ------------------------------------------------------------
 
 class DecodeCache(KVCache):
-    """model.KVCache, plus what continuous batching needs: rows leave it (keep_rows), and a pass
-    reads whole blocks of key_block slots (RaggedPass)."""
+    """model.KVCache, plus what continuous batching needs: rows leave it (keep_rows) and join it
+    (grow), and a pass reads whole blocks of key_block slots (RaggedPass).
+
+    k and v are views of the first B rows of storage that keeps the most rows the cache has
+    held: a row that leaves moves no other (only rows that change place are copied), and one
+    that joins takes a place already there. Copying the whole cache instead, twice for every
+    request that finishes and the next that joins, costs more than a pass at 32 rows."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.key_block = 64 if self.k.is_cuda else 1
         # each row's length, on the host too: a pass plans from it without reading the device
         self.host_lengths = [0] * len(self.lengths)
+        self.storage = {"k": self.k, "v": self.v}
 
     def keep_rows(self, rows):
         """Keep only these batch rows, in this order (finished sequences leave)."""
+        moved = [(i, r) for i, r in enumerate(rows) if i != r]
+        if moved:
+            to, source = (torch.as_tensor(x, dtype=torch.long, device=self.lengths.device)
+                          for x in zip(*moved))
+            for t in self.storage.values():
+                # the moving rows are read before any is written
+                t.index_copy_(1, to, t.index_select(1, source))
+        self.k, self.v = (t[:, :len(rows)] for t in self.storage.values())
         idx = torch.as_tensor(rows, dtype=torch.long, device=self.lengths.device)
-        self.k = self.k.index_select(1, idx)
-        self.v = self.v.index_select(1, idx)
         self.lengths = self.lengths.index_select(0, idx)
         self.host_lengths = [self.host_lengths[r] for r in rows]
 
@@ -87,12 +99,14 @@ class DecodeCache(KVCache):
         batch_size = max(batch_size, len(self.lengths))
         max_len = max(max_len, self.max_len)
         old = len(self.lengths)
-        for name in ("k", "v"):
-            t = getattr(self, name)
-            # (n_layers, B, n_kv_heads, max_len, head_dim)
-            new = t.new_zeros(t.shape[0], batch_size, t.shape[2], max_len, t.shape[4])
-            new[:, :old, :, : self.max_len] = t
-            setattr(self, name, new)
+        if batch_size > self.storage["k"].shape[1] or max_len > self.max_len:
+            for name, t in self.storage.items():
+                # (n_layers, B, n_kv_heads, max_len, head_dim)
+                new = t.new_zeros(t.shape[0], batch_size, t.shape[2], max_len, t.shape[4])
+                new[:, :old, :, : self.max_len] = t[:, :old]
+                self.storage[name] = new
+        # rows taken from storage hold a finished row's keys: length 0 hides them
+        self.k, self.v = (t[:, :batch_size] for t in self.storage.values())
         self.lengths = torch.cat([self.lengths, self.lengths.new_zeros(batch_size - old)])
         self.host_lengths = self.host_lengths + [0] * (batch_size - old)
         self.max_len = max_len

@@ -7,9 +7,13 @@ timed in a quiet spell from looking cheap in a busy one: with one last-seen time
 rule would take extra positions that no longer pay.
 """
 
+import statistics
+import time
 from collections import Counter
 
-from mtp.engine import time_passes
+import torch
+
+from mtp.engine import synchronize, time_passes
 
 
 class Acceptance:
@@ -43,8 +47,9 @@ class PassCosts:
 
         shape_B(N)  what a pass costs relative to others: for each B = 1, 2, 4, ... max_rows (a B
                     in between takes the next larger one's), piecewise linear in N between points
-                    at N = B, 2B, 4B, ..., first timed at start-up on an idle server; beyond
-                    16 positions N is rounded up to a whole tile of the matrix kernels (TILE);
+                    at N = B, 2B, 4B, ..., first timed at start-up on an idle server; where
+                    the matrix kernels take positions in tiles (`tile`, measured at start-up),
+                    N beyond the first tile is rounded up to a whole one;
         load        how much slower than its shape every pass runs now (the HTTP side, the
                     clients, whatever else shares the machine).
 
@@ -54,10 +59,11 @@ class PassCosts:
     attention reads its own cache. To keep the shape near the rule's choice and at greedy's
     current, one pass in `every` computes a k next to it or k = 1 (`explore`)."""
 
-    def __init__(self, points: dict, every=10):
+    def __init__(self, points: dict, every=10, tile=1):
         # {B: {N: [shape, weight of the passes seen there lately]}}
         self.curves = {b: {n: [s, 0.5] for n, s in sorted(ps.items())}
                        for b, ps in sorted(points.items())}
+        self.tile = tile
         self.load = 1.0
         self.every = every
         self.passes = 0
@@ -75,10 +81,10 @@ class PassCosts:
         points = {}
         for (k, b), s in time_passes(model, [(k, b) for b in sizes for k in ks]).items():
             points.setdefault(b, {})[k * b] = s
-        return cls(points)
+        return cls(points, tile=measure_tile(model))
 
     def __call__(self, n: float, B: int) -> float:
-        return self.load * shape(self.curve(B), n)
+        return self.load * shape(self.curve(B), n, self.tile)
 
     def curve(self, B: int) -> dict:
         return self.curves[min((b for b in self.curves if b >= B), default=max(self.curves))]
@@ -99,8 +105,8 @@ class PassCosts:
             # every pass the server runs). A point the rule runs all the time moves by a
             # fiftieth, so a busy spell goes to the load; one it runs now and then, by most of
             # the way.
-            lo, hi, w = bracket(points, n)
-            error = seconds / self.load - shape(points, n)
+            lo, hi, w = bracket(points, n, self.tile)
+            error = seconds / self.load - shape(points, n, self.tile)
             for curve in self.curves.values():
                 for point in curve.values():
                     point[1] *= 0.98
@@ -111,23 +117,26 @@ class PassCosts:
         if not self.exploring:
             # the passes of the rule's own choice set the load; an explored one, timed against
             # them, teaches only the shape
-            self.load += (seconds / shape(points, n) - self.load) / 2
+            self.load += (seconds / shape(points, n, self.tile) - self.load) / 2
 
-    def explore(self, best: int, top: int, span: int = 1) -> int:
+    def explore(self, best: int, top: int, span: int = 1, near_pays: bool = True) -> int:
         """The k to compute in this pass: mostly `best`, the rule's choice; one pass in
         `every` the k above it, the next such pass the k below, then k = 1, in turn (where
         they exist): greedy's price, the one the rule must never do worse than, stays current
         however far the rule's choice is from it. From k = 1, where extra positions did not
-        pay, a third as often: at many rows a try costs up to half a pass more than greedy's.
-        An explored k above 1 holds for `span` passes: a lossless row's masks only draft, and
-        the pass after verifies the drafts (tried for one pass from k = 1, they would be
-        dropped unread)."""
+        pay, a third as often, and only while the prices say k = 2 nearly pays (`near_pays`):
+        at many rows a try costs up to half a pass more than greedy's, and a price that far
+        off is not worth checking. An explored k above 1 holds for `span` passes: a lossless
+        row's masks only draft, and the pass after verifies the drafts (tried for one pass
+        from k = 1, they would be dropped unread)."""
         if self.held:
             k, left = self.held
             self.held = (k, left - 1) if left > 1 else None
             self.exploring = True
             return k
         if (self.passes + 1) % (self.every * (3 if best == 1 else 1)):
+            return best
+        if best == 1 and not near_pays:
             return best
         near = [k for k in dict.fromkeys((best + 1, best - 1, 1)) if 1 <= k <= top and k != best]
         self.exploring = bool(near)
@@ -138,29 +147,46 @@ class PassCosts:
         return k
 
 
-# Matrix kernels take a matrix's rows (here: positions) in tiles, oneDNN's AMX kernels 16 at a
-# time: on a processor 17 positions cost about what 32 do, and 33 what 48 do. Within the first
-# tile a pass's cost grows only with its attention and pointwise work.
-TILE = 16
+def measure_tile(model, repeats=5) -> int:
+    """16 where the matrix kernels take a matrix's rows (here: positions) 16 at a time, as
+    oneDNN's AMX kernels do: there 17 positions cost about what 32 do, and 33 what 48 do (within
+    the first tile a pass's cost grows only with its attention and pointwise work). Else 1: on
+    AVX-512 without AMX the cost grows smoothly with the positions. Timed on the model's own
+    MLP weights, each layer's in turn so that they come from memory, as in a pass."""
+    weights = [layer.mlp.up.weight for layer in model.layers]
+    times = {m: [] for m in (16, 17, 32)}
+    with torch.inference_mode():
+        for _ in range(repeats):
+            for m in times:
+                x = torch.zeros(m, weights[0].shape[1], dtype=weights[0].dtype,
+                                device=weights[0].device)
+                start = time.perf_counter()
+                for w in weights:
+                    torch.nn.functional.linear(x, w)
+                synchronize(x.device)
+                times[m].append(time.perf_counter() - start)
+    t16, t17, t32 = (statistics.median(times[m]) for m in (16, 17, 32))
+    return 16 if t17 - t16 > (t32 - t16) / 2 else 1
 
 
-def bracket(points: dict, n: float):
+def bracket(points: dict, n: float, tile=1):
     """The two points around n, beyond the first tile rounded up to a whole one, and the share
     of the upper one: beyond the last, the last two and a share above 1 (extrapolated); below
     the first, the first two and a share of 0."""
     ns = list(points)
-    if n > TILE:
-        n = -(-n // TILE) * TILE
+    if tile > 1 and n > tile:
+        n = -(-n // tile) * tile
     hi = next((m for m in ns[1:] if m >= n), ns[-1])
     lo = ns[ns.index(hi) - 1]
     return lo, hi, max(0.0, (n - lo) / (hi - lo))
 
 
-def shape(points: dict, n: float) -> float:
-    """A curve's shape at n, linear between its points."""
+def shape(points: dict, n: float, tile=1) -> float:
+    """A curve's shape at n, linear between its points (beyond the first tile, at whole
+    tiles)."""
     if len(points) == 1:
         return next(iter(points.values()))[0]
-    lo, hi, w = bracket(points, n)
+    lo, hi, w = bracket(points, n, tile)
     s_lo, s_hi = points[lo][0], points[hi][0]
     # more positions never cost less (a timing that says so is noise)
     return max(s_lo, s_lo + w * (s_hi - s_lo))

@@ -266,3 +266,21 @@ def test_rows_that_stay_keep_their_keys(three_rows_cached):
     k = cache.k.clone()
     cache.keep_rows([2, 0])
     assert torch.equal(cache.k, k[:, [2, 0]])
+
+
+def test_a_row_that_joins_takes_the_place_of_one_that_left(three_rows_cached):
+    """The cache keeps its storage: a row leaving copies only the rows that change place, and a
+    row joining takes a place already there, empty (length 0), without a new allocation."""
+    cache = three_rows_cached
+    k = cache.k.clone()
+    storage = cache.storage["k"].data_ptr()
+    cache.keep_rows([0, 2])
+    assert torch.equal(cache.k, k[:, [0, 2]])
+    cache.grow(3, cache.max_len)
+    assert cache.storage["k"].data_ptr() == storage
+    assert cache.lengths.tolist() == [5, 4, 0] and cache.host_lengths == [5, 4, 0]
+    assert torch.equal(cache.k[:, :2], k[:, [0, 2]])
+    # more rows or slots than it held: new storage, the rows keep their keys
+    cache.grow(4, cache.max_len + 8)
+    assert cache.storage["k"].data_ptr() != storage and cache.k.shape[1] == 4
+    assert torch.equal(cache.k[:, :2, :, :16], k[:, [0, 2]])

@@ -31,7 +31,7 @@ from model import add_mask_token  # noqa: E402
 from mtp.hf import save_pretrained  # noqa: E402
 from confadapt import DecodeConfig  # noqa: E402
 from mtp.engine import Row  # noqa: E402
-from mtp.load_rule import Acceptance, PassCosts  # noqa: E402
+from mtp.load_rule import Acceptance, PassCosts, measure_tile  # noqa: E402
 from mtp.openai_api import TextStream  # noqa: E402
 from mtp.tokenizer import whole_token_tokenizer  # noqa: E402
 
@@ -283,7 +283,7 @@ class FixedCosts:
     def observe(self, n, B, seconds):
         pass
 
-    def explore(self, best, top, span=1):
+    def explore(self, best, top, span=1, near_pays=True):
         return best
 
 
@@ -316,6 +316,18 @@ def decoder_with_rows(mode, n_rows, costs, pending=1, tried=(), kept=()):
     for j, (t, n) in enumerate(zip(tried, kept), start=2):
         acceptance.tried[j], acceptance.kept[j] = t, n
     return decoder
+
+
+def test_the_last_rows_take_the_places_of_rows_that_leave():
+    """Rows 1 and 3 of 6 leave: rows 5 and 4 move into their places, so the cache copies two
+    rows, not every row after the first that left."""
+    decoder = decoder_with_rows(DecodeConfig("static", k=1), 6, FixedCosts(lambda n: 1.0))
+    requests = list(decoder.live)
+    for i in (1, 3):
+        requests[i].cancelled = True
+    gone = decoder.keep(lambda r: not r.cancelled)
+    assert gone == [requests[1], requests[3]]
+    assert decoder.live == [requests[i] for i in (0, 5, 2, 4)]
 
 
 def test_the_rule_prices_lossless_at_the_share_of_passes_that_have_drafts():
@@ -423,12 +435,15 @@ def test_the_shape_learns_between_and_beyond_its_points_for_each_number_of_rows(
 
 
 def test_positions_are_priced_in_whole_tiles_of_the_matrix_kernels():
-    """Matrix kernels compute positions 16 at a time (oneDNN's AMX tiles): a 1536 x 576 product
-    of SmolLM2 took 269 us for 16 positions, 316 for 17 and 328 for 32 (benchmarks/pass_shapes.py
-    on a 2-core Xeon). So beyond the first tile N is priced rounded up
-    to a whole one, and a pass teaches the points around its whole tiles; within the first, a
-    curve of a few rows stays linear between its points."""
-    costs = PassCosts({16: {16: 1.0, 32: 1.5, 64: 2.5}, 4: {4: 0.5, 8: 0.6, 16: 0.7, 32: 1.1}})
+    """Where matrix kernels compute positions 16 at a time (oneDNN's AMX tiles: a 1536 x 576
+    product of SmolLM2 took 269 us for 16 positions, 316 for 17 and 328 for 32 on a 2-core
+    Xeon, benchmarks/pass_shapes.py), N beyond the first tile is priced rounded up to a whole
+    one, and a pass teaches the points around its whole tiles; within the first, a curve of a
+    few rows stays linear between its points. Without tiles, linear throughout."""
+    smooth = PassCosts({16: {16: 1.0, 32: 1.5, 64: 2.5}})
+    assert smooth(20, 16) == pytest.approx(1.125) and smooth(33, 16) == pytest.approx(1.53125)
+    costs = PassCosts({16: {16: 1.0, 32: 1.5, 64: 2.5}, 4: {4: 0.5, 8: 0.6, 16: 0.7, 32: 1.1}},
+                      tile=16)
     assert costs(16, 16) == 1.0
     assert costs(17, 16) == costs(32, 16) == 1.5
     assert costs(33, 16) == pytest.approx(2.0)
@@ -439,6 +454,21 @@ def test_positions_are_priced_in_whole_tiles_of_the_matrix_kernels():
         costs.observe(20, 16, 2.0)
     assert costs(17, 16) == pytest.approx(2.0, rel=0.05)
     assert costs(16, 16) == pytest.approx(1.0, rel=0.05)
+
+
+@pytest.mark.parametrize("tiled", [True, False])
+def test_the_tile_is_measured_on_the_models_own_matrix_products(monkeypatch, tiled):
+    """Matrix products that cost a millisecond a started tile of 16 positions give a tile of 16;
+    ones that grow by a tenth of a millisecond a position (AVX-512 without AMX), a tile of 1."""
+    layers = [types.SimpleNamespace(mlp=types.SimpleNamespace(up=types.SimpleNamespace(weight=torch.zeros(8, 4))))
+              for _ in range(4)]
+
+    def linear(x, w):
+        m = x.shape[0]
+        time.sleep(1e-3 * -(-m // 16) if tiled else 1e-4 * m)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", linear)
+    assert measure_tile(types.SimpleNamespace(layers=layers), repeats=3) == (16 if tiled else 1)
 
 
 def test_a_pass_that_feeds_a_joining_prompt_teaches_the_costs_nothing(folders):
@@ -482,6 +512,23 @@ def test_one_pass_in_every_tries_a_neighbour_of_the_rules_choice_or_greedy():
         picks.append(k)
         costs.observe(k, 1, 0.01)
     assert sorted(k for k in picks if k != 3) == [1, 2, 4]
+
+
+def test_from_greedy_the_rule_tries_k_2_only_where_its_price_nearly_pays():
+    """32 ConfAdapt rows that keep their second prediction 2 times in 5. Where 64 positions
+    cost twice what 32 do, k = 2 promises 0.56 of greedy's tokens a second, and the rule never
+    tries it: each try would cost most of a pass. Where they cost 1.2 times as much, k = 2
+    promises greedy's rate, inside the margin: the rule stays at k = 1 and tries k = 2 once
+    in 3 x `every` passes."""
+    for curve, tries in (({32: 1.0, 64: 2.0, 128: 4.0}, 0), ({32: 1.0, 64: 1.2, 128: 2.0}, 2)):
+        decoder = decoder_with_rows(DecodeConfig("confadapt", tau=0.9, k_max=4), 32,
+                                    PassCosts({32: curve}), tried=(500, 200, 80),
+                                    kept=(200, 80, 30))
+        picks = []
+        for _ in range(6 * decoder.costs.every):
+            picks.append(decoder.choose_k())
+            decoder.costs.observe(32, 32, None)
+        assert picks.count(2) == tries and set(picks) <= {1, 2}
 
 
 def test_an_explored_k_above_one_holds_for_two_passes_so_lossless_drafts_are_verified():
