@@ -21,7 +21,7 @@ tokens, drafts and masks); C(N, B): their cost in seconds (measured, mtp/load_ru
 are taken as if the rows had decoded at k for a while. k = 1 is greedy (E = 1), so the rule
 falls back to greedy's cost when extra positions do not pay (or promise less than 10% more):
 few rows leave the processor idle and extra positions are nearly free; many rows keep it busy
-and every position costs (on a processor, in tiles: 17 positions cost what 32 do).
+and every position costs (with AMX, in tiles of 16: 17 positions cost what 32 do).
 
     python serve.py --model DIR [--port 8000] [--api-key KEY] [--max-rows 16]
 
@@ -195,8 +195,8 @@ class Decoder:
             best = 1
         # a lossless row's drafts are verified a pass later: a k explored holds for two
         lossless = any(r.mode.kind == "lossless" and r.load_aware for r in self.live)
-        near_pays = rates.get(2, 0) >= (1 - MARGIN) * rates[1]
-        return self.costs.explore(best, top, span=2 if lossless else 1, near_pays=near_pays)
+        return self.costs.explore(best, top, span=2 if lossless else 1,
+                                  near_pays=rates.get(2, 0) >= (1 - MARGIN) * rates[1])
 
     def curve(self, mode: DecodeConfig, top: int):
         """A rule's E and P(all kept) from 0 to top predictions (static k: all kept)."""

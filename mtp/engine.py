@@ -49,10 +49,11 @@ class DecodeCache(KVCache):
     """model.KVCache, plus what continuous batching needs: rows leave it (keep_rows) and join it
     (grow), and a pass reads whole blocks of key_block slots (RaggedPass).
 
-    k and v are views of the first B rows of storage that keeps the most rows the cache has
-    held: a row that leaves moves no other (only rows that change place are copied), and one
-    that joins takes a place already there. Copying the whole cache instead, twice for every
-    request that finishes and the next that joins, costs more than a pass at 32 rows."""
+    k and v are views of the first B rows of a storage that keeps room for the most rows the
+    cache has held: rows that leave cost a copy of only the rows that change place (serve.py
+    moves the last rows into the gaps), and a row that joins takes a place already there.
+    Copying the whole cache instead, twice for every request that finishes and the next that
+    joins, cost more than a pass at 32 rows."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
