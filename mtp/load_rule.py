@@ -110,7 +110,8 @@ class PassCosts:
             for curve in self.curves.values():
                 for point in curve.values():
                     point[1] *= 0.98
-            for m, share in ((lo, 1 - min(w, 1)), (hi, min(w, 1))):
+            w = min(max(w, 0.0), 1.0)
+            for m, share in ((lo, 1 - w), (hi, w)):
                 point = points[m]
                 point[1] += share
                 point[0] = max(1e-6, point[0] + error * share / point[1])
@@ -171,22 +172,26 @@ def measure_tile(model, repeats=5) -> int:
 
 def bracket(points: dict, n: float, tile=1):
     """The two points around n, beyond the first tile rounded up to a whole one, and the share
-    of the upper one: beyond the last, the last two and a share above 1 (extrapolated); below
-    the first, the first two and a share of 0."""
+    of the upper one: beyond the last, the last two and a share above 1; below the first, the
+    first two and a share below 0 (both extrapolated), or 0 where the kernels take tiles (a few
+    positions fewer than a tile cost about the same)."""
     ns = list(points)
     if tile > 1 and n > tile:
         n = -(-n // tile) * tile
     hi = next((m for m in ns[1:] if m >= n), ns[-1])
     lo = ns[ns.index(hi) - 1]
-    return lo, hi, max(0.0, (n - lo) / (hi - lo))
+    w = (n - lo) / (hi - lo)
+    return lo, hi, w if tile == 1 else max(0.0, w)
 
 
 def shape(points: dict, n: float, tile=1) -> float:
     """A curve's shape at n, linear between its points (beyond the first tile, at whole
-    tiles)."""
+    tiles), and below the first: 9 rows, priced on the 16-row curve, feed 9 positions at k = 1,
+    not 16 (at 16's price, k = 1 looks dear and k = 2 cheap beside it)."""
     if len(points) == 1:
         return next(iter(points.values()))[0]
     lo, hi, w = bracket(points, n, tile)
     s_lo, s_hi = points[lo][0], points[hi][0]
-    # more positions never cost less (a timing that says so is noise)
-    return max(s_lo, s_lo + w * (s_hi - s_lo))
+    # more positions never cost less (a timing that says so is noise); B rows take the curve of
+    # the next size up, so n >= lo / 2 (w >= -1/2): at least half the first point
+    return max(s_lo / 2, s_lo + w * max(0.0, s_hi - s_lo))

@@ -355,6 +355,22 @@ def test_extra_positions_must_promise_a_margin_over_greedy():
     assert decoder.choose_k() == 2
 
 
+def test_rows_between_two_timed_sizes_pay_for_their_own_positions():
+    """Start-up shapes as timed on a 2-core EPYC (ms; curves for 8 and 16 rows) and ConfAdapt
+    rows keeping their second prediction 3 times in 10: 8 rows take k = 1, and so do 9 to 16.
+    9 rows are priced on the 16-row curve, below its first point: priced at 16 positions' cost,
+    k = 1 would look dear beside k = 2 (22 positions) and 9 to 11 rows would take k = 2."""
+    curves = {8: {8: 30.0, 16: 35.0, 32: 44.9, 64: 72.1},
+              16: {16: 37.1, 32: 47.8, 64: 73.2, 128: 105.8}}
+    picks = []
+    for rows in range(8, 17):
+        decoder = decoder_with_rows(DecodeConfig("confadapt", tau=0.9, k_max=4), rows,
+                                    PassCosts(curves, every=10 ** 9), tried=(1000, 290, 150),
+                                    kept=(290, 150, 80))
+        picks.append(decoder.choose_k())
+    assert picks == [1] * 9
+
+
 def test_the_rule_prices_each_k_as_if_rows_had_decoded_at_it():
     """16 ConfAdapt rows that each kept 4 tokens in the last pass (k was 4 then) and keep 1.25
     a pass at k = 2, a pass costing 20 + N. At k = 1 a row feeds 1 token once its 4 are in:
@@ -425,12 +441,14 @@ def test_the_shape_learns_between_and_beyond_its_points_for_each_number_of_rows(
         costs.observe(48, 16, 2.5)
     assert costs(48, 16) / costs(16, 16) == pytest.approx(2.5, rel=0.05)
     assert costs(6, 3) / costs(4, 4) == pytest.approx(1.25)
-    # 3 rows of one position each: below the curve's first point, which takes it whole
+    # 3 rows of one position each: below the curve's first point, extrapolated from the first
+    # two; what such a pass teaches goes to the first point alone
+    assert costs(3, 3) == pytest.approx(costs(4, 4) - (costs(8, 4) - costs(4, 4)) / 4)
     before = {n: p[0] for n, p in costs.curves[4].items()}
     for _ in range(50):
         costs.observe(3, 3, 0.9 * costs(4, 4))
         costs.observe(4, 4, costs(4, 4))
-    assert costs(3, 3) == costs(4, 4)
+    assert costs(3, 3) < costs(4, 4)
     assert costs.curves[4][8][0] == before[8]
 
 
