@@ -52,7 +52,9 @@ def summary(logits: torch.Tensor) -> dict:
     return {"argmax": x.argmax(-1).tolist(),
             "logsumexp": x.logsumexp(-1).tolist(),
             "sum": x.sum(-1).tolist(),
-            "first": x[:, :3].tolist()}
+            "first": x[:, :3].tolist(),
+            # not in expected.json: the scale of each sum, for its tolerance (assert_close)
+            "magnitude": x.abs().sum(-1).tolist()}
 
 
 def logits_of(model, ids) -> dict:
@@ -63,8 +65,17 @@ def logits_of(model, ids) -> dict:
 def assert_close(got, want, where="", tol=1e-5):
     """Equal, floats to `tol` (absolute or relative); names the first place that differs."""
     if isinstance(want, dict):
-        assert isinstance(got, dict) and got.keys() == want.keys(), where
+        assert isinstance(got, dict) and got.keys() - {"magnitude"} == want.keys(), where
         for key in want:
+            if key == "sum" and "magnitude" in got:
+                # A sum of V logits of both signs. On another processor's float32 kernels
+                # the last hidden state rounds differently, and the output matrix moves
+                # every logit by it at once: the sum moves by about `tol` of its terms'
+                # magnitudes (1.5e-5 seen on an AMD EPYC), far more than `tol` of a sum that
+                # cancels. Compared to 10 x `tol` of the magnitudes.
+                for i, (g, w, m) in enumerate(zip(got["sum"], want["sum"], got["magnitude"])):
+                    assert abs(g - w) <= 10 * tol * m, f"{where}.sum[{i}]: {g} != {w}"
+                continue
             assert_close(got[key], want[key], f"{where}.{key}", tol)
     elif isinstance(want, list):
         assert isinstance(got, list) and len(got) == len(want), where

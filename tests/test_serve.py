@@ -478,15 +478,15 @@ def test_positions_are_priced_in_whole_tiles_of_the_matrix_kernels():
 def test_the_tile_is_measured_on_the_models_own_matrix_products(monkeypatch, tiled):
     """Matrix products that cost a millisecond a started tile of 16 positions give a tile of 16;
     ones that grow by a tenth of a millisecond a position (AVX-512 without AMX), a tile of 1."""
-    layers = [types.SimpleNamespace(mlp=types.SimpleNamespace(up=types.SimpleNamespace(weight=torch.zeros(8, 4))))
-              for _ in range(4)]
+    ns = types.SimpleNamespace
+    layers = [ns(mlp=ns(up=ns(weight=torch.zeros(8, 4)))) for _ in range(4)]
 
     def linear(x, w):
         m = x.shape[0]
         time.sleep(1e-3 * -(-m // 16) if tiled else 1e-4 * m)
 
     monkeypatch.setattr(torch.nn.functional, "linear", linear)
-    assert measure_tile(types.SimpleNamespace(layers=layers), repeats=3) == (16 if tiled else 1)
+    assert measure_tile(ns(layers=layers), repeats=3) == (16 if tiled else 1)
 
 
 def test_a_pass_that_feeds_a_joining_prompt_teaches_the_costs_nothing(folders):
