@@ -25,7 +25,6 @@ import os
 import shutil
 import sys
 import time
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -36,12 +35,11 @@ from distill import frozen_teacher, mtp_loss, read_stats
 from model import Transformer, add_mask_token
 from mtp.analyze import analyze
 from mtp.calibration import calibrate
-from mtp.cli import (Progress, format_seconds, input_path, load_tokenizer, read_checkpoint,
-                     run_cli)
+from mtp.cli import Progress, format_seconds, input_path, load_tokenizer, read_checkpoint
 from mtp.distributed import (ABSENT, Dist, average_gradients, check_same_run, latest_checkpoint,
                              load_shards, replicate_from_rank0, setup_processes, shard_base,
                              shard_from_rank0, training_state_bytes)
-from mtp.finetune_cli import MODEL_CARD_TAGS, run_command
+from mtp.finetune_cli import MODEL_CARD_TAGS, run_commands
 from mtp.folders import TRAINED_WITH
 from mtp.hf import atomic_save, from_pretrained, read_json, save_pretrained, write_json
 from mtp.tokenizer import Tokenizer, default_format, padding_token, training_sequences
@@ -524,7 +522,7 @@ def main(argv=None) -> int:
     flags, then runs the command."""
     commands = {"train": train, "eval": evaluate, "analyze": analyze, "data": make_data,
                 "calibrate": calibrate, "export": export_checkpoint}
-    return run_cli(partial(run_command, commands), sys.argv[1:] if argv is None else argv)
+    return run_commands(commands, sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

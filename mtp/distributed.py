@@ -13,6 +13,7 @@ gradients are averaged, in one all-reduce a step.
 """
 
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -81,6 +82,18 @@ def setup_processes(device: str, dtype: str = "auto",
         compute = torch.float32
     return Dist(rank=torch.distributed.get_rank(), world=torch.distributed.get_world_size(),
                 device=device, dtype=compute, group=True, sharded=True)
+
+
+def end_worker(code: int):
+    """End a torchrun worker now, with exit status `code`, its process group already
+    destroyed and its files written. gloo's threads can still hold a finished
+    collective (a barrier holds the ones before it) whose tensors only Python can
+    free; if they let go once the interpreter has begun to shut down, the process
+    aborts ("terminate called without an active exception", SIGABRT) after a run
+    that went well. Leaving at once, without that shutdown, cannot race them."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def shard_base(choice: str, cfg, args, dist: Dist) -> bool:

@@ -11,6 +11,7 @@ never into a model folder or a training run they did not write.
 import argparse
 import os
 import warnings
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -24,7 +25,8 @@ from mtp.hf import read_json, read_model_config
 from mtp.cli import (CUDNN_ATTENTION, CliError, Parser, add_calibration_flag, add_flags,
                      apply_attention_backend, base_folder, check_model_folder, count,
                      input_path, load_model, number, output_folder, parse_device, parse_dtype,
-                     positive_float, positive_int, probability)
+                     positive_float, positive_int, probability, run_cli)
+from mtp.distributed import end_worker
 from mtp.folders import FolderLock
 
 DESCRIPTION = ("Fine-tune a Hugging Face Llama/Qwen/SmolLM2 checkpoint into a multi-token "
@@ -42,6 +44,15 @@ ADAPTER_DEFAULTS = {"adapter_rank": 32, "adapter_alpha": 64.0,
 # In the model card of every export: export writes only over a folder whose
 # card has it.
 MODEL_CARD_TAGS = "tags: [multi-token-prediction, self-distillation]"
+
+
+def run_commands(commands: dict, argv) -> int:
+    """The command line's exit status: 0, or after one line `error: ...` 2 (mtp.cli.run_cli).
+    A torchrun worker ends here, at once (mtp.distributed.end_worker)."""
+    code = run_cli(partial(run_command, commands), argv)
+    if "WORLD_SIZE" in os.environ:
+        end_worker(code)
+    return code
 
 
 def run_command(commands: dict, argv):

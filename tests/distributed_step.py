@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import finetune_hf  # noqa: E402
 from adapter import ADAPTER_TARGETS  # noqa: E402
-from mtp.distributed import Dist, setup_processes  # noqa: E402
+from mtp.distributed import Dist, end_worker, setup_processes  # noqa: E402
 from mtp.engine import HostSyncs  # noqa: E402
 
 # The word-problem tokenizer's EOS (tests/conftest.py's tiny_hf): the rows' end and padding.
@@ -75,3 +75,4 @@ if __name__ == "__main__":
         torch.save(result, os.path.join(out, f"rank_{dist.rank}.pt"))
     finally:
         torch.distributed.destroy_process_group()
+    end_worker(0)
