@@ -208,8 +208,8 @@ def load_run(args) -> dict:
             extra = extra_body(name, args.tau, args.k_max)
             asyncio.run(phase(url, "model", prompts, 4, 4, args.max_tokens, extra))
         # the decoders take turns at each N, `rounds` times, in the opposite order every other
-        # round, greedy opening and closing each turn (turn_order); each phase keeps its
-        # fastest round (a busy moment of the machine then slows one round, not one decoder)
+        # round, each between two greedy phases (turn_order); each phase keeps its fastest round
+        # (a busy moment of the machine then slows one round, not one decoder)
         best = {}
         began = time.monotonic()
         for i in range(args.rounds):
@@ -239,11 +239,13 @@ def load_run(args) -> dict:
 
 def turn_order(modes, i) -> list[str]:
     """Round i's turns at one N: the decoders in order (reversed in odd rounds), and with
-    greedy among them, greedy first and last, so that every other decoder ran between two
-    greedy phases a minute or two apart."""
+    greedy among them, greedy before, between and after them, so that every other decoder ran
+    between two greedy phases a few seconds to a minute apart."""
     others = [m for m in modes if m != "greedy"]
     others = others[::-1] if i % 2 else others
-    return ["greedy", *others, "greedy"] if "greedy" in modes else others
+    if "greedy" not in modes:
+        return others
+    return ["greedy", *(m for o in others for m in (o, "greedy"))]
 
 
 def commit():
@@ -271,7 +273,7 @@ def load_markdown(report) -> str:
         base = greedy.get(p["concurrency"])
         vs = steady = ""
         if base and p["decoder"] == "greedy":
-            vs, steady = (drift(base, steady=col == 3) for col in (2, 3))
+            vs, steady = (spread(control(base, steady=col == 3)) for col in (2, 3))
         elif base:
             vs, steady = (spread(paired_ratios(p["rounds"], base, steady=col == 3))
                           for col in (2, 3))
@@ -282,10 +284,11 @@ def load_markdown(report) -> str:
                      f"| {p['tokens_per_pass']:.2f} | {p['k_mean']:.2f} |")
     lines += ["", "tokens/s: output tokens over the phase's wall time (first request sent to "
               "last answer read), the fastest round; vs greedy: the median over rounds of its "
-              "tokens/s over greedy's at the same moment (greedy opens and closes each round's "
-              "turns; between them, a straight line), with its range over rounds; greedy's own "
-              "row: how far its closing phase was from its opening one, the machine's drift "
-              "and noise within a round; steady: the same for the tokens the "
+              "tokens/s over greedy's at the same moment (greedy ran just before and just after "
+              "it; between them, a straight line), with its range over rounds; greedy's own "
+              "row: each greedy phase between two others of its round set against the line "
+              "between them in the same way, what a decoder doing greedy's work would read (the "
+              "benchmark's resolution); steady: the same for the tokens the "
               "server decoded until a stream first found no request left (every stream busy); "
               "TPOT: seconds per output token after the first; "
               "tokens/pass: output tokens per forward pass of a row; mean k: positions a row "
@@ -294,35 +297,42 @@ def load_markdown(report) -> str:
 
 
 def paired_ratios(rounds, base_rounds, steady=False) -> list[float]:
-    """A decoder's tokens/s over greedy's at the same moment, each round. Greedy opened and
-    closed each round's turns (turn_order): its tokens/s at a phase's middle moment is read off
-    the line between those two greedy phases, so a machine whose speed drifts steadily over the
-    round moves both alike. Rounds are [round, moment, tokens/s, steady part's tokens/s];
-    steady: the steady parts'."""
+    """A decoder's tokens/s over greedy's at the same moment, each round: greedy ran just before
+    and just after it (turn_order), and its tokens/s at the phase's middle moment is read off the
+    line between those two greedy phases, so a machine whose speed drifts moves both alike.
+    Rounds are [round, moment, tokens/s, steady part's tokens/s]; steady: the steady parts'."""
+    k = 3 if steady else 2
+    return [x[k] / greedy_at([(y[1], y[k]) for y in base_rounds if y[0] == x[0]], x[1])
+            for x in rounds]
+
+
+def greedy_at(points, t) -> float:
+    """Greedy's tokens/s at moment t: the line between its last phase before t and its first
+    after (points: [(moment, tokens/s)])."""
+    before = max((p for p in points if p[0] < t), default=None)
+    after = min((p for p in points if p[0] > t), default=None)
+    (t0, g0), (t1, g1) = before or after, after or before
+    return g0 + (g1 - g0) * (t - t0) / (t1 - t0) if t1 > t0 else g0
+
+
+def control(base_rounds, steady=False) -> list[float]:
+    """Greedy measured as the decoders are: each greedy phase between two others of its round,
+    over the line between them (two turns apart, so a little wider than a decoder's). What a
+    decoder that does greedy's own work reads: the benchmark's resolution on this machine."""
     k = 3 if steady else 2
     ratios = []
-    for x in rounds:
-        base = sorted((y[1], y[k]) for y in base_rounds if y[0] == x[0])
-        (t0, g0), (t1, g1) = base[0], base[-1]
-        greedy = g0 + (g1 - g0) * (x[1] - t0) / (t1 - t0) if t1 > t0 else g0
-        ratios.append(x[k] / greedy)
+    for x in base_rounds:
+        others = [(y[1], y[k]) for y in base_rounds if y[0] == x[0] and y[1] != x[1]]
+        if any(t < x[1] for t, _ in others) and any(t > x[1] for t, _ in others):
+            ratios.append(x[k] / greedy_at(others, x[1]))
     return ratios
 
 
 def spread(ratios) -> str:
     """The median and the range of a decoder's ratios over rounds."""
+    if not ratios:
+        return ""
     return f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
-
-
-def drift(base_rounds, steady=False) -> str:
-    """Greedy against itself: its closing phase's tokens/s over its opening one's, the range
-    over rounds (how much the machine moved within a round)."""
-    k = 3 if steady else 2
-    by_round = {}
-    for x in sorted(base_rounds, key=lambda x: x[1]):
-        by_round.setdefault(x[0], []).append(x[k])
-    ratios = [xs[-1] / xs[0] for xs in by_round.values()]
-    return f"close/open {min(ratios):.2f}-{max(ratios):.2f}"
 
 
 def plot(report, path):

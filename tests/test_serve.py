@@ -762,29 +762,34 @@ def test_serve_load_runs_load_and_shadow_and_stops_its_servers(folders, tmp_path
     assert phases[2, "lossless"]["texts"] == phases[2, "greedy"]["texts"]
     assert all(p["output_tokens"] == 6 * p["requests"] for p in phases.values())
     assert (tmp_path / "load.png").stat().st_size > 0
-    # the fastest round's tokens/s; "vs greedy": greedy opened and closed each round's turns at
-    # each N, and a decoder's tokens/s is set against the line between them at its moment
+    # the fastest round's tokens/s; "vs greedy": at each N greedy ran before, between and after
+    # the other decoders, and a decoder's tokens/s is set against the line between the greedy
+    # phases just before and just after it
     table = (tmp_path / "results.md").read_text()
     # (steady: the server's own token count while every stream had a request)
     for (c, d), p in phases.items():
-        assert len(p["rounds"]) == (4 if d == "greedy" else 2)
+        assert len(p["rounds"]) == (6 if d == "greedy" else 2)
         assert p["tokens_per_second"] == max(tps for _, _, tps, _ in p["rounds"])
         assert all(steady > 0 for *_, steady in p["rounds"])
+        greedy = sorted(phases[c, "greedy"]["rounds"], key=lambda x: x[1])
         ratios = {2: [], 3: []}
         for i, at, *tps in p["rounds"]:
+            turns = [x for x in greedy if x[0] == i]
+            if d == "greedy":
+                # greedy's own row: its middle phase of each round against its first and last
+                if at != turns[1][1]:
+                    continue
+                turns = [turns[0], turns[2]]
+            else:
+                # the decoder ran between the round's first and second greedy phases, or its
+                # second and third, as the order turns over each round
+                turns = next([a, b] for a, b in zip(turns, turns[1:]) if a[1] < at < b[1])
+            (_, t0, *g0), (_, t1, *g1) = turns
             for k in ratios:
-                (t0, g0), (t1, g1) = sorted((x[1], x[k]) for x in phases[c, "greedy"]["rounds"]
-                                            if x[0] == i)
-                assert t0 < at < t1 or d == "greedy"
-                ratios[k].append(tps[k - 2] / (g0 + (g1 - g0) * (at - t0) / (t1 - t0)))
-        if d != "greedy":
-            vs, steady = (f"{statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})"
-                          for r in (ratios[2], ratios[3]))
-        else:
-            # greedy: its closing phase over its opening one, each round
-            vs, steady = (f"close/open {min(r):.2f}-{max(r):.2f}" for r in (
-                [b[k] / a[k] for a, b in zip(p["rounds"][::2], p["rounds"][1::2])]
-                for k in (2, 3)))
+                base = g0[k - 2] + (g1[k - 2] - g0[k - 2]) * (at - t0) / (t1 - t0)
+                ratios[k].append(tps[k - 2] / base)
+        vs, steady = (f"{statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})"
+                      for r in (ratios[2], ratios[3]))
         assert (f"| {c} | {d} | {p['tokens_per_second']:.1f} | {vs} | {steady} |" in table)
     assert shadow.returncode == 0, shadow.stderr
     result = json.loads((tmp_path / "shadow.json").read_text())
