@@ -51,9 +51,10 @@ GREEDY = DecodeConfig("static", k=1)
 MARGIN = 0.10
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
-    """One user's request, from the handler that took it to the decoding thread and back."""
+    """One user's request, from the handler that took it to the decoding thread and back (each
+    one itself: two alike are still two)."""
 
     prompt: list[int]
     # most new tokens
@@ -205,10 +206,10 @@ class Decoder:
         return self.acceptance.setdefault(rule_key(mode), Acceptance()).curve(top)
 
     def predictions(self, r: Request, k: int) -> int:
-        """The predictions row r makes in a pass where the rule chose k: its own block if the
-        rule is off for it, never more than the tokens it still wants."""
+        """The predictions row r makes in a pass where the rule chose k: never more than its own
+        block (all of it if the rule is off for it) or the tokens it still wants."""
         wanted = r.row.budget - len(r.row.tokens)
-        return min(k if r.load_aware else r.mode.block, wanted)
+        return min(k if r.load_aware else r.mode.block, r.mode.block, wanted)
 
     @torch.inference_mode()
     def step(self):

@@ -318,8 +318,24 @@ def decoder_with_rows(mode, n_rows, costs, pending=1, tried=(), kept=()):
     return decoder
 
 
+def test_greedy_rows_beside_multi_token_rows_are_priced_at_one_token_a_pass():
+    """15 greedy requests and one ConfAdapt request (second prediction kept 3 times in 10), a
+    pass costing 100 + N. A greedy row computes one position whatever k the rule picks, so k = 4
+    gains only the ConfAdapt row's 0.53 tokens for its 3.5 more positions: k = 1. Priced as if
+    they too kept 4 tokens a pass, the greedy rows would make k = 4 look twice as fast."""
+    decoder = decoder_with_rows(DecodeConfig("confadapt", tau=0.9, k_max=4), 1,
+                                FixedCosts(lambda n: 100 + n), tried=(1000, 300, 150),
+                                kept=(300, 150, 80))
+    for _ in range(15):
+        r = serve.Request([1, 2], 64, serve.GREEDY, True, print)
+        r.row = Row([1, 2], budget=64, pending=[2])
+        decoder.live.append(r)
+    assert decoder.choose_k() == 1
+    assert [decoder.predictions(r, 4) for r in decoder.live] == [4] + [1] * 15
+
+
 def test_the_last_rows_take_the_places_of_rows_that_leave():
-    """Rows 1 and 3 of 6 leave: rows 5 and 4 move into their places, so the cache copies two
+    """Rows 1 and 3 of 6 leave: rows 4 and 5 move into their places, so the cache copies two
     rows, not every row after the first that left."""
     decoder = decoder_with_rows(DecodeConfig("static", k=1), 6, FixedCosts(lambda n: 1.0))
     requests = list(decoder.live)
@@ -327,7 +343,7 @@ def test_the_last_rows_take_the_places_of_rows_that_leave():
         requests[i].cancelled = True
     gone = decoder.keep(lambda r: not r.cancelled)
     assert gone == [requests[1], requests[3]]
-    assert decoder.live == [requests[i] for i in (0, 5, 2, 4)]
+    assert decoder.live == [requests[i] for i in (0, 4, 2, 5)]
 
 
 def test_the_rule_prices_lossless_at_the_share_of_passes_that_have_drafts():
