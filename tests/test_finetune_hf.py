@@ -274,6 +274,21 @@ def test_fsdp2_on_two_cpu_processes_matches_one_process(tiny_hf, tmp_path):
                                    atol=2e-6, rtol=1e-5)
 
 
+def test_a_torchrun_worker_ends_with_its_commands_exit_status(tiny_hf, tmp_path):
+    """Under torchrun a worker leaves as soon as its command ends (mtp.distributed.end_worker),
+    with the command's status: a missing --data file is one `error:` line and status 2, which
+    torchrun reports as the worker's failure."""
+    args = train_args(tiny_hf, tmp_path / "run", "--steps", "1")
+    args[args.index("--data") + 1] = str(tmp_path / "missing.json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           "2", str(REPO / "finetune_hf.py"), *args]
+    run = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                         timeout=300, capture_output=True, text=True)
+    assert run.returncode != 0
+    assert f"error: --data {tmp_path / 'missing.json'}: no such file" in run.stderr
+    assert "(exitcode: 2)" in run.stderr
+
+
 def test_qwen3_tied_checkpoint_reuses_a_spare_row_and_uses_the_qwen_recipe(tmp_path):
     """Qwen3 layout: tied embeddings, spare rows after the tokenizer, <|endoftext|> first."""
     from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
