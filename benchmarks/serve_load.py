@@ -144,6 +144,7 @@ async def phase(url, model, prompts, concurrency, n_requests, max_tokens, extra)
                 started += 1
                 messages = [{"role": "user", "content": prompts[i % len(prompts)]}]
                 r = await stream(client, model, messages, max_tokens, extra)
+                r["prompt"], r["end"] = i % len(prompts), time.perf_counter() - start
             if started == n_requests and not steady:
                 steady["end"] = time.perf_counter()
                 steady["tokens"] = await asyncio.to_thread(tokens_decoded, url)
@@ -165,7 +166,11 @@ async def phase(url, model, prompts, concurrency, n_requests, max_tokens, extra)
             "tpot_p95": pct([r["tpot"] for r in done], 95),
             "tokens_per_pass": tokens / max(1, sum(r["passes"] for r in done)),
             "k_mean": statistics.mean(r["k_mean"] for r in done),
-            "texts": [r["text"] for r in done]}
+            "texts": [r["text"] for r in done],
+            # each request: its prompt, when it ended (s after the phase began), its seconds,
+            # tokens and passes (which requests the phase waited for last)
+            "per_request": [{k: r[k] for k in ("prompt", "end", "seconds", "tokens", "passes")}
+                         for r in done]}
 
 
 def tokens_decoded(url) -> float:
@@ -187,7 +192,8 @@ def pct(xs, q) -> float:
 def load_run(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    prompts = [text for _, text in chat_prompts(args.prompts_per_domain)]
+    kinds, prompts = zip(*chat_prompts(args.prompts_per_domain))
+    prompts = list(prompts)
     flags = ["--dtype", args.dtype, "--max-rows", str(max(args.concurrency)),
              "--max-queue", str(4 * max(args.concurrency)), "--k-max", str(args.k_max),
              "--served-model-name", "model"]
@@ -198,8 +204,8 @@ def load_run(args) -> dict:
     report = {"meta": {"model": args.model, "server_flags": flags, "cpu": cpu_name(),
                        "server_threads": args.threads, "client": "one process, asyncio, "
                        "openai.AsyncOpenAI, on the same machine",
-                       "prompts": prompts, "max_tokens": args.max_tokens,
-                       "rounds": args.rounds,
+                       "prompts": prompts, "kinds": list(kinds),
+                       "max_tokens": args.max_tokens, "rounds": args.rounds,
                        "commit": commit()},
               "phases": []}
     with open(out / "server.log", "w") as log, served(args.model, flags, log) as url:
@@ -293,7 +299,29 @@ def load_markdown(report) -> str:
               "TPOT: seconds per output token after the first; "
               "tokens/pass: output tokens per forward pass of a row; mean k: positions a row "
               "computed per pass (the load-aware rule's choice; -off: the rule off).", ""]
-    return "\n".join(lines)
+    return "\n".join(lines + request_lines(report))
+
+
+def request_lines(report) -> list[str]:
+    """Seconds a request took, by kind of prompt, in each phase's fastest round, and the kind of
+    the request the phase ended with: a phase lasts as long as its slowest stream."""
+    kinds = report["meta"].get("kinds")
+    phases = [p for p in report["phases"] if "per_request" in p]
+    if not kinds or not phases:
+        return []
+    names = list(dict.fromkeys(kinds))
+    lines = ["| streams | decoder | " + " | ".join(names) + " | phase ended with |",
+             "|---|---|" + "---|" * (len(names) + 1)]
+    for p in phases:
+        took = {n: [r["seconds"] for r in p["per_request"] if kinds[r["prompt"]] == n]
+                for n in names}
+        last = max(p["per_request"], key=lambda r: r["end"])
+        lines.append(f"| {p['concurrency']} | {p['decoder']} | "
+                     + " | ".join(f"{statistics.median(t):.2f}" if t else "" for t in
+                                  took.values())
+                     + f" | {kinds[last['prompt']]} at {last['end']:.2f} s |")
+    return ["Seconds a request took (median by kind of prompt) in the same round, and the "
+            "request the phase ended with:", ""] + lines + [""]
 
 
 def paired_ratios(rounds, base_rounds, steady=False) -> list[float]:

@@ -807,6 +807,18 @@ def test_serve_load_runs_load_and_shadow_and_stops_its_servers(folders, tmp_path
         vs, steady = (f"{statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})"
                       for r in (ratios[2], ratios[3]))
         assert (f"| {c} | {d} | {p['tokens_per_second']:.1f} | {vs} | {steady} |" in table)
+        # every request on record: request i asked prompt i mod 4, and the last one read ended
+        # the phase (its kind is the table's "phase ended with")
+        reqs = p["per_request"]
+        assert [r["prompt"] for r in reqs] == [i % 4 for i in range(len(reqs))]
+        assert sum(r["tokens"] for r in reqs) == p["output_tokens"]
+        last = max(reqs, key=lambda r: r["end"])
+        assert 0 < last["end"] <= p["seconds"] and last["seconds"] <= last["end"]
+        kind = report["meta"]["kinds"][last["prompt"]]
+        assert f"| {c} | {d} | " in table.split("phase ended with")[-1]
+        assert any(line.startswith(f"| {c} | {d} | ") and line.endswith(
+            f"| {kind} at {last['end']:.2f} s |") for line in table.splitlines())
+    assert report["meta"]["kinds"] == ["math", "code", "explain", "story"]
     assert shadow.returncode == 0, shadow.stderr
     result = json.loads((tmp_path / "shadow.json").read_text())
     assert result["identical"] == 1.0
