@@ -170,7 +170,7 @@ async def phase(url, model, prompts, concurrency, n_requests, max_tokens, extra)
             # each request: its prompt, when it ended (s after the phase began), its seconds,
             # tokens and passes (which requests the phase waited for last)
             "per_request": [{k: r[k] for k in ("prompt", "end", "seconds", "tokens", "passes")}
-                         for r in done]}
+                            for r in done]}
 
 
 def tokens_decoded(url) -> float:
