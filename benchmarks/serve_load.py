@@ -192,8 +192,8 @@ def pct(xs, q) -> float:
 def load_run(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    kinds, prompts = zip(*chat_prompts(args.prompts_per_domain))
-    prompts = list(prompts)
+    pairs = chat_prompts(args.prompts_per_domain)
+    kinds, prompts = [kind for kind, _ in pairs], [text for _, text in pairs]
     flags = ["--dtype", args.dtype, "--max-rows", str(max(args.concurrency)),
              "--max-queue", str(4 * max(args.concurrency)), "--k-max", str(args.k_max),
              "--served-model-name", "model"]
@@ -204,7 +204,7 @@ def load_run(args) -> dict:
     report = {"meta": {"model": args.model, "server_flags": flags, "cpu": cpu_name(),
                        "server_threads": args.threads, "client": "one process, asyncio, "
                        "openai.AsyncOpenAI, on the same machine",
-                       "prompts": prompts, "kinds": list(kinds),
+                       "prompts": prompts, "kinds": kinds,
                        "max_tokens": args.max_tokens, "rounds": args.rounds,
                        "commit": commit()},
               "phases": []}
@@ -304,15 +304,12 @@ def load_markdown(report) -> str:
 
 def request_lines(report) -> list[str]:
     """Seconds a request took, by kind of prompt, in each phase's fastest round, and the kind of
-    the request the phase ended with: a phase lasts as long as its slowest stream."""
-    kinds = report["meta"].get("kinds")
-    phases = [p for p in report["phases"] if "per_request" in p]
-    if not kinds or not phases:
-        return []
+    the request the phase ended with: a phase lasts until its last request ends."""
+    kinds = report["meta"]["kinds"]
     names = list(dict.fromkeys(kinds))
     lines = ["| streams | decoder | " + " | ".join(names) + " | phase ended with |",
              "|---|---|" + "---|" * (len(names) + 1)]
-    for p in phases:
+    for p in report["phases"]:
         took = {n: [r["seconds"] for r in p["per_request"] if kinds[r["prompt"]] == n]
                 for n in names}
         last = max(p["per_request"], key=lambda r: r["end"])
@@ -320,8 +317,8 @@ def request_lines(report) -> list[str]:
                      + " | ".join(f"{statistics.median(t):.2f}" if t else "" for t in
                                   took.values())
                      + f" | {kinds[last['prompt']]} at {last['end']:.2f} s |")
-    return ["Seconds a request took (median by kind of prompt) in the same round, and the "
-            "request the phase ended with:", ""] + lines + [""]
+    return ["Seconds a request took (median by kind of prompt) in the round kept above (the "
+            "fastest), and the request the phase ended with:", ""] + lines + [""]
 
 
 def paired_ratios(rounds, base_rounds, steady=False) -> list[float]:
